@@ -1,0 +1,272 @@
+"""Records and key derivation shared by both sides of the worker contract.
+
+Imports neither `anchorcache.proxy` nor `anchorcache.ext` (nor torch): the proxy and the
+workers each parse the JSON once at their HTTP edge into these records.
+
+Anchor keys: `anchor_key(namespace, model_id, P[:d])` is a 128-bit BLAKE2b digest over the
+namespace (a server-side tenant secret, never client-supplied), the model id and every
+token of the prefix. Both sides compute it; the worker recomputes it over the input ids it
+actually received before restoring anything, so a planner bug cannot restore the wrong
+prefix. Keys of several depths of one prompt are computed in one pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+KEY_BYTES = 16
+_PERSON = b"anchorcache.v1"
+
+
+class AnchorKind(str, Enum):
+    INSTRUCTION = "instruction"
+    CONVERSATION = "conversation"
+    RESPONSE = "response"
+
+
+class Region(str, Enum):
+    THIN = "thin"  # pinnable tool/instruction anchors
+    THICK = "thick"  # conversation and response anchors
+
+
+def anchor_keys(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.ndarray,
+                depths: Iterable[int]) -> dict[int, bytes]:
+    """Keys of the prefixes `input_ids[:d]` for every `d` in `depths`, in one pass.
+
+    Raises ValueError for a depth outside `[1, len(input_ids)]`.
+    """
+    ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64))
+    wanted = sorted(set(depths))
+    if wanted and (wanted[0] < 1 or wanted[-1] > len(ids)):
+        raise ValueError(f"anchor depths {wanted} outside [1, {len(ids)}]")
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
+    model = model_id.encode()
+    h.update(len(namespace).to_bytes(4, "little") + namespace)
+    h.update(len(model).to_bytes(4, "little") + model)
+    buf = ids.view(np.uint8)
+    keys: dict[int, bytes] = {}
+    done = 0
+    for d in wanted:
+        h.update(buf[done * 8 : d * 8])
+        done = d
+        keys[d] = h.copy().digest()
+    return keys
+
+
+def anchor_key(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.ndarray) -> bytes:
+    return anchor_keys(namespace, model_id, input_ids, [len(input_ids)])[len(input_ids)]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k,
+                "stop_token_ids": list(self.stop_token_ids), "seed": self.seed,
+                "ignore_eos": self.ignore_eos}
+
+
+@dataclass(frozen=True)
+class AnchorRef:
+    """One committed anchor named by its key and depth (a link of a restore chain)."""
+
+    key: bytes
+    depth: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key.hex(), "depth": self.depth}
+
+
+@dataclass(frozen=True)
+class SnapshotSpec:
+    """Snapshot the state at `depth` (a chunk boundary of the prefill) under `kind`."""
+
+    depth: int
+    kind: AnchorKind
+    region: Region = Region.THICK
+
+    def to_json(self) -> dict[str, Any]:
+        return {"depth": self.depth, "kind": self.kind.value, "region": self.region.value}
+
+
+@dataclass(frozen=True)
+class AnchorPlan:
+    """The anchor part of a generate request (absent: no anchoring at all).
+
+    `restore` is a root→leaf chain; `snapshot` lists cuts to save during prefill;
+    `snapshot_response` saves prompt + generated tokens at the end; `chunk_at` are prefill
+    chunk boundaries (the snapshot depths are always boundaries too).
+    """
+
+    namespace: bytes
+    restore: tuple[AnchorRef, ...] = ()
+    snapshot: tuple[SnapshotSpec, ...] = ()
+    snapshot_response: bool = False
+    chunk_at: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"namespace": self.namespace.hex(),
+                "restore": [r.to_json() for r in self.restore],
+                "snapshot": [s.to_json() for s in self.snapshot],
+                "snapshot_response": self.snapshot_response,
+                "chunk_at": list(self.chunk_at)}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    stream: bool = False
+    anchor: AnchorPlan | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"input_ids": list(self.input_ids),
+                                "sampling_params": self.sampling.to_json(),
+                                "stream": self.stream}
+        if self.rid is not None:
+            body["rid"] = self.rid
+        if self.anchor is not None:
+            body["anchor"] = self.anchor.to_json()
+        return body
+
+
+@dataclass(frozen=True)
+class AnchorWritten:
+    """A snapshot the worker wrote into a reserved slot: invisible until confirmed."""
+
+    slot: int
+    key: bytes
+    depth: int
+    parent: bytes | None
+    nbytes: int
+    kind: AnchorKind
+
+
+class WireError(ValueError):
+    """A record on the wire is malformed (the receiving side answers 400)."""
+
+
+# ---- parsing at the worker's HTTP edge (raises WireError → 400) -----------------------------
+
+def _int(obj: dict[str, Any], name: str, default: int | None = None, *, lo: int | None = None) -> int:
+    value = obj.get(name, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"'{name}' must be an integer")
+    if lo is not None and value < lo:
+        raise WireError(f"'{name}' must be >= {lo}")
+    return value
+
+
+def _float(obj: dict[str, Any], name: str, default: float) -> float:
+    value = obj.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise WireError(f"'{name}' must be a number")
+    return float(value)
+
+
+def _ids(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise WireError(f"'{name}' must be a list of integers")
+    return tuple(value)
+
+
+def _hex(value: Any, name: str) -> bytes:
+    try:
+        return bytes.fromhex(value)
+    except (TypeError, ValueError):
+        raise WireError(f"'{name}' must be a hex string") from None
+
+
+def parse_sampling(obj: Any) -> SamplingParams:
+    if obj is None:
+        obj = {}
+    if not isinstance(obj, dict):
+        raise WireError("'sampling_params' must be an object")
+    seed = obj.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise WireError("'seed' must be an integer")
+    params = SamplingParams(
+        max_new_tokens=_int(obj, "max_new_tokens", 128, lo=0),
+        temperature=_float(obj, "temperature", 1.0),
+        top_p=_float(obj, "top_p", 1.0),
+        top_k=_int(obj, "top_k", -1),
+        stop_token_ids=_ids(obj.get("stop_token_ids") or [], "stop_token_ids"),
+        seed=seed,
+        ignore_eos=bool(obj.get("ignore_eos", False)),
+    )
+    if params.temperature < 0:
+        raise WireError("'temperature' must be >= 0")
+    if not 0 < params.top_p <= 1:
+        raise WireError("'top_p' must be in (0, 1]")
+    if params.top_k == 0 or params.top_k < -1:
+        raise WireError("'top_k' must be -1 or >= 1")
+    return params
+
+
+def parse_anchor_plan(obj: Any) -> AnchorPlan | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise WireError("'anchor' must be an object")
+    restore = []
+    for link in obj.get("restore") or []:
+        if not isinstance(link, dict):
+            raise WireError("'anchor.restore' must be a list of {key, depth}")
+        restore.append(AnchorRef(_hex(link.get("key"), "key"), _int(link, "depth", lo=1)))
+    snapshot = []
+    for spec in obj.get("snapshot") or []:
+        if not isinstance(spec, dict):
+            raise WireError("'anchor.snapshot' must be a list of {depth, kind, region}")
+        try:
+            kind = AnchorKind(spec.get("kind", "conversation"))
+            region = Region(spec.get("region", "thick"))
+        except ValueError as e:
+            raise WireError(str(e)) from None
+        snapshot.append(SnapshotSpec(_int(spec, "depth", lo=1), kind, region))
+    chunk_at = obj.get("chunk_at") or []
+    return AnchorPlan(
+        namespace=_hex(obj.get("namespace", ""), "namespace"),
+        restore=tuple(restore),
+        snapshot=tuple(snapshot),
+        snapshot_response=bool(obj.get("snapshot_response", False)),
+        chunk_at=_ids(chunk_at, "chunk_at"),
+    )
+
+
+def parse_generate(obj: Any) -> GenerateRequest:
+    if not isinstance(obj, dict):
+        raise WireError("request body must be a JSON object")
+    ids = _ids(obj.get("input_ids"), "input_ids")
+    if not ids:
+        raise WireError("'input_ids' must not be empty")
+    rid = obj.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise WireError("'rid' must be a string")
+    plan = parse_anchor_plan(obj.get("anchor"))
+    if plan is not None:
+        depths = [r.depth for r in plan.restore] + [s.depth for s in plan.snapshot] + list(plan.chunk_at)
+        if any(d > len(ids) for d in depths):
+            raise WireError("an anchor depth exceeds the prompt length")
+    return GenerateRequest(input_ids=ids, sampling=parse_sampling(obj.get("sampling_params")),
+                           rid=rid, stream=bool(obj.get("stream", False)), anchor=plan)

@@ -1,0 +1,106 @@
+"""`/anchor/*` routes of the worker contract (docs/worker-protocol.md). Every reply has `epoch`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from anchorcache.wire import WireError, anchor_keys
+
+from .anchors import AnchorStore
+from .server import ENGINE, EPOCH, _body, _json
+
+
+def _store(request: web.Request) -> AnchorStore:
+    store = request.app[ENGINE].anchors
+    if store is None:
+        raise web.HTTPNotFound(reason="this worker runs without an anchor store")
+    return store
+
+
+def _reply(request: web.Request, **data: Any) -> web.Response:
+    return _json({**data, "epoch": request.app[EPOCH]})
+
+
+async def _slots_arg(request: web.Request) -> list[int]:
+    body = await _body(request)
+    slots = body.get("slots") if isinstance(body, dict) else None
+    if not isinstance(slots, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in slots):
+        raise WireError("'slots' must be a list of integers")
+    return slots
+
+
+async def _key_arg(request: web.Request) -> bytes:
+    body = await _body(request)
+    try:
+        return bytes.fromhex(body["key"])
+    except (TypeError, KeyError, ValueError):
+        raise WireError("'key' must be a hex string") from None
+
+
+async def confirm(request: web.Request) -> web.Response:
+    confirmed, evicted = _store(request).confirm(await _slots_arg(request))
+    return _reply(request, confirmed=confirmed, evicted=[k.hex() for k in evicted])
+
+
+async def abort(request: web.Request) -> web.Response:
+    return _reply(request, aborted=_store(request).abort(await _slots_arg(request)))
+
+
+async def lookup(request: web.Request) -> web.Response:
+    """`{namespace, input_ids, depths}` → which of those prefixes are committed (no LRU touch)."""
+    store = _store(request)
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise WireError("body must be an object")
+    try:
+        ns = bytes.fromhex(body.get("namespace", ""))
+        ids, depths = body["input_ids"], body["depths"]
+        keys = anchor_keys(ns, store.model_id, ids, depths)
+    except (KeyError, TypeError, ValueError) as e:
+        raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
+    return _reply(request, hits=[{"depth": d, "key": keys[d].hex(),
+                                  "committed": store.table.contains(keys[d], d)} for d in depths])
+
+
+async def slots(request: web.Request) -> web.Response:
+    return _reply(request, slots=[_entry_json(e) for e in _store(request).table.entries()])
+
+
+async def stats(request: web.Request) -> web.Response:
+    store = _store(request)
+    s = store.table.stats()
+    data = s._asdict() if hasattr(s, "_asdict") else dict(vars(s))
+    return _reply(request, **data, staged=store.staged_count())
+
+
+async def pin(request: web.Request) -> web.Response:
+    return _reply(request, pinned=_store(request).table.pin(await _key_arg(request)))
+
+
+async def unpin(request: web.Request) -> web.Response:
+    return _reply(request, unpinned=_store(request).table.unpin(await _key_arg(request)))
+
+
+async def evict(request: web.Request) -> web.Response:
+    return _reply(request, evicted=_store(request).evict(await _key_arg(request)))
+
+
+def _entry_json(e: Any) -> dict[str, Any]:
+    d = e._asdict() if hasattr(e, "_asdict") else dict(vars(e))
+    for name in ("key", "parent"):
+        if isinstance(d.get(name), bytes):
+            d[name] = d[name].hex()
+    return d
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/anchor/confirm", confirm)
+    app.router.add_post("/anchor/abort", abort)
+    app.router.add_post("/anchor/lookup", lookup)
+    app.router.add_get("/anchor/slots", slots)
+    app.router.add_get("/anchor/stats", stats)
+    app.router.add_post("/anchor/pin", pin)
+    app.router.add_post("/anchor/unpin", unpin)
+    app.router.add_post("/anchor/evict", evict)

@@ -1,0 +1,103 @@
+"""Builds the embedded worker: load the model, start the engine, serve the contract."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from . import anchor_api, server
+from .engine import Engine
+from .model_store import resolve_model
+
+log = logging.getLogger("anchorcache.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str | None = None  # a local HF model dir; None: the default SmolLM2
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    dtype: str = "float32"
+    max_context_tokens: int | None = None  # None: the model config's max_position_embeddings
+    anchors: bool = True  # keep an anchor store (the proxy decides per request whether to use it)
+    anchor_slots: int = 256
+    anchor_capacity_bytes: int = 4 << 30
+    pinned_slots: int = 16
+    fault_injection: bool = False  # expose POST /debug/fault (tests inject worker faults)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.anchor_slots < 1 or not 0 <= self.pinned_slots < self.anchor_slots:
+            raise ValueError("need anchor_slots >= 1 and 0 <= pinned_slots < anchor_slots")
+        if self.anchor_capacity_bytes < 1:
+            raise ValueError("anchor_capacity_bytes must be positive")
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import cache_io
+
+    path: Path = resolve_model(config.model)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, config.dtype))
+    model.eval()
+    spec = cache_io.CacheSpec.from_model(model)
+    max_ctx = config.max_context_tokens or int(getattr(model.config, "max_position_embeddings", 0) or 8192)
+    info = server.ModelInfo(
+        model_id=path.name, model_path=str(path), tokenizer_path=str(path),
+        architecture=model.config.architectures[0] if model.config.architectures else type(model).__name__,
+        max_context_tokens=max_ctx, eos_token_ids=_eos_ids(model, tokenizer),
+        hybrid=bool(spec.state_layers),
+    )
+    anchors = None
+    if config.anchors:
+        from .anchors import AnchorStore
+
+        anchors = AnchorStore.create(model, info.model_id, spec, num_slots=config.anchor_slots,
+                                     capacity_bytes=config.anchor_capacity_bytes,
+                                     pinned_slots=config.pinned_slots)
+    return Engine(model, eos_token_ids=info.eos_token_ids, anchors=anchors), info
+
+
+def create_app(config: WorkerConfig, *, engine: Engine | None = None,
+               info: server.ModelInfo | None = None) -> web.Application:
+    """The worker app. Pass a loaded `engine`/`info` to share one model between apps (tests)."""
+    app = web.Application(middlewares=[server.error_middleware], client_max_size=256 << 20)
+    app[server.EPOCH] = secrets.token_hex(8)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        nonlocal engine, info
+        if engine is None or info is None:
+            engine, info = load_engine(config)
+        app[server.ENGINE], app[server.INFO] = engine, info
+        engine.start()
+        log.info("worker ready: %s (epoch %s)", info.model_id, app[server.EPOCH])
+        yield
+        engine.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    server.add_routes(app)
+    anchor_api.add_routes(app)
+    if config.fault_injection:
+        app.router.add_post("/debug/fault", server.inject_fault)
+    return app

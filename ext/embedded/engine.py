@@ -1,0 +1,222 @@
+"""The embedded worker's engine: one thread owns the model and runs requests one at a time.
+
+Requests are queued to that thread (llama.cpp's slots API: snapshot state has one owner),
+so the model, its cache and the anchor slabs are never touched concurrently. Results flow
+back to the asyncio side through `loop.call_soon_threadsafe`. An abort sets a flag that the
+thread checks between prefill chunks and decode steps.
+
+Prefill is split so a chunk ends exactly at every anchor cut (`chunk_at` and snapshot
+depths), whether or not anchoring is on: recurrent state exists only at chunk ends, and the
+same chunking keeps anchors-on and anchors-off numerically alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from anchorcache.wire import AnchorWritten, GenerateRequest
+
+from . import cache_io
+from .sampling import Sampler
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    output_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    finish_reason: dict[str, Any]
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: BaseException
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+@dataclass
+class Job:
+    req: GenerateRequest
+    rid: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    started: bool = False
+
+    def emit(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Aborted(Exception):
+    pass
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, *, eos_token_ids: tuple[int, ...],
+                 anchors: Any | None = None) -> None:
+        self.model = model
+        self.eos_token_ids = eos_token_ids
+        self.anchors = anchors  # AnchorStore or None (see anchors.py)
+        if anchors is not None:
+            anchors.fault = self._fault
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="anchorcache-engine", daemon=True)
+        self.fault_hook: Callable[[str], None] | None = None  # tests inject faults here
+
+    # ---- asyncio side ------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        for job in self.jobs():
+            job.cancelled.set()
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, req: GenerateRequest) -> Job:
+        rid = req.rid or uuid.uuid4().hex
+        job = Job(req=req, rid=rid, loop=asyncio.get_running_loop())
+        with self._lock:
+            if rid in self._jobs:
+                raise ValueError(f"request id {rid!r} is already running")
+            self._jobs[rid] = job
+        self._queue.put(job)
+        return job
+
+    def abort(self, rid: str) -> bool:
+        """Cancel request `rid` (queued or running) and drop its unconfirmed anchors."""
+        with self._lock:
+            job = self._jobs.get(rid)
+        if job is not None:
+            job.cancelled.set()
+        dropped = self.anchors.abort_request(rid) if self.anchors is not None else []
+        return job is not None or bool(dropped)
+
+    def jobs(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while (job := self._queue.get()) is not None:
+            ok = False
+            try:
+                job.started = True
+                self._generate(job)
+                ok = not job.cancelled.is_set()
+            except Aborted:
+                job.emit(FinishEvent({"type": "abort"}, {}))
+            except BaseException as e:  # reported to the request, the thread lives on
+                job.emit(ErrorEvent(e))
+            finally:
+                if self.anchors is not None:
+                    self.anchors.release_request(job.rid, ok=ok)
+                with self._lock:
+                    self._jobs.pop(job.rid, None)
+
+    def _fault(self, where: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(where)
+
+    def _check(self, job: Job, where: str) -> None:
+        if job.cancelled.is_set():
+            raise Aborted
+        self._fault(where)
+
+    def _generate(self, job: Job) -> None:
+        req, p = job.req, job.req.sampling
+        ids = req.input_ids
+        n = len(ids)
+        plan = req.anchor
+        self._check(job, "start")
+
+        t0 = time.perf_counter()
+        cache, restored, anchor_info = None, 0, {}
+        if self.anchors is not None and plan is not None and plan.restore:
+            cache, restored, anchor_info = self.anchors.restore(self.model, job.rid, ids, plan)
+        if cache is None:
+            cache, restored = cache_io.new_cache(self.model), 0
+        t_restore = time.perf_counter()
+
+        snapshots = {s.depth: s for s in (plan.snapshot if plan else ()) if restored < s.depth < n}
+        boundaries = sorted({d for d in (plan.chunk_at if plan else ()) if restored < d < n} | set(snapshots))
+        written: list[AnchorWritten] = []
+
+        def on_boundary(depth: int, cache: Any) -> None:
+            self._check(job, "prefill")
+            spec = snapshots.get(depth)
+            if spec is not None and self.anchors is not None and plan is not None:
+                w = self.anchors.snapshot(job.rid, cache, ids, depth, spec, plan)
+                if w is not None:
+                    written.append(w)
+
+        input_t = torch.tensor([ids], dtype=torch.long)
+        logits = cache_io.prefill(self.model, cache, input_t, restored, boundaries,
+                                  on_boundary=on_boundary)
+        t_prefill = time.perf_counter()
+
+        sampler = Sampler(p)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        out: list[int] = []
+        finish: dict[str, Any] = {"type": "length", "length": 0}
+        position = n
+        while len(out) < p.max_new_tokens:
+            token = sampler(logits[0, -1])
+            out.append(token)
+            job.emit(TokenEvent((token,)))
+            if token in stops:
+                finish = {"type": "stop", "matched": token}
+                break
+            if len(out) >= p.max_new_tokens:
+                break
+            self._check(job, "decode")
+            logits = cache_io.decode_step(self.model, cache, token, position)
+            position += 1
+        if finish["type"] == "length":
+            finish["length"] = len(out)
+        t_decode = time.perf_counter()
+
+        if (self.anchors is not None and plan is not None and plan.snapshot_response and out
+                and finish["type"] == "stop"):
+            # the cache holds every token but the last sampled one: feed it so the state
+            # covers prompt + output exactly
+            cache_io.decode_step(self.model, cache, out[-1], position)
+            w = self.anchors.snapshot_response(job.rid, cache, ids + tuple(out), plan)
+            if w is not None:
+                written.append(w)
+
+        meta = {
+            "id": job.rid,
+            "prompt_tokens": n,
+            "completion_tokens": len(out),
+            "cached_tokens": restored,
+            "prefill_tokens": n - restored,
+            "restore_ms": round((t_restore - t0) * 1e3, 3),
+            "prefill_ms": round((t_prefill - t_restore) * 1e3, 3),
+            "decode_ms": round((t_decode - t_prefill) * 1e3, 3),
+            "anchors": {**anchor_info, "written": [_written_json(w) for w in written]},
+        }
+        job.emit(FinishEvent(finish, meta))
+
+
+def _written_json(w: AnchorWritten) -> dict[str, Any]:
+    return {"slot": w.slot, "key": w.key.hex(), "depth": w.depth,
+            "parent": w.parent.hex() if w.parent else None, "nbytes": w.nbytes,
+            "kind": w.kind.value}

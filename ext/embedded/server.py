@@ -1,0 +1,196 @@
+"""HTTP face of the embedded worker: the worker contract of docs/worker-protocol.md.
+
+SGLang's native API is the base (`/generate`, `/abort_request`, `/health`, `/model_info`,
+`/flush_cache`); anchor operations live under `/anchor/`. Every reply carries `epoch`, a
+fresh id per process start: anchors never outlive the epoch that wrote them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from anchorcache.wire import WireError, parse_generate
+
+from .engine import Engine, ErrorEvent, FinishEvent, Job, TokenEvent
+
+log = logging.getLogger("anchorcache.worker")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    model_path: str
+    tokenizer_path: str
+    architecture: str
+    max_context_tokens: int
+    eos_token_ids: tuple[int, ...]
+    hybrid: bool
+
+    def to_json(self, epoch: str) -> dict[str, Any]:
+        return {"model_id": self.model_id, "model_path": self.model_path,
+                "tokenizer_path": self.tokenizer_path, "is_generation": True,
+                "architecture": self.architecture, "max_context_tokens": self.max_context_tokens,
+                "eos_token_ids": list(self.eos_token_ids), "hybrid": self.hybrid,
+                "backend": "embedded", "epoch": epoch}
+
+
+ENGINE = web.AppKey("engine", Engine)
+INFO = web.AppKey("info", ModelInfo)
+EPOCH = web.AppKey("epoch", str)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def error_body(message: str, type_: str, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _json(error_body(e.reason, "invalid_request_error" if e.status < 500 else "server_error",
+                                str(e.status)), e.status)
+    except (WireError, orjson.JSONDecodeError) as e:
+        return _json(error_body(str(e), "invalid_request_error", "invalid_request"), 400)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.exception("worker request failed")
+        return _json(error_body(f"{type(e).__name__}: {e}", "server_error", "worker_error"), 500)
+
+
+async def _body(request: web.Request) -> Any:
+    return orjson.loads(await request.read())
+
+
+def _check_context(request: web.Request, n_prompt: int, max_new: int) -> None:
+    limit = request.app[INFO].max_context_tokens
+    if n_prompt + max_new > limit:
+        raise WireError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the "
+                        f"model's context of {limit} tokens")
+
+
+async def _events(request: web.Request, job: Job) -> AsyncIterator[TokenEvent | FinishEvent]:
+    """Yield the job's events; abort the job if this handler is cancelled (client gone)."""
+    engine = request.app[ENGINE]
+    done = False
+    try:
+        while True:
+            event = await job.events.get()
+            if isinstance(event, ErrorEvent):
+                done = True
+                raise event.error
+            yield event
+            if isinstance(event, FinishEvent):
+                done = True
+                return
+    finally:
+        if not done:
+            engine.abort(job.rid)
+
+
+def _meta(request: web.Request, job: Job, event: FinishEvent) -> dict[str, Any]:
+    return {**event.meta, "id": job.rid, "finish_reason": event.finish_reason,
+            "epoch": request.app[EPOCH]}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    req = parse_generate(await _body(request))
+    _check_context(request, len(req.input_ids), req.sampling.max_new_tokens)
+    try:
+        job = request.app[ENGINE].submit(req)
+    except ValueError as e:
+        raise WireError(str(e)) from None
+    if not req.stream:
+        output: list[int] = []
+        async for event in _events(request, job):
+            if isinstance(event, TokenEvent):
+                output.extend(event.output_ids)
+            else:
+                return _json({"rid": job.rid, "output_ids": output,
+                              "meta_info": _meta(request, job, event)})
+        raise AssertionError("event stream ended without a finish event")
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        async for event in _events(request, job):
+            if isinstance(event, TokenEvent):
+                data = {"rid": job.rid, "output_ids": list(event.output_ids)}
+            else:
+                data = {"rid": job.rid, "output_ids": [], "meta_info": _meta(request, job, event)}
+            await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:  # headers are sent: report the error in-band, then end the stream
+        log.exception("streamed generate failed")
+        body = error_body(f"{type(e).__name__}: {e}", "server_error", "worker_error")
+        await resp.write(b"data: " + orjson.dumps(body) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await _body(request)
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not isinstance(rid, str):
+        raise WireError("'rid' must be a string")
+    return _json({"rid": rid, "aborted": request.app[ENGINE].abort(rid),
+                  "epoch": request.app[EPOCH]})
+
+
+async def health(request: web.Request) -> web.Response:
+    jobs = request.app[ENGINE].jobs()
+    return _json({"status": "ok", "epoch": request.app[EPOCH],
+                  "running_requests": [j.rid for j in jobs if j.started],
+                  "queued_requests": [j.rid for j in jobs if not j.started]})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return _json(request.app[INFO].to_json(request.app[EPOCH]))
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    flushed = engine.anchors.flush() if engine.anchors is not None else 0
+    return _json({"flushed_anchors": flushed, "epoch": request.app[EPOCH]})
+
+
+async def inject_fault(request: web.Request) -> web.Response:
+    """Arm one fault: the next time the engine passes `where` it raises (tests only)."""
+    body = await _body(request)
+    where = body.get("where") if isinstance(body, dict) else None
+    if where not in ("start", "prefill", "decode", "snapshot", "restore"):
+        raise WireError("'where' must be start, prefill, decode, snapshot or restore")
+    engine = request.app[ENGINE]
+
+    def hook(at: str) -> None:
+        if at == where:
+            engine.fault_hook = None
+            raise RuntimeError(f"injected fault at {at}")
+
+    engine.fault_hook = hook
+    return _json({"armed": where})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_get("/health", health)
+    app.router.add_get("/model_info", model_info)
+    app.router.add_post("/flush_cache", flush_cache)

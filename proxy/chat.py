@@ -1,0 +1,221 @@
+"""`POST /v1/chat/completions`: split → plan anchors → generate on the worker → OpenAI reply.
+
+One generator (`_run`) drives the worker and yields text/tool-call deltas; the streaming
+and non-streaming replies are two consumers of it, so both see the same tokens. Whatever
+ends the request early (client gone, stop string, worker failure), the `finally` aborts the
+worker request and every anchor reservation it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from anchorcache.wire import GenerateRequest, SamplingParams
+
+from .detokenizer import IncrementalDetokenizer
+from .errors import ApiError, json_response
+from .schema import ChatRequest, parse_chat_request
+from .splitter.types import SplitError, SplitResult
+from .state import STATE, ProxyState
+
+
+@dataclass
+class Outcome:
+    """What one completion produced, filled in as `_run` goes."""
+
+    text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    completion_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _sampling(req: ChatRequest, split: SplitResult, state: ProxyState) -> SamplingParams:
+    room = state.info.max_context_tokens - len(split.input_ids)
+    if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+        raise ApiError("context_length_exceeded",
+                       f"the prompt has {len(split.input_ids)} tokens; with max_tokens="
+                       f"{req.max_tokens} it exceeds the model's context of "
+                       f"{state.info.max_context_tokens} tokens", param="messages")
+    return SamplingParams(
+        max_new_tokens=min(req.max_tokens or state.config.default_max_tokens, room),
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        stop_token_ids=tuple(state.adapter.stop_token_ids), seed=req.seed)
+
+
+async def _split(state: ProxyState, req: ChatRequest) -> SplitResult:
+    try:
+        return await asyncio.to_thread(state.adapter.split, [dict(m) for m in req.messages],
+                                       [dict(t) for t in req.tools] or None,
+                                       template_kwargs=req.template_kwargs or None)
+    except SplitError as e:
+        raise ApiError("invalid_request", str(e), param=getattr(e, "param", None)) from None
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    hits = [i for s in stops if (i := text.find(s, max(0, start - len(s)))) >= 0]
+    return min(hits) if hits else None
+
+
+async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
+               outcome: Outcome) -> AsyncIterator[dict[str, Any]]:
+    """Yield OpenAI `delta` dicts; fill `outcome`. Cleans up the worker side on any exit."""
+    rid = uuid.uuid4().hex
+    plan = state.planner.plan(split) if state.anchors_on else state.planner.chunk_only(split)
+    gen = GenerateRequest(input_ids=split.input_ids, sampling=_sampling(req, split, state),
+                          rid=rid, stream=True, anchor=plan.request)
+    stop_ids = set(gen.sampling.stop_token_ids) | set(state.info.eos_token_ids)
+    detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
+    parser = state.adapter.output_parser(list(req.tools)) \
+        if req.tools and req.tool_choice.mode != "none" else None
+    finished = False
+    emitted = 0  # characters of detok.text already passed on
+    try:
+        async for chunk in state.worker.generate(gen):
+            outcome.completion_tokens += len(chunk.output_ids)
+            detok.add(chunk.output_ids)
+            if chunk.meta is not None:
+                detok.flush()
+            text = detok.text
+            cut = _find_stop(text, req.stop, emitted) if req.stop else None
+            if cut is not None:
+                text = text[:cut]
+            new, emitted = text[emitted:], len(text)
+            if new:
+                if parser is None:
+                    outcome.text += new
+                    yield {"content": new}
+                else:
+                    for delta in parser.feed(new):
+                        yield _delta_json(delta, outcome)
+            if cut is not None:
+                outcome.finish_reason = "stop"
+                break
+            if chunk.meta is not None:
+                outcome.meta = chunk.meta
+                reason = chunk.meta.get("finish_reason", {}).get("type")
+                outcome.finish_reason = "length" if reason == "length" else "stop"
+                finished = True
+        if parser is not None:
+            parsed = parser.finish()
+            outcome.text = parsed.content or ""
+            outcome.tool_calls = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.name, "arguments": c.arguments}}
+                                  for c in parsed.tool_calls]
+            if outcome.tool_calls:
+                outcome.finish_reason = "tool_calls"
+        await state.planner.settle(plan, outcome.meta if finished else None)
+        finished = True
+    finally:
+        if not finished:
+            # client gone, stop string, or worker failure: nothing of this request may linger
+            await asyncio.shield(_cleanup(state, rid, plan))
+
+
+async def _cleanup(state: ProxyState, rid: str, plan: Any) -> None:
+    try:
+        await state.worker.abort(rid)
+    except ApiError:
+        pass
+    await state.planner.settle(plan, None)
+
+
+def _delta_json(delta: Any, outcome: Outcome) -> dict[str, Any]:
+    if delta.tool_call is None:
+        outcome.text += delta.content or ""
+        return {"content": delta.content}
+    tc = delta.tool_call
+    call: dict[str, Any] = {"index": tc.index}
+    if tc.id is not None:
+        call.update(id=tc.id, type="function")
+    fn: dict[str, Any] = {}
+    if tc.name is not None:
+        fn["name"] = tc.name
+    if tc.arguments_delta:
+        fn["arguments"] = tc.arguments_delta
+    call["function"] = fn
+    return {"tool_calls": [call]}
+
+
+def _usage(split: SplitResult, outcome: Outcome) -> dict[str, Any]:
+    meta = outcome.meta
+    anchors = meta.get("anchors", {})
+    return {
+        "prompt_tokens": len(split.input_ids),
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": len(split.input_ids) + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0)},
+        "timings": {
+            "restore_ms": meta.get("restore_ms", 0.0),
+            "prefill_ms": meta.get("prefill_ms", 0.0),
+            "decode_ms": meta.get("decode_ms", 0.0),
+            "prefill_tokens": meta.get("prefill_tokens", len(split.input_ids)),
+            "anchor_hits": [{"kind": h.get("kind"), "depth": h["depth"]}
+                            for h in anchors.get("restored", [])],
+        },
+    }
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as e:
+        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
+    req = parse_chat_request(body, max_tokens_limit=state.info.max_context_tokens)
+    if req.model not in (state.info.model_id, "default"):
+        raise ApiError("model_not_found", f"the model {req.model!r} does not exist; this proxy "
+                       f"serves {state.info.model_id!r}", param="model")
+    split = await _split(state, req)
+    _sampling(req, split, state)  # context check before any response is started
+    cid = "chatcmpl-" + uuid.uuid4().hex
+    created = int(time.time())
+    outcome = Outcome()
+    if not req.stream:
+        async for _ in _run(state, req, split, outcome):
+            pass
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": outcome.text if outcome.text or not outcome.tool_calls else None}
+        if outcome.tool_calls:
+            message["tool_calls"] = outcome.tool_calls
+        return json_response({
+            "id": cid, "object": "chat.completion", "created": created,
+            "model": state.info.model_id,
+            "choices": [{"index": 0, "message": message, "finish_reason": outcome.finish_reason,
+                         "logprobs": None}],
+            "usage": _usage(split, outcome),
+        })
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    def frame(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        data = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                "model": state.info.model_id, "choices": choices, **extra}
+        return b"data: " + orjson.dumps(data) + b"\n\n"
+
+    await resp.write(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "finish_reason": None}]))
+    try:
+        async for delta in _run(state, req, split, outcome):
+            await resp.write(frame([{"index": 0, "delta": delta, "finish_reason": None}]))
+    except ApiError as e:  # the stream has started: report in-band, then end it
+        await resp.write(b"data: " + orjson.dumps(e.body()) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    await resp.write(frame([{"index": 0, "delta": {}, "finish_reason": outcome.finish_reason}]))
+    if req.include_usage:
+        await resp.write(frame([], usage=_usage(split, outcome)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

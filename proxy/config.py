@@ -1,0 +1,28 @@
+"""The proxy's one frozen config; the CLI fills it from flags and ANCHORCACHE_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    worker_url: str = "http://127.0.0.1:8001"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    anchors: bool = True  # plan/restore/snapshot anchors; off: same chunking, no anchor traffic
+    adapter: str = "auto"  # splitter adapter name (see `anchorcache split --help`)
+    max_body_bytes: int = 32 << 20
+    default_max_tokens: int = 1024
+    tenant_salt: str = "anchorcache-default-tenant"  # server-side secret mixed into anchor keys
+    worker_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.worker_url.startswith(("http://", "https://")):
+            raise ValueError(f"worker_url must be an http(s) URL, not {self.worker_url!r}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, not {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be positive")

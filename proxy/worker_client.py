@@ -1,0 +1,125 @@
+"""The proxy's side of the worker contract (docs/worker-protocol.md), over aiohttp.
+
+Transport failures become `ApiError`s: the worker unreachable → 503 `worker_unavailable`,
+the worker answering an error or dying mid-reply → 502 `worker_error`, and a 4xx from the
+worker is passed on as the client's bad request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from anchorcache.wire import GenerateRequest
+
+from .errors import ApiError
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    model_id: str
+    tokenizer_path: str
+    max_context_tokens: int
+    eos_token_ids: tuple[int, ...]
+    hybrid: bool
+    epoch: str
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WorkerInfo:
+        return cls(model_id=d["model_id"], tokenizer_path=d["tokenizer_path"],
+                   max_context_tokens=int(d["max_context_tokens"]),
+                   eos_token_ids=tuple(d.get("eos_token_ids", ())), hybrid=bool(d.get("hybrid")),
+                   epoch=str(d["epoch"]))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a generate reply: new output ids, and on the last one the meta info."""
+
+    output_ids: tuple[int, ...]
+    meta: dict[str, Any] | None = None
+
+
+def _worker_error(status: int, body: bytes) -> ApiError:
+    try:
+        err = orjson.loads(body)["error"]
+        message = err.get("message", "")
+    except Exception:
+        err, message = {}, body[:200].decode(errors="replace")
+    if 400 <= status < 500:
+        kind = "context_length_exceeded" if "context" in message else "invalid_request"
+        return ApiError(kind, message)
+    return ApiError("worker_error", f"worker error ({status}): {message}")
+
+
+class WorkerClient:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            async with self.session.request(
+                    method, self.base_url + path,
+                    data=orjson.dumps(body) if body is not None else None,
+                    headers={"Content-Type": "application/json"}) as resp:
+                data = await resp.read()
+                if resp.status >= 400:
+                    raise _worker_error(resp.status, data)
+                return orjson.loads(data)
+        except aiohttp.ClientConnectorError as e:
+            raise ApiError("worker_unavailable", f"worker unreachable: {e}") from None
+        except (aiohttp.ClientError, orjson.JSONDecodeError) as e:
+            raise ApiError("worker_error", f"worker failed: {type(e).__name__}: {e}") from None
+
+    async def model_info(self) -> WorkerInfo:
+        return WorkerInfo.from_json(await self._call("GET", "/model_info"))
+
+    async def health(self) -> dict[str, Any]:
+        return await self._call("GET", "/health")
+
+    async def abort(self, rid: str) -> None:
+        await self._call("POST", "/abort_request", {"rid": rid})
+
+    async def post(self, path: str, body: Any = None) -> Any:
+        return await self._call("POST", path, body if body is not None else {})
+
+    async def get(self, path: str) -> Any:
+        return await self._call("GET", path)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        """Stream a generate request's chunks; the last one carries `meta`.
+
+        A worker that ends the stream without a final chunk raises `worker_error`.
+        """
+        body = {**req.to_json(), "stream": True}
+        try:
+            async with self.session.post(self.base_url + "/generate", data=orjson.dumps(body),
+                                         headers={"Content-Type": "application/json"}) as resp:
+                if resp.status >= 400:
+                    raise _worker_error(resp.status, await resp.read())
+                finished = False
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    payload = line[6:].strip()
+                    if payload == b"[DONE]":
+                        break
+                    event = orjson.loads(payload)
+                    if "error" in event:
+                        raise ApiError("worker_error",
+                                       f"worker error: {event['error'].get('message', '')}")
+                    meta = event.get("meta_info")
+                    yield Chunk(tuple(event.get("output_ids", ())), meta)
+                    if meta is not None:
+                        finished = True
+                if not finished:
+                    raise ApiError("worker_error", "worker ended the stream without finishing")
+        except aiohttp.ClientConnectorError as e:
+            raise ApiError("worker_unavailable", f"worker unreachable: {e}") from None
+        except (aiohttp.ClientError, orjson.JSONDecodeError) as e:
+            raise ApiError("worker_error", f"worker failed mid-request: {type(e).__name__}: {e}") from None

@@ -1,0 +1,73 @@
+"""Build of the `anchorcache.ext._C` torch extension.
+
+The CPU operators always build. The CUDA sources in ext/cuda/ are added when torch is a
+CUDA build and a CUDA toolkit is found (no GPU needed to compile); set
+ANCHORCACHE_BUILD_CUDA=0 to skip them, =1 to make their absence an error.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOTS = {"anchorcache": "anchorcache", "anchorcache.proxy": "proxy",
+         "anchorcache.ext": "ext", "anchorcache.state": "state", "anchorcache.ops": "ops"}
+
+
+DEFAULT_CUDA_HOME = "/usr/local/cuda-13.0"
+# sm_80 (A100), sm_90 (H100/H200) plus PTX for newer parts; without an explicit list torch's
+# arch detection fails when no GPU is present.
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+
+
+def packages() -> list[str]:
+    found = []
+    for name, folder in ROOTS.items():
+        found.append(name)
+        found += [f"{name}.{sub}" for sub in find_packages(folder)]
+    return found
+
+
+def extensions():
+    cpp = sorted(glob.glob("ext/csrc/*.cpp"))
+    if not cpp:
+        return [], {}
+    # Where no CUDA runtime can be asked (no GPU), torch only finds a toolkit via CUDA_HOME;
+    # default to the toolkit of these machines when it exists. Set before importing torch's
+    # extension helpers, which read it at import.
+    if "CUDA_HOME" not in os.environ and os.path.isdir(DEFAULT_CUDA_HOME):
+        os.environ["CUDA_HOME"] = DEFAULT_CUDA_HOME
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    want = os.environ.get("ANCHORCACHE_BUILD_CUDA", "auto")
+    cu = sorted(glob.glob("ext/cuda/*.cu"))
+    have_cuda = bool(cu) and torch.version.cuda is not None and CUDA_HOME is not None
+    if want == "1" and not have_cuda:
+        raise RuntimeError("ANCHORCACHE_BUILD_CUDA=1 but no CUDA torch build or CUDA toolkit found")
+    use_cuda = have_cuda and want != "0"
+    cxx = ["-O3", "-std=c++20"]  # torch >= 2.10 headers need C++20
+    if use_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        ext = CUDAExtension(
+            "anchorcache.ext._C", cpp + cu,
+            define_macros=[("ANCHORCACHE_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]},
+        )
+    else:
+        ext = CppExtension(
+            "anchorcache.ext._C", cpp,
+            extra_compile_args={"cxx": cxx},
+        )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = extensions()
+setup(
+    packages=packages(),
+    package_dir=ROOTS,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
@@ -49,17 +50,25 @@ def extensions():
         raise RuntimeError("ANCHORCACHE_BUILD_CUDA=1 but no CUDA torch build or CUDA toolkit found")
     use_cuda = have_cuda and want != "0"
     cxx = ["-O3", "-std=c++20"]  # torch >= 2.10 headers need C++20
+    link = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp the CPU copy
+        # kernels run on one thread. libgomp.so.1 resolves to the copy torch already loaded.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
         ext = CUDAExtension(
             "anchorcache.ext._C", cpp + cu,
             define_macros=[("ANCHORCACHE_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++20"]},
+            extra_link_args=link,
         )
     else:
         ext = CppExtension(
             "anchorcache.ext._C", cpp,
             extra_compile_args={"cxx": cxx},
+            extra_link_args=link,
         )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 

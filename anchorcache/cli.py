@@ -40,6 +40,8 @@ AnchorBytes = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_BYTES", min
                                           help="Anchor memory budget in the worker (bytes).")]
 MaxBody = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_BODY_BYTES", min=1024,
                                       help="Largest request body the proxy accepts.")]
+TenantSalt = Annotated[str, typer.Option(envvar="ANCHORCACHE_TENANT_SALT", show_default=False,
+                                         help="Server-side secret mixed into every anchor key.")]
 FaultInjection = Annotated[bool, typer.Option(envvar="ANCHORCACHE_FAULT_INJECTION", hidden=True,
                                               help="Enable /debug/fault on the worker (tests).")]
 
@@ -86,7 +88,8 @@ def worker(
     from anchorcache.ext.embedded.app import WorkerConfig, create_app
 
     config = WorkerConfig(model=model, threads=threads, dtype=dtype, anchor_slots=anchor_slots,
-                          anchor_capacity_bytes=anchor_bytes, fault_injection=fault_injection)
+                          anchor_capacity_bytes=anchor_bytes,
+                          pinned_slots=min(16, anchor_slots // 4), fault_injection=fault_injection)
     asyncio.run(_serve_forever(create_app(config), host, port,
                                "anchorcache worker listening on http://{host}:{port}"))
 
@@ -100,6 +103,7 @@ def proxy(
     anchors: Anchors = True,
     adapter: Adapter = "auto",
     max_body_bytes: MaxBody = 32 << 20,
+    tenant_salt: TenantSalt = "anchorcache-default-tenant",
     log_level: LogLevel = "info",
 ) -> None:
     """Run the OpenAI-compatible proxy in front of a running worker."""
@@ -108,7 +112,7 @@ def proxy(
     from anchorcache.proxy.config import ProxyConfig
 
     config = ProxyConfig(worker_url=worker, host=host, port=port, anchors=anchors, adapter=adapter,
-                         max_body_bytes=max_body_bytes)
+                         max_body_bytes=max_body_bytes, tenant_salt=tenant_salt)
     asyncio.run(_serve_forever(create_app(config), host, port,
                                "anchorcache proxy listening on http://{host}:{port}/v1"))
 
@@ -143,6 +147,7 @@ def serve(
     anchor_slots: AnchorSlots = 256,
     anchor_bytes: AnchorBytes = 4 << 30,
     max_body_bytes: MaxBody = 32 << 20,
+    tenant_salt: TenantSalt = "anchorcache-default-tenant",
     log_level: LogLevel = "info",
 ) -> None:
     """Start the embedded worker and the proxy; Ctrl-C/SIGTERM stops both."""
@@ -171,7 +176,8 @@ def serve(
     try:
         wait_ready(f"http://127.0.0.1:{worker_port}/health", proc, timeout_s=600)
         proxy(worker=f"http://127.0.0.1:{worker_port}", host=host, port=port, anchors=anchors,
-              adapter=adapter, max_body_bytes=max_body_bytes, log_level=log_level)
+              adapter=adapter, max_body_bytes=max_body_bytes, tenant_salt=tenant_salt,
+              log_level=log_level)
     finally:
         stop_worker()
 

@@ -9,6 +9,7 @@ worker request and every anchor reservation it holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,11 +39,11 @@ class Outcome:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _sampling(req: ChatRequest, split: SplitResult, state: ProxyState) -> SamplingParams:
-    room = state.info.max_context_tokens - len(split.input_ids)
+def _sampling(req: ChatRequest, prompt_ids: tuple[int, ...], state: ProxyState) -> SamplingParams:
+    room = state.info.max_context_tokens - len(prompt_ids)
     if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
         raise ApiError("context_length_exceeded",
-                       f"the prompt has {len(split.input_ids)} tokens; with max_tokens="
+                       f"the prompt has {len(prompt_ids)} tokens; with max_tokens="
                        f"{req.max_tokens} it exceeds the model's context of "
                        f"{state.info.max_context_tokens} tokens", param="messages")
     return SamplingParams(
@@ -51,11 +52,13 @@ def _sampling(req: ChatRequest, split: SplitResult, state: ProxyState) -> Sampli
         stop_token_ids=tuple(state.adapter.stop_token_ids), seed=req.seed)
 
 
-async def _split(state: ProxyState, req: ChatRequest) -> SplitResult:
+def _split(state: ProxyState, req: ChatRequest) -> SplitResult:
+    # On the event loop: the splitter's prefix cache is single-threaded, and an incremental
+    # split of an agent prompt takes well under a millisecond.
     try:
-        return await asyncio.to_thread(state.adapter.split, [dict(m) for m in req.messages],
-                                       [dict(t) for t in req.tools] or None,
-                                       template_kwargs=req.template_kwargs or None)
+        return state.adapter.split([dict(m) for m in req.messages],
+                                   [dict(t) for t in req.tools] or None,
+                                   template_kwargs=req.template_kwargs or None)
     except SplitError as e:
         raise ApiError("invalid_request", str(e), param=getattr(e, "param", None)) from None
 
@@ -70,12 +73,16 @@ async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
     """Yield OpenAI `delta` dicts; fill `outcome`. Cleans up the worker side on any exit."""
     rid = uuid.uuid4().hex
     plan = state.planner.plan(split) if state.anchors_on else state.planner.chunk_only(split)
-    gen = GenerateRequest(input_ids=split.input_ids, sampling=_sampling(req, split, state),
+    choice = req.tool_choice.openai()
+    parse_tools = bool(req.tools) and req.tool_choice.mode != "none"
+    forced = state.adapter.forced_prefix(choice) if parse_tools else None
+    prompt_ids = split.input_ids + (tuple(state.tokenizer.encode(forced)) if forced else ())
+    gen = GenerateRequest(input_ids=prompt_ids, sampling=_sampling(req, prompt_ids, state),
                           rid=rid, stream=True, anchor=plan.request)
     stop_ids = set(gen.sampling.stop_token_ids) | set(state.info.eos_token_ids)
     detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
-    parser = state.adapter.output_parser(list(req.tools)) \
-        if req.tools and req.tool_choice.mode != "none" else None
+    parser = state.adapter.output_parser(list(req.tools), tool_choice=choice) \
+        if parse_tools else None
     finished = False
     emitted = 0  # characters of detok.text already passed on
     try:
@@ -105,6 +112,8 @@ async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
                 outcome.finish_reason = "length" if reason == "length" else "stop"
                 finished = True
         if parser is not None:
+            for delta in parser.flush():
+                yield _delta_json(delta, outcome)
             parsed = parser.finish()
             outcome.text = parsed.content or ""
             outcome.tool_calls = [{"id": c.id, "type": "function",
@@ -148,16 +157,17 @@ def _delta_json(delta: Any, outcome: Outcome) -> dict[str, Any]:
 def _usage(split: SplitResult, outcome: Outcome) -> dict[str, Any]:
     meta = outcome.meta
     anchors = meta.get("anchors", {})
+    prompt_tokens = meta.get("prompt_tokens", len(split.input_ids))
     return {
-        "prompt_tokens": len(split.input_ids),
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": outcome.completion_tokens,
-        "total_tokens": len(split.input_ids) + outcome.completion_tokens,
+        "total_tokens": prompt_tokens + outcome.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0)},
         "timings": {
             "restore_ms": meta.get("restore_ms", 0.0),
             "prefill_ms": meta.get("prefill_ms", 0.0),
             "decode_ms": meta.get("decode_ms", 0.0),
-            "prefill_tokens": meta.get("prefill_tokens", len(split.input_ids)),
+            "prefill_tokens": meta.get("prefill_tokens", prompt_tokens),
             "anchor_hits": [{"kind": h.get("kind"), "depth": h["depth"]}
                             for h in anchors.get("restored", [])],
         },
@@ -174,14 +184,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.model not in (state.info.model_id, "default"):
         raise ApiError("model_not_found", f"the model {req.model!r} does not exist; this proxy "
                        f"serves {state.info.model_id!r}", param="model")
-    split = await _split(state, req)
-    _sampling(req, split, state)  # context check before any response is started
+    split = _split(state, req)
+    _sampling(req, split.input_ids, state)  # context check before any response is started
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     outcome = Outcome()
     if not req.stream:
-        async for _ in _run(state, req, split, outcome):
-            pass
+        async with contextlib.aclosing(_run(state, req, split, outcome)) as deltas:
+            async for _ in deltas:
+                pass
         message: dict[str, Any] = {"role": "assistant",
                                    "content": outcome.text if outcome.text or not outcome.tool_calls else None}
         if outcome.tool_calls:
@@ -194,25 +205,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "usage": _usage(split, outcome),
         })
 
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-
     def frame(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         data = {"id": cid, "object": "chat.completion.chunk", "created": created,
                 "model": state.info.model_id, "choices": choices, **extra}
         return b"data: " + orjson.dumps(data) + b"\n\n"
 
-    await resp.write(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "finish_reason": None}]))
-    try:
-        async for delta in _run(state, req, split, outcome):
-            await resp.write(frame([{"index": 0, "delta": delta, "finish_reason": None}]))
-    except ApiError as e:  # the stream has started: report in-band, then end it
-        await resp.write(b"data: " + orjson.dumps(e.body()) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+    # Wait for the first delta before sending headers, so that a worker that is down or
+    # rejects the request still gets a proper status code rather than a 200 stream.
+    async with contextlib.aclosing(_run(state, req, split, outcome)) as deltas:
+        first = await anext(deltas, None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "finish_reason": None}]))
+        try:
+            if first is not None:
+                await resp.write(frame([{"index": 0, "delta": first, "finish_reason": None}]))
+            async for delta in deltas:
+                await resp.write(frame([{"index": 0, "delta": delta, "finish_reason": None}]))
+        except ApiError as e:  # the stream has started: report in-band, then end it
+            await resp.write(b"data: " + orjson.dumps(e.body()) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
     await resp.write(frame([{"index": 0, "delta": {}, "finish_reason": outcome.finish_reason}]))
     if req.include_usage:
         await resp.write(frame([], usage=_usage(split, outcome)))

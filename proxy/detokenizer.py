@@ -8,10 +8,13 @@ tail is an incomplete character (U+FFFD). Cost per token is O(window), not O(out
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, *, skip_token_ids: Iterable[int] = ()) -> None:
+    """`tokenizer`: anything with `decode(ids) -> str` (special tokens kept)."""
+
+    def __init__(self, tokenizer: Any, *, skip_token_ids: Iterable[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip = frozenset(skip_token_ids)
         self.ids: list[int] = []
@@ -20,8 +23,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids)
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""

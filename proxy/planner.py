@@ -3,7 +3,8 @@
 `plan()` is pure: from the split's verified cuts and the index of committed anchors it picks
 the deepest anchor whose whole chain is known and that is an exact prefix of this prompt
 (keys cover every token, so equal key ⇒ equal prefix), and asks for snapshots at the
-instruction and conversation cuts past it, plus the response anchor. `settle()` is the one
+instruction cut, the conversation cut and the end of the messages (where the next turn's
+history ends) past it, plus the response anchor. `settle()` is the one
 place with I/O: after the worker's reply it confirms the snapshots the worker wrote (making
 them visible) or, on any failure, aborts them; evictions and misses it reports leave the index.
 
@@ -69,7 +70,7 @@ class Planner:
                 continue
             if cut.kind == CutKind.INSTRUCTION:
                 out.append((cut.position, AnchorKind.INSTRUCTION))
-            elif cut.kind == CutKind.CONVERSATION:
+            elif cut.kind in (CutKind.CONVERSATION, CutKind.MESSAGES):
                 out.append((cut.position, AnchorKind.CONVERSATION))
         return out
 
@@ -84,7 +85,7 @@ class Planner:
         n = len(ids)
         cuts = self._cuts(split)
         known = [d for d in self.index.depths(ns) if d < n]
-        keys = anchor_keys(ns, self.model_id, ids, [d for d, _ in cuts] + known)
+        keys = anchor_keys(ns, self.model_id, ids, known)
 
         chain: list[AnchorRecord] = []
         for depth in sorted(known, reverse=True):
@@ -95,13 +96,13 @@ class Planner:
             if links is not None:
                 chain = links
                 break
-        restored = chain[-1].depth if chain else 0
-
+        # Every cut is asked for: the worker saves those past what it actually restored and
+        # skips (chaining onto) those it already holds. The index cannot know either: a
+        # planned link may be gone (eviction, worker restart), so the restore may end early.
         snapshots = {}
         for depth, kind in cuts:
-            if depth > restored and self.index.get(keys[depth]) is None:
-                region = Region.THIN if kind == AnchorKind.INSTRUCTION else Region.THICK
-                snapshots[depth] = SnapshotSpec(depth, kind, region)
+            region = Region.THIN if kind == AnchorKind.INSTRUCTION else Region.THICK
+            snapshots[depth] = SnapshotSpec(depth, kind, region)
         request = AnchorPlan(
             namespace=ns,
             restore=tuple(AnchorRef(r.key, r.depth) for r in chain),

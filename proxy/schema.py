@@ -16,6 +16,11 @@ class ToolChoice:
     mode: str  # "auto" | "none" | "required" | "function"
     function: str | None = None
 
+    def openai(self) -> str | dict[str, Any]:
+        if self.mode == "function":
+            return {"type": "function", "function": {"name": self.function}}
+        return self.mode
+
 
 @dataclass(frozen=True)
 class ChatRequest:

@@ -5,7 +5,6 @@ from collections.abc import Iterator
 import pytest
 
 from anchorcache.ext.embedded.model_store import prepare_default_model
-
 from tests.servers import Server, proxy_process, worker_process
 
 

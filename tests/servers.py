@@ -47,11 +47,11 @@ def _spawn(args: list[str], port: int, env: dict[str, str] | None) -> Server:
 
 @contextmanager
 def worker_process(*extra: str, model: str | None = None, env: dict[str, str] | None = None,
-                   threads: int = 2) -> Iterator[Server]:
+                   threads: int = 2, port: int | None = None) -> Iterator[Server]:
     args = ["worker", "--threads", str(threads), "--fault-injection", *extra]
     if model:
         args += ["--model", model]
-    server = _spawn(args, free_port(), env)
+    server = _spawn(args, port or free_port(), env)
     try:
         yield server
     finally:

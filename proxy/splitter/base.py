@@ -1,0 +1,234 @@
+"""The adapter interface, and `TextAdapter`: the shared split machinery for templates that
+render to text.
+
+How a `TextAdapter` splits (the invariant that makes every cut exact):
+1. `render_pieces` renders the normalized request as consecutive text pieces; a piece that
+   ends after a whole turn says how many messages are rendered by then (`consumed`). The
+   concatenation is the full prompt text, generation prompt included.
+2. A piece end is a cut candidate only if the next piece starts with an *atomic* special
+   token (special, no lstrip/rstrip, not normalized) and no added token spans the boundary.
+   Tokenizers split added tokens out of the raw text before normalizing or pre-tokenizing,
+   so then `encode(a + b) == encode(a) + encode(b)`: the tokens up to the boundary do not
+   depend on anything after it. Candidates failing the check are dropped (fail closed).
+   At construction the adapter also checks, on a probe conversation, that chunked encoding
+   equals whole encoding for this tokenizer; if not, it encodes whole and verifies each cut
+   by encoding its prefix on its own.
+3. Chunks between candidates are encoded separately (one batched call); a cut's position is
+   the running token count. The ids of a prefix already seen are taken from the
+   `PrefixCache` (keyed by a digest of the prefix text), so a long agent prompt is not
+   re-tokenized whole on every turn; only the text after the deepest cached prefix is encoded.
+4. Cut kinds: INSTRUCTION at the end of the leading system/developer messages and tools,
+   CONVERSATION at the start of the trailing run of user/tool messages (when that is past
+   the instruction cut), TURN at the candidates in between, MESSAGES at the end of the last
+   message (before the generation prompt). Boundaries inside the newest messages are not
+   reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, NamedTuple
+
+from .normalize import canonical_tools, leading_system_count, newest_start, normalize_messages
+from .parsers import OutputParser
+from .prefix_cache import CachedPrefix, PrefixCache
+from .types import Cut, CutKind, SplitResult
+
+
+class Adapter(ABC):
+    """One chat-template family: renders requests, finds verified cuts, parses output.
+
+    `split` raises `SplitError` for bad request content (a 400) and never returns an
+    unverified cut. Adapters hold per-model state (tokenizer, prefix cache) and are created
+    once per served model.
+    """
+
+    name: ClassVar[str]
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    @abstractmethod
+    def matches(cls, tokenizer: Any) -> bool:
+        """Whether `auto` should pick this adapter for `tokenizer`."""
+
+    @abstractmethod
+    def split(self, messages: list[dict], tools: list[dict] | None = None, *,
+              template_kwargs: dict | None = None) -> SplitResult:
+        """Render with the generation prompt and return the ids and verified cuts."""
+
+    @abstractmethod
+    def output_parser(self, tools: list[dict] | None, *,
+                      tool_choice: Any = None) -> OutputParser:
+        """A fresh incremental parser for one response."""
+
+    def forced_prefix(self, tool_choice: Any) -> str | None:
+        """Text to append after the generation prompt to force a tool call
+        (`required` or a named function), or None when the adapter cannot force one."""
+        return None
+
+
+class Piece(NamedTuple):
+    text: str
+    consumed: int | None  # messages fully rendered at the end of this piece; None: no boundary
+
+
+def _digest(h: Any) -> bytes:
+    return h.copy().digest()
+
+
+class TextAdapter(Adapter):
+    """Adapters whose templates render text for an `HFTokenizer` (see module docstring)."""
+
+    probe_messages: ClassVar[list[dict]] = [
+        {"role": "system", "content": "Probe  system\n"},
+        {"role": "user", "content": " héllo wörld 你好 "},
+        {"role": "assistant", "content": "\n ok \n"},
+        {"role": "user", "content": "  again"},
+    ]
+
+    def __init__(self, tokenizer: Any, cache: PrefixCache | None = None) -> None:
+        super().__init__(tokenizer)
+        self.cache = cache if cache is not None else PrefixCache()
+        specials = sorted(tokenizer.atomic_specials, key=len, reverse=True)
+        added = sorted(tokenizer.added_tokens, key=len, reverse=True)
+        self._special_rx = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._added_rx = re.compile("|".join(map(re.escape, added))) if added else None
+        self._added_first_chars = frozenset(t[0] for t in added if t)
+        self._added_max_len = max((len(t) for t in added), default=1)
+        self.chunking_ok = self._probe_chunking()
+
+    @abstractmethod
+    def render_pieces(self, messages: list[dict], tools: list[dict] | None,
+                      template_kwargs: dict) -> list[Piece]:
+        """Normalized request → text pieces (module docstring, step 1)."""
+
+    def render_text(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    template_kwargs: dict | None = None) -> str:
+        """The full prompt text this adapter renders for a request."""
+        msgs, tls = normalize_messages(messages), canonical_tools(tools)
+        return "".join(p.text for p in self.render_pieces(msgs, tls, dict(template_kwargs or {})))
+
+    # -- splitting ---------------------------------------------------------------------
+
+    def split(self, messages: list[dict], tools: list[dict] | None = None, *,
+              template_kwargs: dict | None = None, use_cache: bool = True) -> SplitResult:
+        msgs, tls = normalize_messages(messages), canonical_tools(tools)
+        pieces = self.render_pieces(msgs, tls, dict(template_kwargs or {}))
+        chunks, consumed = self._chunks(pieces)
+        if self.chunking_ok:
+            ids, ends = self._encode_chunks(chunks, use_cache, self._wanted(msgs, consumed))
+        else:
+            ids, ends = self._encode_whole_verified(chunks)
+        return SplitResult(self.name, tuple(ids), self._classify(msgs, tls, consumed, ends))
+
+    def _safe_boundary(self, before: str, after: str) -> bool:
+        if self._special_rx is None or not self._special_rx.match(after):
+            return False
+        if self._added_rx is None:
+            return True
+        tail = before[-(self._added_max_len - 1):] if self._added_max_len > 1 else ""
+        window = tail + after[: self._added_max_len]
+        for p, ch in enumerate(tail):
+            if ch in self._added_first_chars:
+                m = self._added_rx.match(window, p)
+                if m and m.end() > len(tail):
+                    return False
+        return True
+
+    def _chunks(self, pieces: list[Piece]) -> tuple[list[str], list[int | None]]:
+        """Merge pieces into chunks that end at safe boundaries; `consumed[i]` belongs to the
+        end of chunk i (None for the last chunk unless it ends a turn)."""
+        chunks: list[str] = []
+        consumed: list[int | None] = []
+        buf: list[str] = []
+        for i, piece in enumerate(pieces):
+            buf.append(piece.text)
+            nxt = pieces[i + 1].text if i + 1 < len(pieces) else None
+            if piece.consumed is None or nxt is None:
+                continue
+            text = "".join(buf)
+            if text and self._safe_boundary(text, nxt):
+                chunks.append(text)
+                consumed.append(piece.consumed)
+                buf = []
+        chunks.append("".join(buf))
+        consumed.append(None)
+        return chunks, consumed
+
+    @staticmethod
+    def _wanted(msgs: list[dict], consumed: list[int | None]) -> set[int]:
+        """Chunk indexes whose prefix ids are worth caching: instruction, conversation and
+        messages end (the next turn's history ends there)."""
+        lead, newest = leading_system_count(msgs), newest_start(msgs)
+        return {i for i, c in enumerate(consumed)
+                if c is not None and c in (lead, newest, len(msgs))}
+
+    def _encode_chunks(self, chunks: list[str], use_cache: bool,
+                       wanted: set[int]) -> tuple[list[int], list[int]]:
+        h = hashlib.blake2b(digest_size=16, person=b"ac.split.v1")
+        keys = []
+        for chunk in chunks[:-1]:
+            h.update(chunk.encode("utf-8", "surrogatepass"))
+            keys.append(_digest(h))
+        start, ids, ends = 0, [], []
+        hit = self.cache.deepest(keys) if use_cache else None
+        if hit is not None:
+            start, ids, ends = hit[0] + 1, list(hit[1].ids), list(hit[1].chunk_ends)
+        for i, enc in enumerate(self.tokenizer.encode_batch(chunks[start:]), start):
+            ids.extend(enc)
+            ends.append(len(ids))
+            if use_cache and i in wanted and i < len(keys):
+                self.cache.put(keys[i], CachedPrefix(tuple(ids), tuple(ends)))
+        return ids, ends
+
+    def _encode_whole_verified(self, chunks: list[str]) -> tuple[list[int], list[int]]:
+        """Slow path for tokenizers that fail the chunking probe: encode the whole text, and
+        keep a boundary only if encoding its prefix alone gives exactly the leading ids."""
+        text = "".join(chunks)
+        ids = self.tokenizer.encode(text)
+        ends, offset = [], 0
+        for chunk in chunks[:-1]:
+            offset += len(chunk)
+            prefix = self.tokenizer.encode(text[:offset])
+            ends.append(len(prefix) if ids[: len(prefix)] == prefix else -1)
+        ends.append(len(ids))
+        return ids, ends
+
+    def _classify(self, msgs: list[dict], tools: list[dict] | None,
+                  consumed: list[int | None], ends: list[int]) -> tuple[Cut, ...]:
+        lead, newest = leading_system_count(msgs), newest_start(msgs)
+        cuts: list[Cut] = []
+        for c, pos in zip(consumed, ends, strict=True):
+            if c is None or pos <= 0:
+                continue
+            if c > newest:
+                if c == len(msgs) and (not cuts or pos > cuts[-1].position):
+                    cuts.append(Cut(CutKind.MESSAGES, pos))
+                continue
+            if c == lead:
+                kind = CutKind.INSTRUCTION
+            elif c < lead:
+                continue  # inside the instruction part
+            elif c == newest:
+                kind = CutKind.CONVERSATION
+            else:
+                kind = CutKind.TURN
+            if cuts and pos <= cuts[-1].position:
+                continue
+            cuts.append(Cut(kind, pos))
+        # an adapter with no instruction text (no system, no tools) has no instruction cut
+        return tuple(cuts)
+
+    def _probe_chunking(self) -> bool:
+        try:
+            pieces = self.render_pieces(normalize_messages(self.probe_messages), None, {})
+        except Exception:  # a template that rejects the probe: take the verified slow path
+            return False
+        chunks, _ = self._chunks(pieces)
+        chunked = [t for ids in self.tokenizer.encode_batch(chunks) for t in ids]
+        return chunked == self.tokenizer.encode("".join(chunks))

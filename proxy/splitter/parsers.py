@@ -1,0 +1,177 @@
+"""Incremental parsing of model output into OpenAI content and `tool_calls`.
+
+`OutputParser` is fed decoded text as it streams and returns deltas; `finish` returns the
+whole result. Invariants shared by every parser:
+- text that might still become part of a tool-call marker is held back, so a partial
+  `<tool_call>` (or `[TOOL_CALLS]`, ...) is never emitted as content;
+- a tool call is emitted once, whole, when its end is seen (or at `finish`);
+- a call whose body is not valid JSON is returned as content, verbatim;
+- trailing whitespace is held back until more content follows; whitespace right before a
+  tool call, and at the end of a response with tool calls, is dropped;
+- `tool_choice="none"` parses nothing: everything is content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .types import OutputDelta, ParsedOutput, ToolCall, ToolCallDelta
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def arguments_json(value: Any) -> str | None:
+    """Arguments (an object or a JSON string of one) as JSON text; None if not an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            return None
+    if value is None:
+        value = {}
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+def call_from_object(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")
+                     ) -> tuple[str, str] | None:
+    """`{"name": ..., "arguments": {...}}` → (name, arguments JSON); None if malformed."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    raw = next((obj[k] for k in args_keys if k in obj), {})
+    args = arguments_json(raw)
+    return None if args is None else (obj["name"], args)
+
+
+class OutputParser:
+    """Base parser: all text is content. Subclasses override `_scan`."""
+
+    def __init__(self, *, tool_choice: Any = None,
+                 id_factory: Callable[[], str] = new_call_id) -> None:
+        self.parse_tools = tool_choice != "none"
+        self._id_factory = id_factory
+        self._buffer = ""
+        self._content: list[str] = []
+        self._pending_ws = ""
+        self._calls: list[ToolCall] = []
+        self._finished = False
+
+    # -- helpers for subclasses --------------------------------------------------------
+
+    def _emit_content(self, text: str, out: list[OutputDelta]) -> None:
+        if not text:
+            return
+        body = text.rstrip()
+        if not body:
+            self._pending_ws += text
+            return
+        text, self._pending_ws = self._pending_ws + body, text[len(body):]
+        self._content.append(text)
+        out.append(OutputDelta(content=text))
+
+    def _emit_call(self, name: str, arguments: str, out: list[OutputDelta]) -> None:
+        self._pending_ws = ""  # whitespace just before a call is formatting, not content
+        call = ToolCall(self._id_factory(), name, arguments)
+        out.append(OutputDelta(tool_call=ToolCallDelta(len(self._calls), call.id, name,
+                                                       arguments)))
+        self._calls.append(call)
+
+    def _scan(self, out: list[OutputDelta], final: bool) -> None:
+        """Consume `self._buffer` as far as is safe; at `final`, consume all of it."""
+        self._emit_content(self._buffer, out)
+        self._buffer = ""
+
+    # -- public ------------------------------------------------------------------------
+
+    def feed(self, text: str) -> list[OutputDelta]:
+        if self._finished:
+            raise RuntimeError("feed after finish")
+        out: list[OutputDelta] = []
+        self._buffer += text
+        if self.parse_tools:
+            self._scan(out, final=False)
+        else:
+            OutputParser._scan(self, out, final=False)
+        return out
+
+    def flush(self) -> list[OutputDelta]:
+        """End of stream: the deltas still held back (call once, then `finish`)."""
+        if self._finished:
+            return []
+        out: list[OutputDelta] = []
+        if self.parse_tools:
+            self._scan(out, final=True)
+        else:
+            OutputParser._scan(self, out, final=True)
+        if self._pending_ws and not self._calls:
+            self._content.append(self._pending_ws)
+            out.append(OutputDelta(content=self._pending_ws))
+        self._pending_ws = ""
+        self._finished = True
+        return out
+
+    def finish(self) -> ParsedOutput:
+        self.flush()
+        content = "".join(self._content)
+        return ParsedOutput(content=content or None, tool_calls=tuple(self._calls))
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class TagParser(OutputParser):
+    """Calls wrapped in `open_tag ... close_tag`, each body one JSON object
+    (Hermes/Qwen3/ChatML: `<tool_call>{"name", "arguments"}</tool_call>`)."""
+
+    open_tag = "<tool_call>"
+    close_tag = "</tool_call>"
+
+    def __init__(self, *, prefix: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._in_call = False
+        if prefix and self.parse_tools:  # forced by the prompt: consumed, never emitted
+            self.feed(prefix)
+
+    def _parse_body(self, body: str) -> tuple[str, str] | None:
+        try:
+            return call_from_object(json.loads(body))
+        except ValueError:
+            return None
+
+    def _close(self, body: str, out: list[OutputDelta], closed: bool) -> None:
+        call = self._parse_body(body)
+        if call is not None:
+            self._emit_call(*call, out)
+        else:
+            self._emit_content(self.open_tag + body + (self.close_tag if closed else ""), out)
+
+    def _scan(self, out: list[OutputDelta], final: bool) -> None:
+        while True:
+            if not self._in_call:
+                idx = self._buffer.find(self.open_tag)
+                if idx < 0:
+                    keep = 0 if final else _partial_suffix(self._buffer, self.open_tag)
+                    self._emit_content(self._buffer[: len(self._buffer) - keep], out)
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    return
+                self._emit_content(self._buffer[:idx], out)
+                self._buffer = self._buffer[idx + len(self.open_tag):]
+                self._in_call = True
+            idx = self._buffer.find(self.close_tag)
+            if idx < 0:
+                if final:
+                    self._close(self._buffer, out, closed=False)
+                    self._buffer, self._in_call = "", False
+                return
+            body, self._buffer = self._buffer[:idx], self._buffer[idx + len(self.close_tag):]
+            self._in_call = False
+            self._close(body, out, closed=True)

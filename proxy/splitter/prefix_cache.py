@@ -1,0 +1,69 @@
+"""Bounded LRU of prefix token ids, keyed by a digest of the exact prefix text.
+
+The text of a prefix is a pure function of the normalized messages/tools that produced it
+(adapters render deterministically), so keying by its BLAKE2b digest is keying by those
+messages/tools, without a second canonical serialization. Token ids are a pure function of
+the text, so a hit can only return the ids a whole render would give; the digest covers every
+character (a one-character change in the system prompt is a different key).
+
+Each entry holds the prefix ids and the token positions of the chunk ends inside it, so a
+hit restores the earlier cuts too. Bounded by entry count and by total tokens; not thread-safe (one per adapter, used from the
+proxy's event loop).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+
+class CachedPrefix(NamedTuple):
+    ids: tuple[int, ...]
+    chunk_ends: tuple[int, ...]  # token count at the end of each chunk of the prefix
+
+
+class PrefixCache:
+    def __init__(self, max_entries: int = 256, max_tokens: int = 4_000_000) -> None:
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[bytes, CachedPrefix] = OrderedDict()
+        self._num_tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def get(self, key: bytes) -> CachedPrefix | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
+
+    def deepest(self, keys: list[bytes]) -> tuple[int, CachedPrefix] | None:
+        """The last of `keys` (prefix digests, shortest first) that is cached, with its
+        index; counts one hit or one miss."""
+        for i in range(len(keys) - 1, -1, -1):
+            entry = self.get(keys[i])
+            if entry is not None:
+                self.hits += 1
+                return i, entry
+        self.misses += 1
+        return None
+
+    def put(self, key: bytes, entry: CachedPrefix) -> None:
+        if len(entry.ids) > self.max_tokens or key in self._entries:
+            return
+        self._entries[key] = entry
+        self._num_tokens += len(entry.ids)
+        while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
+            _, old = self._entries.popitem(last=False)
+            self._num_tokens -= len(old.ids)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._num_tokens = 0

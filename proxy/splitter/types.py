@@ -1,0 +1,114 @@
+"""Records that cross the splitter's boundary: split results, cuts, parsed model output.
+
+All frozen: the proxy hands them to the planner and the HTTP layer unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class CutKind(str, Enum):
+    INSTRUCTION = "instruction"  # end of leading system/developer messages + tool schemas
+    TURN = "turn"  # end of a completed turn between the instruction and conversation cuts
+    CONVERSATION = "conversation"  # end of the last completed turn before the newest messages
+    MESSAGES = "messages"  # end of the last message, before the generation prompt: the
+    #                        next turn's history ends here, so its anchor is the next hit
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A verified cut: `input_ids[:position]` is an exact token prefix of the full prompt."""
+
+    kind: CutKind
+    position: int  # number of tokens in the verified prefix
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """A rendered prompt and its verified cuts.
+
+    Invariants: `cuts` is sorted by strictly increasing position, every position lies in
+    `[1, len(input_ids)]`, at most one INSTRUCTION cut (the first cut, if present) and at
+    most one CONVERSATION cut and at most one MESSAGES cut (the last cut, if present).
+    """
+
+    adapter: str
+    input_ids: tuple[int, ...]  # full prompt, generation prompt included
+    cuts: tuple[Cut, ...]
+
+    def _position(self, kind: CutKind) -> int | None:
+        for cut in self.cuts:
+            if cut.kind is kind:
+                return cut.position
+        return None
+
+    @property
+    def instruction_cut(self) -> int | None:
+        return self._position(CutKind.INSTRUCTION)
+
+    @property
+    def conversation_cut(self) -> int | None:
+        return self._position(CutKind.CONVERSATION)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def to_json(self) -> dict:
+        return {
+            "adapter": self.adapter,
+            "num_tokens": len(self.input_ids),
+            "input_ids": list(self.input_ids),
+            "cuts": [{"kind": c.kind.value, "position": c.position} for c in self.cuts],
+        }
+
+
+class SplitError(ValueError):
+    """Bad request content (the client's fault): the proxy answers 400 invalid_request_error.
+
+    `param` names the offending field in OpenAI style, e.g.
+    `messages[3].tool_calls[0].function.arguments`.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One streamed piece of a tool call (OpenAI `delta.tool_calls[i]`).
+
+    The first delta of a call carries `id` and `name`; our parsers emit each call whole once
+    its closing marker is seen, so `arguments_delta` is then the complete JSON text.
+    """
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments_delta: str
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    content: str | None = None
+    tool_call: ToolCallDelta | None = None
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]

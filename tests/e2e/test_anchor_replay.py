@@ -1,0 +1,60 @@
+"""Anchors on vs off: replaying agent conversations turn by turn gives identical greedy
+outputs, for the default model, a dense Qwen3 and the hybrid models, while anchors hit."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.data import conversations, turn_requests
+
+from .conftest import tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+def replay(stack, convs, max_turns, max_tokens=8):
+    """Replay each conversation; per conversation, per turn (prompt_tokens, cached, timings)."""
+    out = []
+    for conv in convs:
+        seen = []
+        out.append(seen)
+        for messages in turn_requests(conv, max_turns):
+            off = stack.chat("off", messages, conv["tools"], max_tokens=max_tokens)
+            on = stack.chat("on", messages, conv["tools"], max_tokens=max_tokens)
+            assert on["choices"][0]["message"] == off["choices"][0]["message"]
+            assert on["usage"]["completion_tokens"] == off["usage"]["completion_tokens"]
+            assert on["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"]
+            assert off["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            seen.append((on["usage"]["prompt_tokens"],
+                         on["usage"]["prompt_tokens_details"]["cached_tokens"],
+                         on["usage"]["timings"]))
+    return out
+
+
+def short_conversations(n):
+    """The n shortest conversations (by JSON size): the fastest to replay."""
+    convs = sorted(conversations("base"), key=lambda c: len(str(c)))
+    return convs[:n]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next", "qwen3_5", "mamba2"])
+def test_tiny_models_on_equals_off(stack_factory, arch):
+    from anchorcache.ext.embedded.tiny_models import TINY_ARCHS
+
+    if arch not in TINY_ARCHS:
+        pytest.skip(f"{arch} not buildable with this transformers")
+    stack = stack_factory(tiny_model(arch))
+    for turns in replay(stack, short_conversations(3), max_turns=4, max_tokens=12):
+        assert len(turns) >= 2
+        for prompt, cached, timings in turns[1:]:  # every later turn restores its history
+            assert 0 < cached < prompt
+            assert timings["prefill_tokens"] == prompt - cached
+    assert stack.stats()["staged"] == 0
+
+
+def test_default_model_on_equals_off(stack_factory, default_model_dir):
+    stack = stack_factory(str(default_model_dir))
+    conv = short_conversations(1)[0]
+    [seen] = replay(stack, [conv], max_turns=3, max_tokens=16)
+    assert seen[0][1] == 0
+    assert all(cached > 0 for _, cached, _ in seen[1:])

@@ -1,0 +1,73 @@
+"""Fixtures for the embedded worker's model-facing tests: tiny random models (built once
+and kept under the anchorcache cache dir, keyed by arch, seed and recipe version), the
+real Qwen3 tokenizer, and real BFCL agent prompts rendered with its chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+DATA_DIR = Path("/work/shared/data")
+BFCL_FILE = DATA_DIR / "bfcl_multi_turn_base.conversations.json"
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+
+
+@pytest.fixture(scope="session")
+def bfcl_conversations() -> list[dict[str, Any]]:
+    if not BFCL_FILE.is_file():
+        pytest.skip(f"{BFCL_FILE} is missing")
+    return json.loads(BFCL_FILE.read_text())
+
+
+def _render(tokenizer: Any, conversation: dict[str, Any], num_messages: int,
+            num_tools: int) -> str:
+    # Tools are trimmed so the prompt stays a few hundred tokens (all ~28 are ~4k).
+    return tokenizer.apply_chat_template(
+        conversation["messages"][:num_messages], tools=conversation["tools"][:num_tools],
+        tokenize=False, add_generation_prompt=True)
+
+
+@pytest.fixture(scope="session")
+def agent_prompt_texts(qwen3_tokenizer: Any, bfcl_conversations: list[dict[str, Any]]
+                       ) -> list[str]:
+    """Two real agent prompts (system + 2 tool schemas, a user turn, an assistant turn
+    with tool calls, tool results, then the generation prompt), rendered as text by the
+    Qwen3 chat template; each is a few hundred tokens."""
+    return [_render(qwen3_tokenizer, bfcl_conversations[i], num_messages=5, num_tools=2)
+            for i in (0, 1)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    """arch -> built model dir (seed 0), built at most once per machine."""
+    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+
+    def get(arch: str, seed: int = 0) -> Path:
+        return build_tiny_model(arch, tiny_model_dir(arch, seed), seed=seed)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The converted default model, if a previous run converted it (never converted here:
+    that takes ~17 s and is the model store's job)."""
+    try:
+        from anchorcache.ext.embedded.model_store import default_model_dir, is_model_dir
+    except ImportError as e:
+        pytest.skip(f"model_store unavailable: {e}")
+    path = default_model_dir()
+    if not is_model_dir(path):
+        pytest.skip(f"SmolLM2 not converted at {path}")
+    return path

@@ -21,7 +21,7 @@ from pathlib import Path
 from anchorcache.proxy.splitter import canonical_tools, get_adapter, normalize_messages
 from anchorcache.proxy.tokenizers import load_tokenizer
 
-DATA = Path("/work/shared/data/bfcl_multi_turn_long_context.conversations.json")
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "bfcl_multi_turn_long_context.conversations.json"
 BUCKETS = [(0, 10_000), (10_000, 15_000), (15_000, 25_000), (25_000, 10**9)]
 
 

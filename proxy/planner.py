@@ -3,8 +3,8 @@
 `plan()` is pure: from the split's verified cuts and the index of committed anchors it picks
 the deepest anchor whose whole chain is known and that is an exact prefix of this prompt
 (keys cover every token, so equal key ⇒ equal prefix), and asks for snapshots at the
-instruction cut, the conversation cut and the end of the messages (where the next turn's
-history ends) past it, plus the response anchor. `settle()` is the one
+instruction cut, the conversation cut, the end of the messages (where the next turn's
+history ends) and the end of the prompt, plus the response anchor. `settle()` is the one
 place with I/O: after the worker's reply it confirms the snapshots the worker wrote (making
 them visible) or, on any failure, aborts them; evictions and misses it reports leave the index.
 
@@ -103,6 +103,10 @@ class Planner:
         for depth, kind in cuts:
             region = Region.THIN if kind == AnchorKind.INSTRUCTION else Region.THICK
             snapshots[depth] = SnapshotSpec(depth, kind, region)
+        # The whole prompt, generation prompt included: the next turn's prompt starts with it
+        # whenever the template renders the assistant reply right after it, so only the
+        # really new tokens are prefilled (the response anchor covers an echoed reply).
+        snapshots[n] = SnapshotSpec(n, AnchorKind.CONVERSATION, Region.THICK)
         request = AnchorPlan(
             namespace=ns,
             restore=tuple(AnchorRef(r.key, r.depth) for r in chain),

@@ -11,7 +11,7 @@
 namespace anchorcache {
 namespace {
 
-constexpr int64_t kPrefetchChunks = 4;
+constexpr int64_t kPrefetchChunks = 12;
 
 at::Tensor alloc_host_cpu(at::IntArrayRef shape, at::ScalarType dtype) {
   return at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCPU));

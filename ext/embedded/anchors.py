@@ -93,7 +93,9 @@ class AnchorStore:
             for ref in plan.restore:
                 reason = None
                 slot = None
-                if keys[ref.depth] != ref.key:
+                if ref.depth >= len(ids):
+                    reason = "covers_prompt"  # at least the last token must be prefilled
+                elif keys[ref.depth] != ref.key:
                     reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
                 elif (slot := self.table.lookup(ref.key, ref.depth)) is None:
                     reason = "not_resident"
@@ -128,7 +130,7 @@ class AnchorStore:
         elif states:
             ops.restore_chain([], [], [], [], layout="bhtd", state_slab=chain[-1].state,
                               states=states)
-        cache = cache_io.cache_from_tensors(model, keys_t, values_t, states, spec=spec)
+        cache = cache_io.cache_from_tensors(model, keys_t, values_t, states, spec=spec, adopt=True)
         self._tips[rid] = prev
         return cache, depth, info
 

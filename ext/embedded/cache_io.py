@@ -275,10 +275,13 @@ def cache_from_tensors(
     states: Sequence[torch.Tensor],
     *,
     spec: CacheSpec | None = None,
+    adopt: bool = False,
 ) -> Cache:
     """A fresh cache holding `keys`/`values` (d tokens each) and `states` (at d), such that
     a forward over the delta at positions `[d, ...)` continues exactly as if `[0, d)` had
-    been prefilled. Inputs are copied. `spec` (from `CacheSpec.from_model`) saves a probe.
+    been prefilled. Inputs are copied, except with `adopt=True`, where plain attention layers
+    take `keys`/`values` as their own storage (the caller hands them over and must not reuse
+    them). `spec` (from `CacheSpec.from_model`) saves a probe.
 
     Raises ValueError on any count, shape or dtype mismatch with the model's cache, or
     when d == 0 (an empty prefix is a fresh cache, never a restore).
@@ -307,9 +310,14 @@ def cache_from_tensors(
     cache = new_cache(model)
     for idx, k, v in zip(spec.kv_layers, keys, values, strict=True):
         layer: Any = cache.layers[idx]
-        # `update` lazily initializes and concatenates onto an empty tensor: a copy.
-        layer.update(k.to(device=device, dtype=spec.kv_dtype),
-                     v.to(device=device, dtype=spec.kv_dtype))
+        k = k.to(device=device, dtype=spec.kv_dtype)
+        v = v.to(device=device, dtype=spec.kv_dtype)
+        if adopt and type(layer) is DynamicLayer:
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        else:
+            # `update` lazily initializes and concatenates onto an empty tensor: a copy.
+            layer.update(k, v)
     for s, t in zip(spec.states, states, strict=True):
         layer = cache.layers[s.layer_idx]
         t = t.to(device=device, dtype=s.dtype)

@@ -155,8 +155,9 @@ class Engine:
             cache, restored = cache_io.new_cache(self.model), 0
         t_restore = time.perf_counter()
 
-        snapshots = {s.depth: s for s in (plan.snapshot if plan else ()) if restored < s.depth < n}
-        boundaries = sorted({d for d in (plan.chunk_at if plan else ()) if restored < d < n} | set(snapshots))
+        snapshots = {s.depth: s for s in (plan.snapshot if plan else ()) if restored < s.depth <= n}
+        boundaries = sorted({d for d in (plan.chunk_at if plan else ()) if restored < d < n}
+                            | {d for d in snapshots if d < n})
         written: list[AnchorWritten] = []
 
         def on_boundary(depth: int, cache: Any) -> None:

@@ -47,7 +47,7 @@ def test_cold_plan_snapshots_instruction_and_conversation():
     plan = p.plan(split(ids, instruction=30, conversation=70, turns=(50,)))
     assert plan.chain == ()
     assert [(s.depth, s.kind) for s in plan.request.snapshot] == [
-        (30, AnchorKind.INSTRUCTION), (70, AnchorKind.CONVERSATION)]
+        (30, AnchorKind.INSTRUCTION), (70, AnchorKind.CONVERSATION), (100, AnchorKind.CONVERSATION)]
     assert plan.request.chunk_at == (30, 70)
     assert plan.request.snapshot_response
     assert plan.request.restore == ()
@@ -59,9 +59,9 @@ def test_next_turn_restores_the_deepest_chain():
     commit_all(p, p.plan(split(ids, instruction=30, conversation=70)), ids)
     longer = ids + ids_of(40, seed=1)
     plan = p.plan(split(longer, instruction=30, conversation=120))
-    assert [r.depth for r in plan.request.restore] == [30, 70]
-    assert plan.restore_depth == 70
-    assert [s.depth for s in plan.request.snapshot] == [30, 120]  # the worker skips held ones
+    assert [r.depth for r in plan.request.restore] == [30, 70, 100]  # the old prompt's end
+    assert plan.restore_depth == 100
+    assert [s.depth for s in plan.request.snapshot] == [30, 120, 140]  # the worker skips held ones
 
 
 def test_an_edited_early_token_restores_nothing_past_it():
@@ -95,31 +95,36 @@ def test_a_broken_chain_is_not_planned():
     p.index.remove(bytes.fromhex(written[0]["key"]))  # the instruction anchor is gone
     plan = p.plan(split(ids + [5], instruction=30, conversation=100))
     assert plan.chain == ()
-    assert [s.depth for s in plan.request.snapshot] == [30, 100]
+    assert [s.depth for s in plan.request.snapshot] == [30, 100, 101]
 
 
 def test_misses_and_evictions_leave_the_index_and_epochs_reset_it():
     p = Planner(MODEL, "e1", salt="s")
     ids = ids_of(100)
     written = commit_all(p, p.plan(split(ids, instruction=30, conversation=70)), ids)
-    assert len(p.index) == 2
+    assert [w["depth"] for w in written] == [30, 70, 100]
+    assert len(p.index) == 3
     p.record_result(p.plan(split(ids, instruction=30)),
                     {"anchors": {"restore_miss": [{"key": written[1]["key"], "depth": 70}]}}, {})
-    assert len(p.index) == 1
+    assert len(p.index) == 2
     p.record_result(p.plan(split(ids)), {"anchors": {}}, {"evicted": [written[0]["key"]]})
-    assert len(p.index) == 0
+    assert len(p.index) == 1
+    # the survivor's chain is broken: it is never planned
+    assert p.plan(split([*ids, 1, 2], instruction=30, conversation=101)).chain == ()
     commit_all(p, p.plan(split(ids, instruction=30, conversation=70)), ids)
     p.observe_epoch("e2")
     assert len(p.index) == 0
-    assert p.plan(split(ids + [1], instruction=30, conversation=100)).chain == ()
+    assert p.plan(split([*ids, 1], instruction=30, conversation=100)).chain == ()
 
 
-def test_cuts_at_the_prompt_end_are_not_snapshot():
+def test_the_prompt_end_is_snapshot_but_never_a_chunk_boundary_or_restored():
     p = Planner(MODEL, "e1", salt="s")
     ids = ids_of(50)
     plan = p.plan(split(ids, instruction=50))
-    assert plan.request.snapshot == ()
+    assert [s.depth for s in plan.request.snapshot] == [50]
     assert plan.request.chunk_at == ()
+    commit_all(p, plan, ids)
+    assert p.plan(split(ids)).chain == ()  # the same prompt again: its last token is prefilled
 
 
 def test_chunk_only_keeps_the_chunking_and_nothing_else():

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-DATA_DIR = Path("/work/shared/data")
+DATA_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 BFCL_FILE = DATA_DIR / "bfcl_multi_turn_base.conversations.json"
 
 
@@ -25,8 +25,6 @@ def qwen3_tokenizer() -> Any:
 
 @pytest.fixture(scope="session")
 def bfcl_conversations() -> list[dict[str, Any]]:
-    if not BFCL_FILE.is_file():
-        pytest.skip(f"{BFCL_FILE} is missing")
     return json.loads(BFCL_FILE.read_text())
 
 
@@ -61,13 +59,7 @@ def tiny_model_path():
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    """The converted default model, if a previous run converted it (never converted here:
-    that takes ~17 s and is the model store's job)."""
-    try:
-        from anchorcache.ext.embedded.model_store import default_model_dir, is_model_dir
-    except ImportError as e:
-        pytest.skip(f"model_store unavailable: {e}")
-    path = default_model_dir()
-    if not is_model_dir(path):
-        pytest.skip(f"SmolLM2 not converted at {path}")
-    return path
+    """The converted default model (`make test` prepares it; converted here otherwise)."""
+    from anchorcache.ext.embedded.model_store import prepare_default_model
+
+    return prepare_default_model()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 FILES = ["bfcl_multi_turn_base.conversations.json",
          "bfcl_multi_turn_long_context.conversations.json"]
 
@@ -21,10 +21,7 @@ def requests_of(messages: list[dict]) -> list[list[dict]]:
 
 @pytest.fixture(scope="module", params=FILES)
 def conversations(request):
-    path = DATA / request.param
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
-    return json.loads(path.read_text())
+    return json.loads((DATA / request.param).read_text())
 
 
 @pytest.mark.parametrize("name", ["qwen3", "chatml"])

@@ -28,6 +28,7 @@ from typing import Any
 
 import tokenizers
 
+from anchorcache.paths import cache_dir
 from anchorcache.proxy.splitter.template import render_template
 
 DEFAULT_MODEL_DIR = "SmolLM2-135M-Instruct"
@@ -144,10 +145,6 @@ def _package_dir(package: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"package {package!r} is not installed")
     return Path(next(iter(spec.submodule_search_locations)))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ANCHORCACHE_CACHE_DIR") or Path.home() / ".cache" / "anchorcache")
 
 
 _GGUF_SCRIPT = """

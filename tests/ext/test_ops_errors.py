@@ -6,11 +6,7 @@ import pytest
 import torch
 
 from anchorcache.ext import ops
-
-try:
-    from .test_ops_reference import fresh_generator, make_cache, rand, same
-except ImportError:
-    from test_ops_reference import fresh_generator, make_cache, rand, same
+from tests.ext.test_ops_reference import fresh_generator, make_cache, rand, same
 
 
 @pytest.fixture

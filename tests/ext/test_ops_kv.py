@@ -8,33 +8,17 @@ import pytest
 import torch
 
 from anchorcache.ext import ops
-
-try:
-    from .test_ops_reference import (
-        DTYPES,
-        LAYOUTS,
-        fresh_generator,
-        make_cache,
-        rand,
-        ref_restore,
-        ref_snapshot,
-        same,
-    )
-except ImportError:
-    from test_ops_reference import (
-        DTYPES,
-        LAYOUTS,
-        fresh_generator,
-        make_cache,
-        rand,
-        ref_restore,
-        ref_snapshot,
-        same,
-    )
-
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
+from tests.ext.test_ops_reference import (
+    DEVICES,
+    DTYPES,
+    LAYOUTS,
+    fresh_generator,
+    make_cache,
+    rand,
+    ref_restore,
+    ref_snapshot,
+    same,
+)
 
 
 def _shape(rnd: random.Random) -> dict:

@@ -6,15 +6,7 @@ import pytest
 import torch
 
 from anchorcache.ext import ops  # noqa: F401  (registers the fake implementations)
-
-try:
-    from .test_ops_reference import fresh_generator, make_cache, rand
-except ImportError:
-    from test_ops_reference import fresh_generator, make_cache, rand
-
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
+from tests.ext.test_ops_reference import DEVICES, fresh_generator, make_cache, rand
 
 _ops = torch.ops.anchorcache
 

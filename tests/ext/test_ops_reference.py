@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import Tensor
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 LAYOUTS = ["thd", "bhtd"]
 

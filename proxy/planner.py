@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region, SnapshotSpec, anchor_keys
@@ -41,7 +41,6 @@ class Plan:
     namespace: bytes
     request: AnchorPlan | None  # what the worker gets; None: no anchor part at all
     chain: tuple[AnchorRecord, ...] = ()  # planned restore, root→leaf
-    snapshot_kinds: dict[int, AnchorKind] = field(default_factory=dict)
 
     @property
     def restore_depth(self) -> int:
@@ -114,7 +113,7 @@ class Planner:
             snapshot_response=True,
             chunk_at=tuple(sorted({d for d, _ in cuts})),
         )
-        return Plan(ns, request, tuple(chain), {d: s.kind for d, s in snapshots.items()})
+        return Plan(ns, request, tuple(chain))
 
     # ---- after the worker replied ------------------------------------------------------
     def observe_epoch(self, epoch: str | None) -> None:

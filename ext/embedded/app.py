@@ -29,6 +29,7 @@ class WorkerConfig:
     anchor_capacity_bytes: int = 4 << 30
     pinned_slots: int = 16
     fault_injection: bool = False  # expose POST /debug/fault (tests inject worker faults)
+    prefill_chunk_tokens: int = 1024  # longest prefill forward; an abort waits at most one
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -37,6 +38,8 @@ class WorkerConfig:
             raise ValueError("need anchor_slots >= 1 and 0 <= pinned_slots < anchor_slots")
         if self.anchor_capacity_bytes < 1:
             raise ValueError("anchor_capacity_bytes must be positive")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be positive")
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
@@ -76,7 +79,9 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
         anchors = AnchorStore.create(model, info.model_id, spec, num_slots=config.anchor_slots,
                                      capacity_bytes=config.anchor_capacity_bytes,
                                      pinned_slots=config.pinned_slots)
-    return Engine(model, eos_token_ids=info.eos_token_ids, anchors=anchors), info
+    engine = Engine(model, eos_token_ids=info.eos_token_ids, anchors=anchors,
+                    prefill_chunk_tokens=config.prefill_chunk_tokens)
+    return engine, info
 
 
 def create_app(config: WorkerConfig, *, engine: Engine | None = None,

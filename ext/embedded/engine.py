@@ -67,8 +67,9 @@ class Aborted(Exception):
 
 class Engine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: tuple[int, ...],
-                 anchors: Any | None = None) -> None:
+                 anchors: Any | None = None, prefill_chunk_tokens: int | None = None) -> None:
         self.model = model
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # bounds how late an abort is seen
         self.eos_token_ids = eos_token_ids
         self.anchors = anchors  # AnchorStore or None (see anchors.py)
         if anchors is not None:
@@ -170,7 +171,8 @@ class Engine:
 
         input_t = torch.tensor([ids], dtype=torch.long)
         logits = cache_io.prefill(self.model, cache, input_t, restored, boundaries,
-                                  on_boundary=on_boundary)
+                                  on_boundary=on_boundary,
+                                  max_chunk_tokens=self.prefill_chunk_tokens)
         t_prefill = time.perf_counter()
 
         sampler = Sampler(p)

@@ -93,10 +93,11 @@ async def _events(request: web.Request, job: Job) -> AsyncIterator[TokenEvent | 
             if isinstance(event, ErrorEvent):
                 done = True
                 raise event.error
-            yield event
             if isinstance(event, FinishEvent):
-                done = True
+                done = True  # before the yield: the consumer may stop right after it
+                yield event
                 return
+            yield event
     finally:
         if not done:
             engine.abort(job.rid)

@@ -32,6 +32,11 @@ def _assistant_text(adapter, calls) -> str:
         start = ids.index(inner.get_special_token(TOOL_CALLS))
         end = ids.index(inner.eos_id, start)
         return TOOL_CALLS + inner.decode(ids[start + 1: end])
+    if adapter.name == "harmony":  # after the prompt's `<|start|>assistant`, up to the results
+        prompt = adapter.tokenizer.decode(list(adapter.split(user, TOOLS).input_ids))
+        full = adapter.tokenizer.decode(list(adapter.split(msgs, TOOLS).input_ids))
+        assert full.startswith(prompt)
+        return full[len(prompt): full.index("<|start|>functions.")]
     prompt = adapter.render_text(user, TOOLS)
     full = adapter.render_text(msgs, TOOLS)
     assert full.startswith(prompt[: prompt.rindex("<|")])
@@ -42,7 +47,8 @@ def _assistant_text(adapter, calls) -> str:
     return full[start: full.index(end_marker, start)]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "chatml", "llama3", "mistral", "generic-smollm2"])
+@pytest.mark.parametrize("name", ["qwen3", "chatml", "llama3", "mistral", "harmony",
+                                  "generic-smollm2"])
 @SETTINGS
 @given(calls=calls_strategy)
 def test_round_trip(adapters, name, calls):
@@ -59,7 +65,7 @@ def test_round_trip(adapters, name, calls):
     assert len({c.id for c in parsed.tool_calls}) == len(calls)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3", "mistral"])
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "mistral", "harmony"])
 @SETTINGS
 @given(calls=calls_strategy, prose=st.text(min_size=1, max_size=20).filter(
     lambda s: s.strip() and "<" not in s and "{" not in s and "[" not in s))
@@ -67,6 +73,8 @@ def test_streaming_equals_whole_and_never_leaks_markers(adapters, name, calls, p
     adapter = adapters[name]
     body = _assistant_text(adapter, calls)
     text = body if name == "llama3" else prose + body
+    if name == "harmony":  # prose as the preamble message before the calls
+        text = f"<|channel|>commentary<|message|>{prose}<|end|><|start|>assistant{body}"
     stream = adapter.output_parser(TOOLS)
     deltas = [d for ch in text for d in stream.feed(ch)] + stream.flush()
     streamed = stream.finish()
@@ -78,7 +86,7 @@ def test_streaming_equals_whole_and_never_leaks_markers(adapters, name, calls, p
     assert streamed.content == once.content
     content = "".join(d.content for d in deltas if d.content)
     assert content == (streamed.content or "")
-    for marker in ("<tool_call", "[TOOL_CALLS", "<|python_tag"):
+    for marker in ("<tool_call", "[TOOL_CALLS", "<|python_tag", "<|"):
         assert marker not in content
     assert [d.tool_call.index for d in deltas if d.tool_call] == list(range(len(calls)))
 

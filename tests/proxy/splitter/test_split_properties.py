@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from anchorcache.proxy.splitter import CutKind, SplitError, TextAdapter
 from tests.proxy.splitter.split_strategies import conversation, next_turn
 
-ADAPTERS = ["qwen3", "chatml", "llama3", "mistral", "generic-qwen3", "generic-smollm2"]
+ADAPTERS = ["qwen3", "chatml", "llama3", "mistral", "harmony", "generic-qwen3",
+            "generic-smollm2"]
 SETTINGS = settings(max_examples=20, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
@@ -24,9 +25,26 @@ def _split(adapter, msgs, tools, **kw):
         raise
 
 
+def _harmony_reencoded(tok, ids):
+    """Harmony encodes the text between special tokens on its own (content never becomes a
+    special token): re-encode each run of ordinary tokens from its decoded text."""
+    enc, out, run = tok.encoding, [], []
+    for t in [*ids, None]:
+        if t is None or enc.is_special_token(t):
+            out += enc.encode(enc.decode_utf8(run), disallowed_special=()) if run else []
+            out += [] if t is None else [t]
+            run = []
+        else:
+            run.append(t)
+    return out
+
+
 def _prefix_ids(adapter, msgs, tools, position):
     """The ids of the cut's prefix, computed independently of the adapter's chunking."""
     tok = adapter.tokenizer
+    if hasattr(tok, "encoding"):  # harmony
+        ids = adapter.render_ids(msgs, tools)
+        return _harmony_reencoded(tok, ids[:position]), _harmony_reencoded(tok, ids)
     if not hasattr(tok, "backend"):
         return None
     text = adapter.render_text(msgs, tools) if isinstance(adapter, TextAdapter) else None

@@ -1,0 +1,159 @@
+"""The worker's anchor contract over HTTP, against a real embedded worker (tiny hybrid model):
+the worker itself refuses a restore whose key, depth or chain does not match the prompt it
+was given, whatever the proxy planned."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+from anchorcache.wire import (
+    AnchorKind,
+    AnchorPlan,
+    AnchorRef,
+    GenerateRequest,
+    Region,
+    SamplingParams,
+    SnapshotSpec,
+    anchor_keys,
+)
+from tests.servers import worker_process
+
+pytestmark = pytest.mark.slow
+
+NS = bytes(range(16))
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    model = build_tiny_model("qwen3_next", tiny_model_dir("qwen3_next"))
+    with worker_process(model=str(model)) as server:
+        server.model_id = httpx.get(server.url + "/model_info").json()["model_id"]
+        yield server
+
+
+def generate(worker, ids, plan=None):
+    req = GenerateRequest(input_ids=tuple(ids), sampling=GREEDY, anchor=plan)
+    resp = httpx.post(worker.url + "/generate", json=req.to_json(), timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def post(worker, path, body):
+    resp = httpx.post(worker.url + path, json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def prompt(seed, n=300):
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 100000) for _ in range(n)]
+
+
+def save(worker, ids, depths):
+    """Snapshot `ids` at `depths` and confirm; return {depth: key}."""
+    plan = AnchorPlan(NS, snapshot=tuple(SnapshotSpec(d, AnchorKind.CONVERSATION, Region.THICK)
+                                         for d in depths), chunk_at=tuple(depths))
+    out = generate(worker, ids, plan)
+    written = out["meta_info"]["anchors"]["written"]
+    assert [w["depth"] for w in written] == list(depths)
+    confirmed = post(worker, "/anchor/confirm", {"slots": [w["slot"] for w in written]})
+    assert sorted(confirmed["confirmed"]) == sorted(w["slot"] for w in written)
+    assert confirmed["epoch"] == out["meta_info"]["epoch"]
+    return {w["depth"]: bytes.fromhex(w["key"]) for w in written}
+
+
+def test_restore_gives_the_cold_output(worker):
+    ids = prompt(1)
+    keys = save(worker, ids[:200], [100, 150])
+    cold = generate(worker, ids, AnchorPlan(NS, chunk_at=(100, 150)))
+    warm = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[100], 100),
+                                                         AnchorRef(keys[150], 150))))
+    assert warm["meta_info"]["cached_tokens"] == 150
+    assert warm["output_ids"] == cold["output_ids"]
+
+
+def test_a_key_of_another_prompt_is_refused(worker):
+    a, b = prompt(2), prompt(3)
+    keys = save(worker, a[:200], [120])
+    # the proxy (wrongly) names a's anchor for prompt b: the worker recomputes b's key
+    out = generate(worker, b, AnchorPlan(NS, restore=(AnchorRef(keys[120], 120),)))
+    assert out["meta_info"]["cached_tokens"] == 0
+    [miss] = out["meta_info"]["anchors"]["restore_miss"]
+    assert miss["reason"] == "key_mismatch"
+    assert out["output_ids"] == generate(worker, b)["output_ids"]
+
+
+def test_same_tokens_other_namespace_is_refused(worker):
+    ids = prompt(4)
+    keys = save(worker, ids[:200], [90])
+    other = AnchorPlan(bytes(16), restore=(AnchorRef(keys[90], 90),))
+    out = generate(worker, ids, other)
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert out["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "key_mismatch"
+
+
+def test_a_chain_that_skips_a_link_restores_only_its_verified_prefix(worker):
+    ids = prompt(5)
+    keys = save(worker, ids[:250], [80, 160, 240])
+    # 240's slab holds rows [160, 240): restoring it right after 80 would leave a hole
+    out = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[80], 80),
+                                                        AnchorRef(keys[240], 240))))
+    assert out["meta_info"]["cached_tokens"] == 80
+    assert out["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "chain_mismatch"
+    assert out["output_ids"] == generate(worker, ids, AnchorPlan(NS, chunk_at=(80,)))["output_ids"]
+
+
+def test_wrong_depth_for_a_key_is_refused(worker):
+    ids = prompt(6)
+    keys = save(worker, ids[:200], [110])
+    out = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[110], 111),)))
+    assert out["meta_info"]["cached_tokens"] == 0
+
+
+def test_unconfirmed_snapshots_are_invisible_and_abortable(worker):
+    ids = prompt(7)
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(100, AnchorKind.CONVERSATION),), chunk_at=(100,))
+    written = generate(worker, ids, plan)["meta_info"]["anchors"]["written"]
+    key = anchor_keys(NS, worker.model_id, ids, [100])[100]
+    assert written[0]["key"] == key.hex()
+    look = post(worker, "/anchor/lookup", {"namespace": NS.hex(), "input_ids": ids, "depths": [100]})
+    assert look["hits"][0]["committed"] is False
+    out = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(key, 100),)))
+    assert out["meta_info"]["cached_tokens"] == 0  # staged, not restorable
+    assert post(worker, "/anchor/abort", {"slots": [written[0]["slot"]]})["aborted"] == [written[0]["slot"]]
+    assert httpx.get(worker.url + "/anchor/stats").json()["staged"] == 0
+    assert post(worker, "/anchor/confirm", {"slots": [written[0]["slot"]]})["confirmed"] == []
+
+
+def test_slots_pin_unpin_evict_flush(worker):
+    ids = prompt(8)
+    keys = save(worker, ids[:150], [70])
+    key = keys[70].hex()
+    slots = httpx.get(worker.url + "/anchor/slots").json()["slots"]
+    [entry] = [s for s in slots if s["key"] == key]
+    assert entry["depth"] == 70 and entry["state"] == "committed" and not entry["pinned"]
+    assert post(worker, "/anchor/pin", {"key": key})["pinned"] is True
+    assert next(s for s in httpx.get(worker.url + "/anchor/slots").json()["slots"] if s["key"] == key)["pinned"]
+    assert post(worker, "/anchor/unpin", {"key": key})["unpinned"] is True
+    assert post(worker, "/anchor/evict", {"key": key})["evicted"] is True
+    out = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[70], 70),)))
+    assert out["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
+    save(worker, ids[:150], [60])
+    assert post(worker, "/flush_cache", {})["flushed_anchors"] >= 1
+    assert [s for s in httpx.get(worker.url + "/anchor/slots").json()["slots"]
+            if s["state"] == "committed"] == []
+
+
+def test_bad_anchor_bodies_are_400(worker):
+    for path, body in [("/anchor/confirm", {"slots": "x"}), ("/anchor/pin", {"key": "zz"}),
+                       ("/generate", {"input_ids": [1, 2], "anchor": {"restore": [{"key": "00", "depth": 5}]}}),
+                       ("/generate", {"input_ids": []}),
+                       ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}})]:
+        resp = httpx.post(worker.url + path, json=body, timeout=30)
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json()["error"]["type"] == "invalid_request_error"

@@ -81,9 +81,10 @@ async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
                           rid=rid, stream=True, anchor=plan.request)
     stop_ids = set(gen.sampling.stop_token_ids) | set(state.info.eos_token_ids)
     detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
-    parser = state.adapter.output_parser(list(req.tools), tool_choice=choice) \
-        if parse_tools else None
-    finished = False
+    # Always parse: besides tool calls, some formats (harmony) carry channels that must not
+    # reach the client as content; with tool_choice "none" the parser only splits those.
+    parser = state.adapter.output_parser(list(req.tools) or None, tool_choice=choice)
+    finished = settled = False
     emitted = 0  # characters of detok.text already passed on
     try:
         async for chunk in state.worker.generate(gen):
@@ -96,13 +97,8 @@ async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
             if cut is not None:
                 text = text[:cut]
             new, emitted = text[emitted:], len(text)
-            if new:
-                if parser is None:
-                    outcome.text += new
-                    yield {"content": new}
-                else:
-                    for delta in parser.feed(new):
-                        yield _delta_json(delta, outcome)
+            for delta in parser.feed(new) if new else ():
+                yield _delta_json(delta, outcome)
             if cut is not None:
                 outcome.finish_reason = "stop"
                 break
@@ -111,20 +107,18 @@ async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
                 reason = chunk.meta.get("finish_reason", {}).get("type")
                 outcome.finish_reason = "length" if reason == "length" else "stop"
                 finished = True
-        if parser is not None:
-            for delta in parser.flush():
-                yield _delta_json(delta, outcome)
-            parsed = parser.finish()
-            outcome.text = parsed.content or ""
-            outcome.tool_calls = [{"id": c.id, "type": "function",
-                                   "function": {"name": c.name, "arguments": c.arguments}}
-                                  for c in parsed.tool_calls]
-            if outcome.tool_calls:
-                outcome.finish_reason = "tool_calls"
-        await state.planner.settle(plan, outcome.meta if finished else None)
-        finished = True
+        for delta in parser.flush():
+            yield _delta_json(delta, outcome)
+        parsed = parser.finish()
+        outcome.text = parsed.content or ""
+        outcome.tool_calls = [c.to_openai() for c in parsed.tool_calls]
+        if outcome.tool_calls:
+            outcome.finish_reason = "tool_calls"
+        if finished:
+            await state.planner.settle(plan, outcome.meta)
+            settled = True
     finally:
-        if not finished:
+        if not settled:
             # client gone, stop string, or worker failure: nothing of this request may linger
             await asyncio.shield(_cleanup(state, rid, plan))
 

@@ -239,7 +239,7 @@ class HarmonyParser(OutputParser):
             self._kind = "call" if is_call and self.calls_allowed else "content"
             self._name = target[len(FUNCTIONS):]
         else:
-            self._kind = "content" if channel_name in ("final", "commentary", "analysis") else "drop"
+            self._kind = "content" if channel_name in ("final", "commentary") else "drop"
 
     def _end_body(self, body: str, out: list) -> None:
         self._in_body = False

@@ -147,6 +147,16 @@ class TagParser(OutputParser):
         except ValueError:
             return None
 
+    def _call_end(self) -> int:
+        """Index of the close tag that ends a valid call body, or -1 (wait for more text).
+
+        The first close tag is not always the end: an argument string may contain it.
+        """
+        idx = self._buffer.find(self.close_tag)
+        while idx >= 0 and self._parse_body(self._buffer[:idx]) is None:
+            idx = self._buffer.find(self.close_tag, idx + 1)
+        return idx
+
     def _close(self, body: str, out: list[OutputDelta], closed: bool) -> None:
         call = self._parse_body(body)
         if call is not None:
@@ -166,12 +176,15 @@ class TagParser(OutputParser):
                 self._emit_content(self._buffer[:idx], out)
                 self._buffer = self._buffer[idx + len(self.open_tag):]
                 self._in_call = True
-            idx = self._buffer.find(self.close_tag)
+            idx = self._call_end()
             if idx < 0:
-                if final:
+                if not final:
+                    return
+                idx = self._buffer.find(self.close_tag)  # no valid call: the first tag ends it
+                if idx < 0:
                     self._close(self._buffer, out, closed=False)
                     self._buffer, self._in_call = "", False
-                return
+                    return
             body, self._buffer = self._buffer[:idx], self._buffer[idx + len(self.close_tag):]
             self._in_call = False
             self._close(body, out, closed=True)

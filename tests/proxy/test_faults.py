@@ -90,3 +90,13 @@ async def test_client_disconnect_aborts_the_worker_request(worker, proxy):
         assert await asyncio.to_thread(_running, worker.url) != []  # it was running
         resp.close()  # drop the connection mid-stream
     assert await asyncio.to_thread(_wait_idle, worker.url) == []
+
+
+def test_a_stop_string_aborts_the_worker_request(worker, proxy):
+    assert _wait_idle(worker.url) == []
+    resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=120, json={
+        "model": "default", "messages": LONG, "max_tokens": 2000, "temperature": 0, "stop": ["5"]})
+    assert resp.status_code == 200
+    assert "5" not in resp.json()["choices"][0]["message"]["content"]
+    # without the abort the worker would still be decoding its 2000 tokens for a minute
+    assert _wait_idle(worker.url, timeout_s=15) == []

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 
 from anchorcache.proxy import tokenizers
 from anchorcache.proxy.splitter import CutKind, SplitError, get_adapter, run_split
-from anchorcache.proxy.splitter.harmony import harmony_messages
+from anchorcache.proxy.splitter.harmony import HarmonyAdapter, harmony_messages
 from anchorcache.proxy.splitter.normalize import canonical_tools, normalize_messages
-from anchorcache.proxy.tokenizers import load_tokenizer, o200k_dir
+from anchorcache.proxy.tokenizers import HarmonyTokenizerHandle, load_tokenizer, o200k_dir
 from tests.proxy.splitter.split_strategies import conversation
 
 SETTINGS = settings(max_examples=20, deadline=None,
@@ -198,6 +198,27 @@ def test_cuts_are_library_prefixes_between_messages(adapter, conv):
         assert prefixes[cut.position] == list(result.input_ids[: cut.position])
         assert result.input_ids[cut.position - 1] in ends
         assert result.input_ids[cut.position] == start
+
+
+class _OffByOneRender:
+    """Fault: per-message renders that disagree with the whole render by one token."""
+
+    def __init__(self, encoding):
+        self._encoding = encoding
+
+    def __getattr__(self, name):
+        return getattr(self._encoding, name)
+
+    def render(self, message, options=None):
+        return [*self._encoding.render(message, options), 0]
+
+
+def test_unverifiable_render_has_no_cuts(adapter):
+    faulty = HarmonyAdapter(HarmonyTokenizerHandle(
+        "gpt-oss", _OffByOneRender(adapter.tokenizer.encoding), "fault"))
+    result = faulty.split(MESSAGES, TOOLS)
+    assert result.cuts == ()
+    assert result.input_ids == adapter.split(MESSAGES, TOOLS).input_ids
 
 
 def test_template_kwargs(adapter):

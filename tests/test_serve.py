@@ -33,7 +33,7 @@ def test_serve_answers_and_stops_both_processes_on_sigterm(default_model_dir):
         assert children  # the embedded worker
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        gone, alive = psutil.wait_procs(children, timeout=30)
+        _gone, alive = psutil.wait_procs(children, timeout=30)
         assert alive == []
         assert f"http://127.0.0.1:{port}/v1" in proc.stdout.read()
     finally:

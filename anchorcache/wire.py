@@ -49,7 +49,7 @@ def anchor_keys(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.n
     model = model_id.encode()
     h.update(len(namespace).to_bytes(4, "little") + namespace)
     h.update(len(model).to_bytes(4, "little") + model)
-    buf = ids.view(np.uint8)
+    buf = ids.tobytes()
     keys: dict[int, bytes] = {}
     done = 0
     for d in wanted:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +69,7 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
 
 
 async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
-               outcome: Outcome) -> AsyncIterator[dict[str, Any]]:
+               outcome: Outcome) -> AsyncGenerator[dict[str, Any], None]:
     """Yield OpenAI `delta` dicts; fill `outcome`. Cleans up the worker side on any exit."""
     rid = uuid.uuid4().hex
     plan = state.planner.plan(split) if state.anchors_on else state.planner.chunk_only(split)

@@ -136,7 +136,8 @@ class AnchorStore:
 
     def snapshot(self, rid: str, cache: Any, ids: tuple[int, ...], depth: int,
                  spec: SnapshotSpec, plan: AnchorPlan) -> AnchorWritten | None:
-        """Save the cache (which ends exactly at `depth`) as a staged anchor of `rid`."""
+        """Save K/V rows up to `depth` (and, on recurrent models, the state: the cache must
+        then end exactly at `depth`) as a staged anchor of `rid`."""
         key = anchor_keys(plan.namespace, self.model_id, ids, [depth])[depth]
         return self._write(rid, cache, key, depth, spec.kind, spec.region.value)
 
@@ -152,6 +153,10 @@ class AnchorStore:
         if self.table.contains(key, depth):
             self._tips[rid] = _Tip(key, depth)  # already saved by an earlier request: chain on
             return None
+        if self.spec.kv_layers:
+            held = cache_io.kv_views(cache)[0][0].shape[-2]
+            if held < depth or (self.spec.states and held != depth):
+                raise AssertionError(f"snapshot at {depth} of a cache holding {held} tokens")
         start = tip.depth
         nbytes = self.spec.kv_bytes_per_token * (depth - start) + self.spec.state_bytes
         res = self.table.reserve(key, depth, nbytes, parent=tip.key, region=region)

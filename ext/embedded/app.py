@@ -79,7 +79,8 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
         anchors = AnchorStore.create(model, info.model_id, spec, num_slots=config.anchor_slots,
                                      capacity_bytes=config.anchor_capacity_bytes,
                                      pinned_slots=config.pinned_slots)
-    engine = Engine(model, eos_token_ids=info.eos_token_ids, anchors=anchors,
+    engine = Engine(model, eos_token_ids=info.eos_token_ids, recurrent=spec.is_recurrent,
+                    anchors=anchors,
                     prefill_chunk_tokens=config.prefill_chunk_tokens)
     return engine, info
 

@@ -5,9 +5,9 @@ so the model, its cache and the anchor slabs are never touched concurrently. Res
 back to the asyncio side through `loop.call_soon_threadsafe`. An abort sets a flag that the
 thread checks between prefill chunks and decode steps.
 
-Prefill is split so a chunk ends exactly at every anchor cut (`chunk_at` and snapshot
-depths), whether or not anchoring is on: recurrent state exists only at chunk ends, and the
-same chunking keeps anchors-on and anchors-off numerically alike.
+On recurrent models prefill is split so a chunk ends exactly at every anchor cut
+(`chunk_at` and snapshot depths), whether or not anchoring is on: recurrent state exists
+only at chunk ends. Dense models slice their K/V rows at the cuts after the prefill.
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ class Aborted(Exception):
 
 class Engine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: tuple[int, ...],
-                 anchors: Any | None = None, prefill_chunk_tokens: int | None = None) -> None:
+                 recurrent: bool, anchors: Any | None = None,
+                 prefill_chunk_tokens: int | None = None) -> None:
         self.model = model
+        self.recurrent = recurrent  # state only at chunk ends (hybrid / SSM models)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # bounds how late an abort is seen
         self.eos_token_ids = eos_token_ids
         self.anchors = anchors  # AnchorStore or None (see anchors.py)
@@ -157,22 +159,32 @@ class Engine:
         t_restore = time.perf_counter()
 
         snapshots = {s.depth: s for s in (plan.snapshot if plan else ()) if restored < s.depth <= n}
+        # Recurrent state exists only at a chunk end, so a recurrent model's prefill ends a
+        # chunk at every cut (anchors on or off alike). Attention K/V rows can be sliced at any
+        # depth afterwards, so a dense model prefills the delta in as few forwards as it can.
         boundaries = sorted({d for d in (plan.chunk_at if plan else ()) if restored < d < n}
-                            | {d for d in snapshots if d < n})
+                            | {d for d in snapshots if d < n}) if self.recurrent else []
         written: list[AnchorWritten] = []
 
-        def on_boundary(depth: int, cache: Any) -> None:
-            self._check(job, "prefill")
+        def save(depth: int, cache: Any) -> None:
             spec = snapshots.get(depth)
             if spec is not None and self.anchors is not None and plan is not None:
                 w = self.anchors.snapshot(job.rid, cache, ids, depth, spec, plan)
                 if w is not None:
                     written.append(w)
 
+        def on_boundary(depth: int, cache: Any) -> None:
+            self._check(job, "prefill")
+            if self.recurrent:
+                save(depth, cache)
+
         input_t = torch.tensor([ids], dtype=torch.long)
         logits = cache_io.prefill(self.model, cache, input_t, restored, boundaries,
                                   on_boundary=on_boundary,
                                   max_chunk_tokens=self.prefill_chunk_tokens)
+        if not self.recurrent:
+            for depth in sorted(snapshots):
+                save(depth, cache)
         t_prefill = time.perf_counter()
 
         sampler = Sampler(p)

@@ -130,6 +130,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     try:
         async for event in _events(request, job):
+            data: dict[str, Any]
             if isinstance(event, TokenEvent):
                 data = {"rid": job.rid, "output_ids": list(event.output_ids)}
             else:

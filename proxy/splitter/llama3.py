@@ -115,7 +115,8 @@ class JsonCallsParser(OutputParser):
         text = text.strip()
         if text.startswith(PYTHON_TAG):
             text = text[len(PYTHON_TAG):]
-        decoder, pos, calls = json.JSONDecoder(), 0, []
+        decoder, pos = json.JSONDecoder(), 0
+        calls: list[Any] = []
         while True:
             while pos < len(text) and text[pos] in " \t\r\n;":
                 pos += 1

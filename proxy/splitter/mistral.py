@@ -143,8 +143,9 @@ class MistralCallsParser(OutputParser):
                 value = None
             value = [value] if isinstance(value, dict) else value
             calls = [call_from_object(v) for v in value] if isinstance(value, list) else [None]
-            if calls and all(c is not None for c in calls):
-                for name, args in calls:
+            ok = [c for c in calls if c is not None]
+            if calls and len(ok) == len(calls):
+                for name, args in ok:
                     self._emit_call(name, args, out)
             else:
                 self._emit_content(TOOL_CALLS + self._buffer, out)

@@ -38,7 +38,7 @@ def canonical_tools(tools: list[dict] | None) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         raise SplitError("tools must be a list", "tools")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -50,7 +50,7 @@ def canonical_tools(tools: list[dict] | None) -> list[dict] | None:
                     for k in _FUNCTION_KEY_ORDER if k in fn}
         canon_fn.update({k: _sorted_json(fn[k]) for k in sorted(fn) if k not in canon_fn})
         out.append({"type": "function", "function": canon_fn})
-    out.sort(key=lambda t: t["function"]["name"])
+    out.sort(key=lambda t: str(t["function"]["name"]))
     return out
 
 

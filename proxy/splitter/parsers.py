@@ -42,7 +42,7 @@ def call_from_object(obj: Any, args_keys: tuple[str, ...] = ("arguments", "param
     """`{"name": ..., "arguments": {...}}` → (name, arguments JSON); None if malformed."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    raw = next((obj[k] for k in args_keys if k in obj), {})
+    raw: Any = next((obj[k] for k in args_keys if k in obj), {})
     args = arguments_json(raw)
     return None if args is None else (obj["name"], args)
 

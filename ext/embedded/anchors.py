@@ -186,6 +186,7 @@ class AnchorStore:
         """The request ended: on failure drop its staged anchors now, else start their TTL."""
         self._tips.pop(rid, None)
         with self._lock:
+            self._sweep_locked()
             mine = [slot for slot, (_, r) in self._staged.items() if r == rid]
             if not ok:
                 self._abort_locked(mine)

@@ -58,3 +58,19 @@ def test_default_model_on_equals_off(stack_factory, default_model_dir):
     [seen] = replay(stack, [conv], max_turns=3, max_tokens=16)
     assert seen[0][1] == 0
     assert all(cached > 0 for _, cached, _ in seen[1:])
+
+
+def test_an_echoed_reply_hits_the_response_anchor(stack_factory, default_model_dir):
+    stack = stack_factory(str(default_model_dir))
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    first = stack.chat("on", msgs, max_tokens=40)
+    assert first["choices"][0]["finish_reason"] == "stop"
+    follow = [*msgs, first["choices"][0]["message"], {"role": "user", "content": "And of Italy?"}]
+    off = stack.chat("off", follow, max_tokens=20)
+    on = stack.chat("on", follow, max_tokens=20)
+    assert on["choices"][0]["message"] == off["choices"][0]["message"]
+    hits = on["usage"]["timings"]["anchor_hits"]
+    assert hits[-1]["kind"] == "response"
+    # the whole first exchange, its reply's end-of-turn token included, came from the anchor
+    assert hits[-1]["depth"] == first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    assert on["usage"]["prompt_tokens_details"]["cached_tokens"] == hits[-1]["depth"]

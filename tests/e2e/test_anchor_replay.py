@@ -37,7 +37,11 @@ def short_conversations(n):
     return convs[:n]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next", "qwen3_5", "mamba2"])
+# Not jamba: its tiny random MoE router flips experts on float noise, so even two cold
+# prefills that differ only in chunking disagree (tests/ext/embedded checks its restore with
+# identical chunking instead).
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next", "qwen3_5", "mamba2", "falcon_h1",
+                                  "bamba", "lfm2"])
 def test_tiny_models_on_equals_off(stack_factory, arch):
     from anchorcache.ext.embedded.tiny_models import TINY_ARCHS
 

@@ -120,15 +120,15 @@ async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
     finally:
         if not settled:
             # client gone, stop string, or worker failure: nothing of this request may linger
-            await asyncio.shield(_cleanup(state, rid, plan))
+            await asyncio.shield(_cleanup(state, rid))
 
 
-async def _cleanup(state: ProxyState, rid: str, plan: Any) -> None:
+async def _cleanup(state: ProxyState, rid: str) -> None:
+    """Abort the worker request; the worker then drops every snapshot it staged for it."""
     try:
         await state.worker.abort(rid)
     except ApiError:
         pass
-    await state.planner.settle(plan, None)
 
 
 def _delta_json(delta: Any, outcome: Outcome) -> dict[str, Any]:
@@ -179,7 +179,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError("model_not_found", f"the model {req.model!r} does not exist; this proxy "
                        f"serves {state.info.model_id!r}", param="model")
     split = _split(state, req)
-    _sampling(req, split.input_ids, state)  # context check before any response is started
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     outcome = Outcome()

@@ -5,8 +5,9 @@ the deepest anchor whose whole chain is known and that is an exact prefix of thi
 (keys cover every token, so equal key ⇒ equal prefix), and asks for snapshots at the
 instruction cut, the conversation cut, the end of the messages (where the next turn's
 history ends) and the end of the prompt, plus the response anchor. `settle()` is the one
-place with I/O: after the worker's reply it confirms the snapshots the worker wrote (making
-them visible) or, on any failure, aborts them; evictions and misses it reports leave the index.
+place with I/O: after a successful reply it confirms the snapshots the worker wrote (making
+them visible); evictions and misses it reports leave the index. A failed request is aborted
+by rid instead, and the worker drops what it staged for it.
 
 The key has a namespace from day one: a hash of the server-side tenant salt and tenant id,
 so tenants never share anchors unless an admin shares a toolset.
@@ -139,12 +140,12 @@ class Planner:
                     kind=AnchorKind(w["kind"]), slot=w["slot"], nbytes=w["nbytes"],
                     epoch=self.epoch))
 
-    async def settle(self, plan: Plan, meta: dict[str, Any] | None) -> None:
-        """Confirm what the worker wrote if the request succeeded (`meta` given), else abort."""
+    async def settle(self, plan: Plan, meta: dict[str, Any]) -> None:
+        """Confirm what the worker wrote for a request that succeeded (`meta`: its final meta
+        info). A failed request is never settled: aborting it by rid makes the worker drop its
+        staged snapshots."""
         if plan.request is None or not plan.namespace or self.worker is None:
             return
-        if meta is None:
-            return  # the caller aborts the request by rid; the worker releases its reservations
         self.observe_epoch(meta.get("epoch"))
         written = [w["slot"] for w in meta.get("anchors", {}).get("written", [])]
         confirmed: dict[str, Any] = {}

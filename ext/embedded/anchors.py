@@ -153,10 +153,7 @@ class AnchorStore:
         if self.table.contains(key, depth):
             self._tips[rid] = _Tip(key, depth)  # already saved by an earlier request: chain on
             return None
-        if self.spec.kv_layers:
-            held = cache_io.kv_views(cache)[0][0].shape[-2]
-            if held < depth or (self.spec.states and held != depth):
-                raise AssertionError(f"snapshot at {depth} of a cache holding {held} tokens")
+        cache_io.check_snapshot_depth(cache, depth)
         start = tip.depth
         nbytes = self.spec.kv_bytes_per_token * (depth - start) + self.spec.state_bytes
         res = self.table.reserve(key, depth, nbytes, parent=tip.key, region=region)

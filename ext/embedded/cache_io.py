@@ -50,7 +50,8 @@ Invariants:
 - `kv_views` / `state_views` return the cache's own tensors (no copy). K/V views are
   valid until the next forward (which replaces them); state views are updated in place,
   so a snapshot must `clone()` them before the next forward.
-- `cache_from_tensors` copies its inputs: the returned cache never aliases them.
+- `cache_from_tensors` copies its inputs (the returned cache never aliases them) unless the
+  caller hands them over with `adopt=True`.
 - Every forward here passes explicit positions (where the model takes them) and batch 1.
 """
 
@@ -223,6 +224,17 @@ def state_views(cache: Cache) -> list[torch.Tensor]:
     return [t for _, _, _, t in _state_entries(cache)]
 
 
+def check_snapshot_depth(cache: Cache, depth: int) -> None:
+    """Raise ValueError unless `cache` can be snapshot at `depth`: it holds at least `depth`
+    K/V rows and, when it carries recurrent state (which exists only at its end), exactly
+    `depth`. A pure SSM holds no rows to check: its caller must snapshot at a chunk end."""
+    stateful = bool(_state_entries(cache))
+    for k in kv_views(cache)[0]:
+        held = k.shape[-2]
+        if held < depth or (stateful and held != depth):
+            raise ValueError(f"cache holds {held} tokens; cannot snapshot depth {depth}")
+
+
 def snapshot(cache: Cache, start: int, depth: int) -> CacheTensors:
     """Copy K/V rows `[start, depth)` and the current states.
 
@@ -234,10 +246,7 @@ def snapshot(cache: Cache, start: int, depth: int) -> CacheTensors:
         raise ValueError(f"need 0 <= start < depth, got start={start} depth={depth}")
     keys, values = kv_views(cache)
     states = state_views(cache)
-    for k in keys:
-        held = k.shape[-2]
-        if held < depth or (states and held != depth):
-            raise ValueError(f"cache holds {held} tokens; cannot snapshot depth {depth}")
+    check_snapshot_depth(cache, depth)
     return CacheTensors(
         start=start, depth=depth,
         keys=tuple(k[:, :, start:depth].clone() for k in keys),

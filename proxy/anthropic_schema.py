@@ -1,0 +1,410 @@
+"""Parse and validate Anthropic Messages requests (`POST /v1/messages`) once, at the HTTP
+edge, into the proxy's neutral chat form: OpenAI-style messages the splitter renders.
+
+The mapping:
+- `system` (a string or text blocks) becomes one leading system message;
+- a user message's text blocks become a user message, each `tool_result` block a tool
+  message (`tool_call_id` = its `tool_use_id`, `name` = the matching tool's name), in the
+  order of the blocks;
+- an assistant message's text blocks become its content, its `tool_use` blocks its
+  `tool_calls` (`arguments` = the `input` object);
+- `tools` (`name`, `description`, `input_schema`) become function tools; `tool_choice`
+  `auto`/`any`/`tool`/`none` becomes `auto`/`required`/a named function/`none`.
+
+Like Anthropic's API, every `tool_use` must be answered by a `tool_result` in the next
+message and every `tool_result` must answer a `tool_use` of the message before it.
+
+`cache_control: {"type": "ephemeral"}` marks an anchor hint: the end of the rendered message
+holding the marked block (for `system` and `tools`: the end of the system part) becomes a
+cut, verified by the splitter like every cut. A block inside a message that the template
+merges with its neighbours (say, one of several tool results) hints at a boundary the
+splitter cannot verify, and no cut is made there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ApiError
+from .pipeline import Generation
+from .schema import ToolChoice
+
+MAX_CACHE_BREAKPOINTS = 4  # what Anthropic's API accepts per request
+MAX_STOP_SEQUENCES = 64
+CACHE_TTLS = frozenset({"5m", "1h"})
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    """An Anthropic request: the pipeline's `Generation`, plus what only Anthropic has."""
+
+    model: str
+    generation: Generation
+    stream: bool
+    cache_hints: tuple[int, ...]  # cut after this many of `generation.messages`; ascending
+    user_id: str | None  # metadata.user_id
+    single_tool_use: bool  # tool_choice.disable_parallel_tool_use
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError("invalid_request", message, param=param)
+
+
+def _object(value: Any, param: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad("must be an object", param)
+    return value
+
+
+def _cache_control(block: dict[str, Any], param: str) -> bool:
+    """Whether `block` carries a (valid) cache_control marker."""
+    cc = block.get("cache_control")
+    if cc is None:
+        return False
+    if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
+        raise _bad("cache_control must be {'type': 'ephemeral'}", f"{param}.cache_control")
+    ttl = cc.get("ttl")
+    if ttl is not None and ttl not in CACHE_TTLS:
+        raise _bad(f"cache_control.ttl must be one of {sorted(CACHE_TTLS)}",
+                   f"{param}.cache_control.ttl")
+    if set(cc) - {"type", "ttl"}:
+        raise _bad(f"unknown cache_control fields {sorted(set(cc) - {'type', 'ttl'})}",
+                   f"{param}.cache_control")
+    return True
+
+
+def _blocks(content: Any, param: str, *, allow_string: bool = True) -> list[dict[str, Any]]:
+    """Content as a list of block objects (a string is one text block)."""
+    if isinstance(content, str) and allow_string:
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _bad("content must be a string or a list of content blocks", param)
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise _bad("each content block must be an object with a 'type'", f"{param}.{j}")
+    return content
+
+
+def _text(block: dict[str, Any], param: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise _bad("a text block needs a string 'text'", f"{param}.text")
+    return text
+
+
+class _Conversion:
+    """Walks the messages once, building OpenAI-style messages and the hinted cuts."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.hints: set[int] = set()
+        self.breakpoints = 0
+        self.seen_ids: set[str] = set()
+        self.pending: dict[str, str] = {}  # tool_use id → tool name, awaiting a tool_result
+        self.tools_hinted = False
+
+    def mark(self, block: dict[str, Any], param: str) -> bool:
+        if not _cache_control(block, param):
+            return False
+        self.breakpoints += 1
+        if self.breakpoints > MAX_CACHE_BREAKPOINTS:
+            raise _bad(f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control", param)
+        return True
+
+    def system(self, system: Any) -> None:
+        """The system part; a marked tool or system block hints at its end (the tools render
+        there or before it). Without system text there is no message to end: the
+        splitter's instruction cut covers the tools on its own."""
+        if system is None or system == "":
+            return
+        hinted = self.tools_hinted
+        if isinstance(system, str):
+            parts = [{"type": "text", "text": system}]
+        else:
+            parts = []
+            for j, block in enumerate(_blocks(system, "system", allow_string=False)):
+                if block["type"] != "text":
+                    raise _bad(f"system blocks must be text blocks, not {block['type']!r}",
+                               f"system.{j}")
+                parts.append({"type": "text", "text": _text(block, f"system.{j}")})
+                hinted |= self.mark(block, f"system.{j}")
+            if not parts:
+                return
+        self.messages.append({"role": "system", "content": parts})
+        if hinted:
+            self.hints.add(len(self.messages))
+
+    def message(self, i: int, msg: Any) -> None:
+        param = f"messages.{i}"
+        msg = _object(msg, param)
+        role = msg.get("role")
+        if role not in ("user", "assistant"):
+            raise _bad(f"role must be 'user' or 'assistant', not {role!r}", f"{param}.role")
+        content = msg.get("content")
+        if content is None or content == "" or content == []:
+            raise _bad("every message needs non-empty content", f"{param}.content")
+        blocks = _blocks(content, f"{param}.content")
+        if self.pending and role != "user":
+            raise _bad(self.unanswered(), param)
+        if role == "user":
+            self._user(blocks, f"{param}.content")
+        else:
+            self._assistant(blocks, f"{param}.content")
+
+    def unanswered(self) -> str:
+        return ("tool_use ids were found without tool_result blocks immediately after: "
+                + ", ".join(sorted(self.pending)))
+
+    def _user(self, blocks: list[dict[str, Any]], param: str) -> None:
+        expected, self.pending = self.pending, {}
+        answered: set[str] = set()
+        texts: list[dict[str, Any]] = []
+        hint_text = False
+
+        def flush_text() -> None:
+            nonlocal texts, hint_text
+            if texts:
+                self.messages.append({"role": "user", "content": texts})
+                if hint_text:
+                    self.hints.add(len(self.messages))
+            texts, hint_text = [], False
+
+        for j, block in enumerate(blocks):
+            p = f"{param}.{j}"
+            kind = block["type"]
+            if kind == "text":
+                texts.append({"type": "text", "text": _text(block, p)})
+                hint_text |= self.mark(block, p)
+            elif kind == "tool_result":
+                flush_text()
+                use_id = block.get("tool_use_id")
+                if not isinstance(use_id, str) or not use_id:
+                    raise _bad("a tool_result block needs a string 'tool_use_id'",
+                               f"{p}.tool_use_id")
+                if use_id not in expected:
+                    raise _bad(f"tool_result block with tool_use_id {use_id!r} has no matching "
+                               "tool_use block in the previous message", f"{p}.tool_use_id")
+                if use_id in answered:
+                    raise _bad(f"more than one tool_result for tool_use_id {use_id!r}",
+                               f"{p}.tool_use_id")
+                answered.add(use_id)
+                is_error = block.get("is_error")
+                if is_error is not None and not isinstance(is_error, bool):
+                    raise _bad("'is_error' must be a boolean", f"{p}.is_error")
+                hinted = self.mark(block, p)
+                parts, inner_hinted = self._result_parts(block, p)
+                self.messages.append({"role": "tool", "tool_call_id": use_id,
+                                      "name": expected[use_id], "content": parts})
+                if hinted or inner_hinted:
+                    self.hints.add(len(self.messages))
+            elif kind == "tool_use":
+                raise _bad("tool_use blocks belong in assistant messages", f"{p}.type")
+            else:
+                raise _bad(f"unsupported content block type {kind!r} in a user message "
+                           "(supported: 'text', 'tool_result')", f"{p}.type")
+        flush_text()
+        if set(expected) - answered:
+            self.pending = {k: v for k, v in expected.items() if k not in answered}
+            raise _bad(self.unanswered(), param)
+
+    def _result_parts(self, block: dict[str, Any], param: str
+                      ) -> tuple[list[dict[str, Any]], bool]:
+        """A tool_result's content as text parts, and whether an inner block is marked."""
+        content = block.get("content", "")
+        if isinstance(content, str):
+            return [{"type": "text", "text": content}], False
+        parts, hinted = [], False
+        for k, inner in enumerate(_blocks(content, f"{param}.content", allow_string=False)):
+            p = f"{param}.content.{k}"
+            if inner["type"] != "text":
+                raise _bad(f"unsupported tool_result content block type {inner['type']!r} "
+                           "(supported: 'text')", f"{p}.type")
+            parts.append({"type": "text", "text": _text(inner, p)})
+            hinted |= self.mark(inner, p)
+        return parts, hinted
+
+    def _assistant(self, blocks: list[dict[str, Any]], param: str) -> None:
+        texts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        hinted = False
+        for j, block in enumerate(blocks):
+            p = f"{param}.{j}"
+            kind = block["type"]
+            if kind == "text":
+                texts.append({"type": "text", "text": _text(block, p)})
+            elif kind == "tool_use":
+                use_id, name, args = block.get("id"), block.get("name"), block.get("input")
+                if not isinstance(use_id, str) or not use_id:
+                    raise _bad("a tool_use block needs a string 'id'", f"{p}.id")
+                if use_id in self.seen_ids:
+                    raise _bad(f"tool_use ids must be unique; {use_id!r} repeats", f"{p}.id")
+                if not isinstance(name, str) or not name:
+                    raise _bad("a tool_use block needs a string 'name'", f"{p}.name")
+                if not isinstance(args, dict):
+                    raise _bad("a tool_use block needs an object 'input'", f"{p}.input")
+                self.seen_ids.add(use_id)
+                self.pending[use_id] = name
+                calls.append({"id": use_id, "type": "function",
+                              "function": {"name": name, "arguments": args}})
+            elif kind == "tool_result":
+                raise _bad("tool_result blocks belong in user messages", f"{p}.type")
+            else:
+                raise _bad(f"unsupported content block type {kind!r} in an assistant message "
+                           "(supported: 'text', 'tool_use')", f"{p}.type")
+            hinted |= self.mark(block, p)
+        out: dict[str, Any] = {"role": "assistant", "content": texts or None}
+        if calls:
+            out["tool_calls"] = calls
+        self.messages.append(out)
+        if hinted:
+            self.hints.add(len(self.messages))
+
+
+def _tools(body: dict[str, Any], conv: _Conversion) -> tuple[dict[str, Any], ...]:
+    """Anthropic tools as OpenAI function tools; cache_control marks go to `conv`."""
+    tools = body.get("tools")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be a list", "tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        p = f"tools.{i}"
+        tool = _object(tool, p)
+        if tool.get("type", "custom") != "custom":
+            raise _bad(f"unsupported tool type {tool.get('type')!r}; only custom tools "
+                       "(name, description, input_schema) are supported", f"{p}.type")
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise _bad("each tool needs a non-empty string 'name'", f"{p}.name")
+        if name in names:
+            raise _bad(f"tool names must be unique; {name!r} repeats", f"{p}.name")
+        names.add(name)
+        if not isinstance(schema, dict):
+            raise _bad("each tool needs an object 'input_schema'", f"{p}.input_schema")
+        fn: dict[str, Any] = {"name": name}
+        if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise _bad("'description' must be a string", f"{p}.description")
+            fn["description"] = tool["description"]
+        fn["parameters"] = schema
+        out.append({"type": "function", "function": fn})
+        conv.tools_hinted |= conv.mark(tool, p)
+    return tuple(out)
+
+
+def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...]
+                 ) -> tuple[ToolChoice, bool]:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return ToolChoice("auto" if tools else "none"), False
+    choice = _object(choice, "tool_choice")
+    kind = choice.get("type")
+    single = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(single, bool):
+        raise _bad("'disable_parallel_tool_use' must be a boolean",
+                   "tool_choice.disable_parallel_tool_use")
+    if kind == "none":
+        return ToolChoice("none"), False
+    if kind in ("any", "tool") and not tools:
+        raise _bad(f"tool_choice {kind!r} needs tools", "tool_choice")
+    if kind == "auto":
+        return ToolChoice("auto" if tools else "none"), single
+    if kind == "any":
+        return ToolChoice("required"), single
+    if kind == "tool":
+        name = choice.get("name")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise _bad(f"tool_choice names an unknown tool {name!r}", "tool_choice.name")
+        return ToolChoice("function", name), single
+    raise _bad("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", "tool_choice.type")
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise _bad(f"'{name}' must be a number between {lo} and {hi}", name)
+    return float(value)
+
+
+def _int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(f"'{name}' must be an integer between {lo} and {hi}", name)
+    return value
+
+
+def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
+    stops = body.get("stop_sequences")
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise _bad(f"'stop_sequences' must be a list of up to {MAX_STOP_SEQUENCES} non-empty "
+                   "strings", "stop_sequences")
+    return tuple(stops)
+
+
+def _user_id(body: dict[str, Any]) -> str | None:
+    meta = body.get("metadata")
+    if meta is None:
+        return None
+    meta = _object(meta, "metadata")
+    if set(meta) - {"user_id"}:
+        raise _bad(f"unknown metadata fields {sorted(set(meta) - {'user_id'})}", "metadata")
+    user_id = meta.get("user_id")
+    if user_id is not None and (not isinstance(user_id, str) or len(user_id) > 256):
+        raise _bad("metadata.user_id must be a string of at most 256 characters",
+                   "metadata.user_id")
+    return user_id
+
+
+def parse_messages_request(body: Any, *, max_tokens_limit: int) -> MessagesRequest:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required", "model")
+    if body.get("max_tokens") is None:
+        raise _bad("'max_tokens' is required", "max_tokens")
+    max_tokens = _int(body, "max_tokens", 1, max_tokens_limit)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        thinking = None
+    if thinking is not None:
+        raise _bad("extended thinking is not supported by this model", "thinking")
+    conv = _Conversion()
+    tools = _tools(body, conv)
+    choice, single = _tool_choice(body, tools)
+    conv.system(body.get("system"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    for i, msg in enumerate(messages):
+        conv.message(i, msg)
+    if conv.pending:
+        raise _bad(conv.unanswered() + " (a final assistant message, a prefill, is not "
+                   "supported)", "messages")
+    if conv.messages[-1]["role"] == "assistant":
+        raise _bad("the last message must be a user message; a final assistant message "
+                   "(a prefill) is not supported", f"messages.{len(messages) - 1}")
+    top_k = _int(body, "top_k", 0, 1 << 20)
+    gen = Generation(
+        messages=tuple(conv.messages),
+        tools=tools,
+        tool_choice=choice,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=top_k or -1,
+        stop=_stop_sequences(body),
+    )
+    return MessagesRequest(model, gen, stream, tuple(sorted(conv.hints)), _user_id(body), single)

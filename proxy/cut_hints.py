@@ -1,0 +1,58 @@
+"""Anchor hints: extra cuts a client asks for at message boundaries (Anthropic's
+`cache_control`), verified like every cut.
+
+The splitter reports cuts at the boundaries the planner uses (instruction, conversation,
+end of messages); a hint asks for one more, after the first `k` messages. It is found
+through the splitter's public interface only: the first `k` messages are split on their own,
+and the end of that render's messages (its last cut, which the splitter verified) becomes a
+HINT cut of the whole prompt when
+1. the sub-render's ids after that cut equal the whole prompt's ids after its MESSAGES cut
+   (the same generation prompt: the cut really is the end of message `k`), and
+2. the whole prompt's ids up to the cut equal the sub-render's (the template renders the
+   first `k` messages the same whatever follows them).
+Otherwise no cut is made (fail closed: adapters without a MESSAGES cut get no hint cuts).
+Correctness never depends on this: anchors are keyed by the token prefix they hold, so a
+cut only decides which prefixes are saved for reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .splitter import Adapter
+from .splitter.types import Cut, CutKind, SplitError, SplitResult
+
+
+def with_hint_cuts(adapter: Adapter, split: SplitResult, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None,
+                   hints: Iterable[int]) -> SplitResult:
+    """`split` plus a HINT cut after each of the first `k` messages (`k` in `hints`) that
+    can be verified; `split` itself when none can."""
+    ends = [c for c in split.cuts if c.kind is CutKind.MESSAGES]
+    if not ends:
+        return split
+    ids, end = split.input_ids, ends[0].position
+    generation = ids[end:]
+    floor = split.instruction_cut or 0
+    taken = {c.position for c in split.cuts}
+    extra: list[Cut] = []
+    for k in sorted(set(hints)):
+        if not 0 < k < len(messages):
+            continue
+        try:
+            sub = adapter.split(messages[:k], tools, template_kwargs=template_kwargs)
+        except SplitError:
+            continue
+        if not sub.cuts:
+            continue
+        pos = sub.cuts[-1].position
+        if sub.input_ids[pos:] != generation or not floor < pos < end or pos in taken \
+                or ids[:pos] != sub.input_ids[:pos]:
+            continue
+        taken.add(pos)
+        extra.append(Cut(CutKind.HINT, pos))
+    if not extra:
+        return split
+    cuts = tuple(sorted((*split.cuts, *extra), key=lambda c: c.position))
+    return SplitResult(split.adapter, ids, cuts)

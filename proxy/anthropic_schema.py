@@ -1,7 +1,7 @@
 """Parse and validate Anthropic Messages requests (`POST /v1/messages`) once, at the HTTP
 edge, into the proxy's neutral chat form: OpenAI-style messages the splitter renders.
 
-The mapping:
+The mapping (consecutive messages of one role are one turn, as in Anthropic's API):
 - `system` (a string or text blocks) becomes one leading system message;
 - a user message's text blocks become a user message, each `tool_result` block a tool
   message (`tool_call_id` = its `tool_use_id`, `name` = the matching tool's name), in the
@@ -18,7 +18,8 @@ message and every `tool_result` must answer a `tool_use` of the message before i
 holding the marked block (for `system` and `tools`: the end of the system part) becomes a
 cut, verified by the splitter like every cut. A block inside a message that the template
 merges with its neighbours (say, one of several tool results) hints at a boundary the
-splitter cannot verify, and no cut is made there.
+splitter cannot verify, and no cut is made there. A top-level `cache_control` (automatic
+caching: the last block) asks for the end of the messages, which the splitter cuts anyway.
 """
 
 from __future__ import annotations
@@ -62,15 +63,14 @@ def _cache_control(block: dict[str, Any], param: str) -> bool:
     cc = block.get("cache_control")
     if cc is None:
         return False
+    at = f"{param}.cache_control" if param else "cache_control"
     if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
-        raise _bad("cache_control must be {'type': 'ephemeral'}", f"{param}.cache_control")
+        raise _bad("cache_control must be {'type': 'ephemeral'}", at)
     ttl = cc.get("ttl")
     if ttl is not None and ttl not in CACHE_TTLS:
-        raise _bad(f"cache_control.ttl must be one of {sorted(CACHE_TTLS)}",
-                   f"{param}.cache_control.ttl")
+        raise _bad(f"cache_control.ttl must be one of {sorted(CACHE_TTLS)}", f"{at}.ttl")
     if set(cc) - {"type", "ttl"}:
-        raise _bad(f"unknown cache_control fields {sorted(set(cc) - {'type', 'ttl'})}",
-                   f"{param}.cache_control")
+        raise _bad(f"unknown cache_control fields {sorted(set(cc) - {'type', 'ttl'})}", at)
     return True
 
 
@@ -109,7 +109,8 @@ class _Conversion:
             return False
         self.breakpoints += 1
         if self.breakpoints > MAX_CACHE_BREAKPOINTS:
-            raise _bad(f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control", param)
+            raise _bad(f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control",
+                       param or "cache_control")
         return True
 
     def system(self, system: Any) -> None:
@@ -135,28 +136,20 @@ class _Conversion:
         if hinted:
             self.hints.add(len(self.messages))
 
-    def message(self, i: int, msg: Any) -> None:
-        param = f"messages.{i}"
-        msg = _object(msg, param)
-        role = msg.get("role")
-        if role not in ("user", "assistant"):
-            raise _bad(f"role must be 'user' or 'assistant', not {role!r}", f"{param}.role")
-        content = msg.get("content")
-        if content is None or content == "" or content == []:
-            raise _bad("every message needs non-empty content", f"{param}.content")
-        blocks = _blocks(content, f"{param}.content")
+    def turn(self, role: str, blocks: list[tuple[dict[str, Any], str]]) -> None:
+        """One turn: the blocks of consecutive messages of one role, with their params."""
         if self.pending and role != "user":
-            raise _bad(self.unanswered(), param)
+            raise _bad(self.unanswered(), blocks[0][1].rsplit(".content", 1)[0])
         if role == "user":
-            self._user(blocks, f"{param}.content")
+            self._user(blocks)
         else:
-            self._assistant(blocks, f"{param}.content")
+            self._assistant(blocks)
 
     def unanswered(self) -> str:
         return ("tool_use ids were found without tool_result blocks immediately after: "
                 + ", ".join(sorted(self.pending)))
 
-    def _user(self, blocks: list[dict[str, Any]], param: str) -> None:
+    def _user(self, blocks: list[tuple[dict[str, Any], str]]) -> None:
         expected, self.pending = self.pending, {}
         answered: set[str] = set()
         texts: list[dict[str, Any]] = []
@@ -170,8 +163,7 @@ class _Conversion:
                     self.hints.add(len(self.messages))
             texts, hint_text = [], False
 
-        for j, block in enumerate(blocks):
-            p = f"{param}.{j}"
+        for block, p in blocks:
             kind = block["type"]
             if kind == "text":
                 texts.append({"type": "text", "text": _text(block, p)})
@@ -206,7 +198,7 @@ class _Conversion:
         flush_text()
         if set(expected) - answered:
             self.pending = {k: v for k, v in expected.items() if k not in answered}
-            raise _bad(self.unanswered(), param)
+            raise _bad(self.unanswered(), blocks[0][1].rsplit(".content", 1)[0])
 
     def _result_parts(self, block: dict[str, Any], param: str
                       ) -> tuple[list[dict[str, Any]], bool]:
@@ -224,12 +216,11 @@ class _Conversion:
             hinted |= self.mark(inner, p)
         return parts, hinted
 
-    def _assistant(self, blocks: list[dict[str, Any]], param: str) -> None:
+    def _assistant(self, blocks: list[tuple[dict[str, Any], str]]) -> None:
         texts: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []
         hinted = False
-        for j, block in enumerate(blocks):
-            p = f"{param}.{j}"
+        for block, p in blocks:
             kind = block["type"]
             if kind == "text":
                 texts.append({"type": "text", "text": _text(block, p)})
@@ -259,6 +250,30 @@ class _Conversion:
         self.messages.append(out)
         if hinted:
             self.hints.add(len(self.messages))
+
+
+def _turns(messages: Any) -> list[tuple[str, list[tuple[dict[str, Any], str]]]]:
+    """Messages as turns: consecutive messages of one role are one turn (as in Anthropic's
+    API), each block paired with its param (`messages.3.content.1`)."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    turns: list[tuple[str, list[tuple[dict[str, Any], str]]]] = []
+    for i, msg in enumerate(messages):
+        param = f"messages.{i}"
+        msg = _object(msg, param)
+        role = msg.get("role")
+        if role not in ("user", "assistant"):
+            raise _bad(f"role must be 'user' or 'assistant', not {role!r}", f"{param}.role")
+        content = msg.get("content")
+        if content is None or content == "" or content == []:
+            raise _bad("every message needs non-empty content", f"{param}.content")
+        blocks = [(b, f"{param}.content.{j}")
+                  for j, b in enumerate(_blocks(content, f"{param}.content"))]
+        if turns and turns[-1][0] == role:
+            turns[-1][1].extend(blocks)
+        else:
+            turns.append((role, blocks))
+    return turns
 
 
 def _tools(body: dict[str, Any], conv: _Conversion) -> tuple[dict[str, Any], ...]:
@@ -385,17 +400,15 @@ def parse_messages_request(body: Any, *, max_tokens_limit: int) -> MessagesReque
     tools = _tools(body, conv)
     choice, single = _tool_choice(body, tools)
     conv.system(body.get("system"))
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list", "messages")
-    for i, msg in enumerate(messages):
-        conv.message(i, msg)
-    if conv.pending:
-        raise _bad(conv.unanswered() + " (a final assistant message, a prefill, is not "
-                   "supported)", "messages")
-    if conv.messages[-1]["role"] == "assistant":
+    turns = _turns(body.get("messages"))
+    for role, blocks in turns:
+        conv.turn(role, blocks)
+    if turns[-1][0] == "assistant":
         raise _bad("the last message must be a user message; a final assistant message "
-                   "(a prefill) is not supported", f"messages.{len(messages) - 1}")
+                   "(a prefill) is not supported", f"messages.{len(body['messages']) - 1}")
+    if body.get("cache_control") is not None:
+        # automatic caching marks the last block: the end of the messages, always a cut
+        conv.mark(body, "")
     top_k = _int(body, "top_k", 0, 1 << 20)
     gen = Generation(
         messages=tuple(conv.messages),

@@ -35,8 +35,9 @@ def with_hint_cuts(adapter: Adapter, split: SplitResult, messages: list[dict[str
     ids, end = split.input_ids, ends[0].position
     generation = ids[end:]
     floor = split.instruction_cut or 0
-    taken = {c.position for c in split.cuts}
-    extra: list[Cut] = []
+    # positions the planner already snapshots; a TURN cut it skips becomes the HINT
+    snapshotted = {c.position for c in split.cuts if c.kind is not CutKind.TURN}
+    hinted: set[int] = set()
     for k in sorted(set(hints)):
         if not 0 < k < len(messages):
             continue
@@ -47,12 +48,11 @@ def with_hint_cuts(adapter: Adapter, split: SplitResult, messages: list[dict[str
         if not sub.cuts:
             continue
         pos = sub.cuts[-1].position
-        if sub.input_ids[pos:] != generation or not floor < pos < end or pos in taken \
-                or ids[:pos] != sub.input_ids[:pos]:
-            continue
-        taken.add(pos)
-        extra.append(Cut(CutKind.HINT, pos))
-    if not extra:
+        if sub.input_ids[pos:] == generation and floor < pos < end \
+                and pos not in snapshotted and ids[:pos] == sub.input_ids[:pos]:
+            hinted.add(pos)
+    if not hinted:
         return split
-    cuts = tuple(sorted((*split.cuts, *extra), key=lambda c: c.position))
-    return SplitResult(split.adapter, ids, cuts)
+    cuts = [c for c in split.cuts if c.position not in hinted]
+    cuts += [Cut(CutKind.HINT, pos) for pos in hinted]
+    return SplitResult(split.adapter, ids, tuple(sorted(cuts, key=lambda c: c.position)))

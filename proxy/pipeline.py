@@ -98,6 +98,18 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str]
     return min(hits) if hits else None
 
 
+def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that a stop sequence may still complete: held
+    back, so that a sequence spanning tokens or chunks never reaches the client in part."""
+    held = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
+
+
 class Completion:
     """One request's run through the pipeline. Build it with `Completion.create`, consume
     `deltas()` once (inside `contextlib.aclosing`), then read `outcome` and `usage()`."""
@@ -176,6 +188,8 @@ class Completion:
                 stop = _find_stop(text, gen.stop, emitted) if gen.stop else None
                 if stop is not None:
                     text = text[:stop[0]]
+                elif gen.stop and chunk.meta is None:
+                    text = text[:max(emitted, len(text) - _stop_prefix(text, gen.stop))]
                 new, emitted = text[emitted:], len(text)
                 for delta in parser.feed(new) if new else ():
                     yield self._record(delta)

@@ -21,6 +21,8 @@ WEATHER_OPENAI = [{"type": "function", "function": {
     "name": WEATHER["name"], "description": WEATHER["description"],
     "parameters": WEATHER["input_schema"]}}]
 CC = {"type": "ephemeral"}
+# the SDK no longer has sampling arguments; the API (and this proxy) still takes them
+GREEDY = {"extra_body": {"temperature": 0}}
 
 
 @pytest.fixture()
@@ -59,7 +61,7 @@ def _prompt_tokens(u) -> int:
 
 
 def test_plain_message(client, openai_client):
-    reply = client.messages.create(model="default", max_tokens=20, temperature=0,
+    reply = client.messages.create(model="default", max_tokens=20, **GREEDY,
                                    messages=FRANCE)
     assert reply.type == "message" and reply.role == "assistant"
     assert reply.id.startswith("msg_")
@@ -67,7 +69,7 @@ def test_plain_message(client, openai_client):
     assert block.type == "text" and "Paris" in block.text
     assert reply.stop_reason == "end_turn" and reply.stop_sequence is None
     same = openai_client.chat.completions.create(model="default", messages=FRANCE,
-                                                 temperature=0, max_tokens=20)
+                                                 **GREEDY, max_tokens=20)
     assert block.text == same.choices[0].message.content
     assert _prompt_tokens(reply.usage) == same.usage.prompt_tokens
     assert reply.usage.output_tokens == same.usage.completion_tokens
@@ -76,10 +78,10 @@ def test_plain_message(client, openai_client):
 def test_same_conversation_through_both_apis_gives_the_same_greedy_tokens(
         client, openai_client):
     system = "You are a weather bot. Answer in one short sentence."
-    ant = client.messages.create(model="default", max_tokens=40, temperature=0, system=system,
+    ant = client.messages.create(model="default", max_tokens=40, **GREEDY, system=system,
                                  tools=[WEATHER], tool_choice={"type": "none"}, messages=ASK)
     oai = openai_client.chat.completions.create(
-        model="default", max_tokens=40, temperature=0, tools=WEATHER_OPENAI, tool_choice="none",
+        model="default", max_tokens=40, **GREEDY, tools=WEATHER_OPENAI, tool_choice="none",
         messages=[{"role": "system", "content": system}, *ASK_OPENAI])
     assert [b.type for b in ant.content] == ["text"]
     assert ant.content[0].text == oai.choices[0].message.content
@@ -90,7 +92,7 @@ def test_same_conversation_through_both_apis_gives_the_same_greedy_tokens(
 
 
 def test_tool_use_round_trip(client):
-    first = client.messages.create(model="default", max_tokens=40, temperature=0,
+    first = client.messages.create(model="default", max_tokens=40, **GREEDY,
                                    tools=[WEATHER], messages=ASK)
     assert first.stop_reason == "tool_use"
     [use] = [b for b in first.content if b.type == "tool_use"]
@@ -99,7 +101,7 @@ def test_tool_use_round_trip(client):
     follow = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                             "content": "rainy, 12 °C"}]}]
-    second = client.messages.create(model="default", max_tokens=30, temperature=0,
+    second = client.messages.create(model="default", max_tokens=30, **GREEDY,
                                     tools=[WEATHER], tool_choice={"type": "none"},
                                     messages=follow)
     assert second.stop_reason in ("end_turn", "max_tokens")
@@ -109,7 +111,7 @@ def test_tool_use_round_trip(client):
 
 
 def test_streamed_tool_use_equals_the_whole_reply(client):
-    kw = dict(model="default", max_tokens=40, temperature=0, tools=[WEATHER], messages=ASK,
+    kw = dict(model="default", max_tokens=40, **GREEDY, tools=[WEATHER], messages=ASK,
               tool_choice={"type": "tool", "name": "get_weather"})
     whole = client.messages.create(**kw)
     with client.messages.stream(**kw) as stream:
@@ -132,7 +134,7 @@ def test_streamed_tool_use_equals_the_whole_reply(client):
 
 
 def test_streamed_text_equals_the_whole_reply(client):
-    kw = dict(model="default", max_tokens=48, temperature=0, messages=[
+    kw = dict(model="default", max_tokens=48, **GREEDY, messages=[
         {"role": "user", "content": "Name three colors and say why you like them."}])
     whole = client.messages.create(**kw)
     with client.messages.stream(**kw) as stream:
@@ -146,12 +148,12 @@ def test_streamed_text_equals_the_whole_reply(client):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_stop_sequences_spanning_tokens(client, stream):
-    base = client.messages.create(model="default", max_tokens=24, temperature=0,
+    base = client.messages.create(model="default", max_tokens=24, **GREEDY,
                                   messages=FRANCE).content[0].text
     words = base.split()
     # the end of one word, the space and the start of the next: never a single token
     stop = words[2][-1] + " " + words[3][:2]
-    kw = dict(model="default", max_tokens=24, temperature=0, messages=FRANCE,
+    kw = dict(model="default", max_tokens=24, **GREEDY, messages=FRANCE,
               stop_sequences=["never-seen-xyz", stop])
     if stream:
         with client.messages.stream(**kw) as s:
@@ -167,18 +169,18 @@ def test_stop_sequences_spanning_tokens(client, stream):
 def test_a_shared_cache_control_system_block_is_read_from_cache(client):
     system = [{"type": "text", "text": f"Session {uuid.uuid4().hex}. You answer geography "
                "questions briefly and precisely.", "cache_control": CC}]
-    first = client.messages.create(model="default", max_tokens=8, temperature=0,
+    first = client.messages.create(model="default", max_tokens=8, **GREEDY,
                                    system=system, messages=FRANCE)
     assert first.usage.cache_read_input_tokens == 0
     assert first.usage.cache_creation_input_tokens > 0
-    second = client.messages.create(model="default", max_tokens=8, temperature=0, system=system,
+    second = client.messages.create(model="default", max_tokens=8, **GREEDY, system=system,
                                     messages=[{"role": "user",
                                                "content": "What is the capital of Italy?"}])
     assert second.usage.cache_read_input_tokens > 0
     assert _prompt_tokens(second.usage) > second.usage.cache_read_input_tokens
 
 
-def _history(system: str, marked: bool) -> list[dict]:
+def _history(marked: bool) -> list[dict]:
     mark = {"cache_control": CC} if marked else {}
     return [{"role": "user", "content": "Tell me about Rome."},
             {"role": "assistant", "content": "Rome is the capital of Italy."},
@@ -192,14 +194,14 @@ def test_cache_control_on_a_message_anchors_exactly_that_prefix(client, default_
     cache_control mark on the third message makes an anchor there, which the second
     request restores: exactly the template's tokens for the marked prefix."""
     system = f"Session {uuid.uuid4().hex}."
-    head = _history(system, marked)
+    head = _history(marked)
     a = [*head, {"role": "assistant", "content": "Berlin is the capital of Germany."},
          {"role": "user", "content": "And Paris?"}]
     b = [*head, {"role": "assistant", "content": "Berlin is in Germany."},
          {"role": "user", "content": "And Madrid?"}]
-    client.messages.create(model="default", max_tokens=4, temperature=0, system=system,
+    client.messages.create(model="default", max_tokens=4, **GREEDY, system=system,
                            messages=a)
-    second = client.messages.create(model="default", max_tokens=4, temperature=0,
+    second = client.messages.create(model="default", max_tokens=4, **GREEDY,
                                     system=system, messages=b)
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     as_openai = [{"role": "system", "content": system},

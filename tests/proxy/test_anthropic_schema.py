@@ -88,6 +88,30 @@ def test_cache_control_marks_the_end_of_the_rendered_message_holding_the_block()
                   messages=[{"role": "user", "content": "q"}]).cache_hints == (1,)
 
 
+def test_consecutive_messages_of_one_role_are_one_turn():
+    req = _parse(messages=[
+        {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                           "input": {}}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}])
+    assert [(m["role"], len(m.get("tool_calls", ()))) for m in req.generation.messages] == [
+        ("user", 0), ("assistant", 2), ("tool", 0), ("tool", 0)]
+    assert req.generation.messages[0]["content"] == [{"type": "text", "text": "a"},
+                                                     {"type": "text", "text": "b"}]
+
+
+def test_top_level_cache_control_is_validated_and_counted():
+    assert _parse(cache_control=CC, messages=USER).cache_hints == ()
+    with pytest.raises(ApiError, match="ephemeral"):
+        _parse(cache_control={"type": "x"}, messages=USER)
+    marked = [{"type": "text", "text": str(i), "cache_control": CC} for i in range(4)]
+    with pytest.raises(ApiError, match="at most 4"):
+        _parse(cache_control=CC, messages=[{"role": "user", "content": marked}])
+
+
 @pytest.mark.parametrize("choice,mode,function", [
     ({"type": "auto"}, "auto", None), ({"type": "any"}, "required", None),
     ({"type": "tool", "name": "get_weather"}, "function", "get_weather"),

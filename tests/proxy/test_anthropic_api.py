@@ -259,3 +259,37 @@ def test_the_sdk_raises_its_own_error_types(client):
     assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-9", max_tokens=8, messages=FRANCE)
+
+
+COUNT = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
+
+
+def _events(resp: httpx.Response) -> list[tuple[str, dict]]:
+    events, name = [], None
+    for line in resp.iter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line.removeprefix("data: "))))
+    return events
+
+
+def test_worker_failures_are_anthropic_errors(worker, proxy):
+    body = {"model": "default", "max_tokens": 50, "temperature": 0, "messages": COUNT}
+    # before any output: a status code and an error object
+    httpx.post(worker.url + "/debug/fault", json={"where": "prefill"}).raise_for_status()
+    resp = httpx.post(proxy.url + "/v1/messages", json=body, timeout=60)
+    assert resp.status_code == 502
+    assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == "api_error"
+    # after the first output: an in-band error event ends the stream
+    httpx.post(worker.url + "/debug/fault", json={"where": "decode"}).raise_for_status()
+    with httpx.stream("POST", proxy.url + "/v1/messages", json={**body, "stream": True},
+                      timeout=60) as resp:
+        assert resp.status_code == 200
+        events = _events(resp)
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-1] == "error"
+    assert "message_stop" not in names
+    assert events[-1][1]["type"] == "error" and events[-1][1]["error"]["type"] == "api_error"
+    # and the worker is idle again: nothing of the failed requests lingers
+    assert httpx.get(worker.url + "/health", timeout=10).json()["running_requests"] == []

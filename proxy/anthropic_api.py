@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -27,6 +28,7 @@ from .splitter.types import OutputDelta
 from .state import STATE, ProxyState
 
 log = logging.getLogger("anchorcache.proxy")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # HTTP status → Anthropic error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -159,31 +161,54 @@ def _completion(state: ProxyState, req: MessagesRequest) -> Completion:
     return Completion(state, gen, split, tenant=completion.tenant)
 
 
-async def messages(request: web.Request) -> web.StreamResponse:
-    """`POST /v1/messages`. Every error, whatever raised it, leaves as an Anthropic error
-    object with the status of the error table (in-band once a stream has started)."""
-    try:
-        return await _messages(request)
-    except ApiError as e:
-        return error_response(e)
-    except web.HTTPException as e:  # e.g. 413 from the body-size limit
-        if e.status < 400:
+def _anthropic_errors(handler: Handler) -> Handler:
+    """Every error, whatever raised it, leaves as an Anthropic error object with the status
+    of the error table (in-band once a stream has started, see `messages`)."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return error_response(e)
+        except web.HTTPException as e:  # e.g. 413 from the body-size limit
+            if e.status < 400:
+                raise
+            return json_response(error_body(e.status, e.text or e.reason), e.status)
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
-        return json_response(error_body(e.status, e.text or e.reason), e.status)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError("internal_error", "internal error in the proxy"))
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(ApiError("internal_error", "internal error in the proxy"))
+
+    return wrapped
 
 
-async def _messages(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
+async def _body(request: web.Request) -> Any:
     try:
-        body = orjson.loads(await request.read())
+        return orjson.loads(await request.read())
     except orjson.JSONDecodeError as e:
         raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
-    req = parse_messages_request(body, max_tokens_limit=state.info.max_context_tokens)
+
+
+@_anthropic_errors
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would send
+    them to the worker (rendered and split the same way, nothing generated)."""
+    state = request.app[STATE]
+    req = parse_messages_request(await _body(request),
+                                 max_tokens_limit=state.info.max_context_tokens, count_only=True)
+    check_model(state, req.model)
+    completion = Completion.create(state, req.generation)
+    return json_response({"input_tokens": len(completion.split.input_ids)})
+
+
+@_anthropic_errors
+async def messages(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/messages`."""
+    state = request.app[STATE]
+    req = parse_messages_request(await _body(request),
+                                 max_tokens_limit=state.info.max_context_tokens)
     check_model(state, req.model)
     completion = _completion(state, req)
     framer = BlockFramer(single_tool_use=req.single_tool_use)

@@ -379,15 +379,18 @@ def _user_id(body: dict[str, Any]) -> str | None:
     return user_id
 
 
-def parse_messages_request(body: Any, *, max_tokens_limit: int) -> MessagesRequest:
+def parse_messages_request(body: Any, *, max_tokens_limit: int,
+                           count_only: bool = False) -> MessagesRequest:
+    """A `/v1/messages` body; `count_only` for `/v1/messages/count_tokens`, which has no
+    `max_tokens` (sampling fields are then ignored)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required", "model")
-    if body.get("max_tokens") is None:
+    if body.get("max_tokens") is None and not count_only:
         raise _bad("'max_tokens' is required", "max_tokens")
-    max_tokens = _int(body, "max_tokens", 1, max_tokens_limit)
+    max_tokens = None if count_only else _int(body, "max_tokens", 1, max_tokens_limit)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream")

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from .anthropic_api import messages
+from .anthropic_api import count_tokens, messages
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
 from .openai_api import chat_completions
@@ -58,6 +58,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     return app

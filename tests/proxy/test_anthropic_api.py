@@ -89,6 +89,9 @@ def test_same_conversation_through_both_apis_gives_the_same_greedy_tokens(
     assert _prompt_tokens(ant.usage) == oai.usage.prompt_tokens
     assert ant.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[
         oai.choices[0].finish_reason]
+    counted = client.messages.count_tokens(model="default", system=system, tools=[WEATHER],
+                                           messages=ASK)
+    assert counted.input_tokens == oai.usage.prompt_tokens
 
 
 def test_tool_use_round_trip(client):

@@ -410,7 +410,7 @@ def parse_messages_request(body: Any, *, max_tokens_limit: int,
         raise _bad("the last message must be a user message; a final assistant message "
                    "(a prefill) is not supported", f"messages.{len(body['messages']) - 1}")
     if body.get("cache_control") is not None:
-        # automatic caching marks the last block: the end of the messages, always a cut
+        # automatic caching marks the last block: the end of the messages, cut anyway
         conv.mark(body, "")
     top_k = _int(body, "top_k", 0, 1 << 20)
     gen = Generation(

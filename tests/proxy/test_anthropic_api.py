@@ -77,7 +77,7 @@ def test_plain_message(client, openai_client):
 
 def test_same_conversation_through_both_apis_gives_the_same_greedy_tokens(
         client, openai_client):
-    system = "You are a weather bot. Answer in one short sentence."
+    system = f"You are weather bot {uuid.uuid4().hex[:8]}. Answer in one short sentence."
     ant = client.messages.create(model="default", max_tokens=40, **GREEDY, system=system,
                                  tools=[WEATHER], tool_choice={"type": "none"}, messages=ASK)
     oai = openai_client.chat.completions.create(
@@ -87,6 +87,10 @@ def test_same_conversation_through_both_apis_gives_the_same_greedy_tokens(
     assert ant.content[0].text == oai.choices[0].message.content
     assert ant.usage.output_tokens == oai.usage.completion_tokens
     assert _prompt_tokens(ant.usage) == oai.usage.prompt_tokens
+    # one set of anchors for both APIs: the system prompt is new to this test, so what the
+    # chat completion restores was saved by the Anthropic request
+    assert ant.usage.cache_read_input_tokens == 0
+    assert oai.usage.prompt_tokens_details.cached_tokens > 0
     assert ant.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[
         oai.choices[0].finish_reason]
     counted = client.messages.count_tokens(model="default", system=system, tools=[WEATHER],

@@ -11,6 +11,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from tests.servers import proxy_process
+
 pytestmark = pytest.mark.slow
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -187,6 +189,14 @@ def test_a_shared_cache_control_system_block_is_read_from_cache(client):
     assert _prompt_tokens(second.usage) > second.usage.cache_read_input_tokens
 
 
+@pytest.fixture(scope="module")
+def off_client(worker):
+    """A second proxy on the same worker with anchors off: the reference outputs."""
+    with proxy_process(worker.url, "--no-anchors") as off:
+        yield anthropic.Anthropic(base_url=off.url, api_key="unused", max_retries=0,
+                                  timeout=120)
+
+
 def _history(marked: bool) -> list[dict]:
     mark = {"cache_control": CC} if marked else {}
     return [{"role": "user", "content": "Tell me about Rome."},
@@ -195,21 +205,27 @@ def _history(marked: bool) -> list[dict]:
 
 
 @pytest.mark.parametrize("marked", [True, False], ids=["marked", "unmarked"])
-def test_cache_control_on_a_message_anchors_exactly_that_prefix(client, default_model_dir,
-                                                                  marked):
+def test_cache_control_on_a_message_anchors_exactly_that_prefix(client, off_client,
+                                                                  default_model_dir, marked):
     """Two requests share the first three messages and differ after them. Only a
     cache_control mark on the third message makes an anchor there, which the second
-    request restores: exactly the template's tokens for the marked prefix."""
+    request restores: exactly the template's tokens for the marked prefix, and the replies
+    equal those of an anchors-off proxy."""
     system = f"Session {uuid.uuid4().hex}."
     head = _history(marked)
     a = [*head, {"role": "assistant", "content": "Berlin is the capital of Germany."},
          {"role": "user", "content": "And Paris?"}]
     b = [*head, {"role": "assistant", "content": "Berlin is in Germany."},
          {"role": "user", "content": "And Madrid?"}]
-    client.messages.create(model="default", max_tokens=4, **GREEDY, system=system,
-                           messages=a)
-    second = client.messages.create(model="default", max_tokens=4, **GREEDY,
-                                    system=system, messages=b)
+    replies = []
+    for messages in (a, b):
+        kw = dict(model="default", max_tokens=12, system=system, messages=messages, **GREEDY)
+        on, off = client.messages.create(**kw), off_client.messages.create(**kw)
+        # restoring the hinted anchor changes nothing: the same greedy tokens as anchors off
+        assert on.content[0].text == off.content[0].text
+        assert on.usage.output_tokens == off.usage.output_tokens
+        replies.append(on)
+    second = replies[1]
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     as_openai = [{"role": "system", "content": system},
                  *({"role": m["role"], "content": m["content"] if isinstance(m["content"], str)

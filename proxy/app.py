@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -20,6 +21,14 @@ from .worker_client import WorkerClient
 log = logging.getLogger("anchorcache.proxy")
 
 
+class HasStatus(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+# set by `anchorcache serve`, which supervises the worker process (anchorcache/supervise.py)
+WORKER_STATUS = web.AppKey[Callable[[], HasStatus] | None]("worker_status")
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return json_response({"object": "list", "data": [
@@ -29,17 +38,34 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    status = request.app[WORKER_STATUS]
+    process = status().to_json() if status is not None else None
+    extra = {"worker_process": process} if process is not None else {}
+    if process is not None and process["state"] != "running":  # `serve` is restarting it
+        return json_response({"status": "degraded", "worker": None, **extra,
+                              "error": f"worker {process['state']}"}, 503)
     try:
         worker = await state.worker.health()
     except ApiError as e:
-        return json_response({"status": "degraded", "worker": None, "error": e.message}, 503)
+        return json_response({"status": "degraded", "worker": None, **extra,
+                              "error": e.message}, 503)
     state.planner.observe_epoch(worker.get("epoch"))
     return json_response({"status": "ok", "model": state.info.model_id,
-                          "anchors": state.config.anchors, "worker": worker})
+                          "anchors": state.config.anchors, "worker": worker, **extra})
 
 
-def create_app(config: ProxyConfig) -> web.Application:
+async def refresh_worker_epoch(app: web.Application) -> None:
+    """A (re)started worker is a new epoch: forget the old one's anchors now."""
+    state = app[STATE]
+    state.planner.observe_epoch((await state.worker.health()).get("epoch"))
+
+
+def create_app(config: ProxyConfig, *,
+               worker_status: Callable[[], HasStatus] | None = None) -> web.Application:
+    """`worker_status`: given when this process supervises the worker (`anchorcache serve`);
+    `/health` then reports the worker process's state, and `degraded` while it restarts."""
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app[WORKER_STATUS] = worker_status
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.worker_timeout_s, sock_connect=5)

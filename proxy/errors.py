@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -72,6 +73,9 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return json_response({"error": {"message": e.reason if e.status != 413 else e.text,
                                         "type": KINDS[kind][1], "code": kind, "param": None}},
                              e.status)
+    except HttpProcessingError as e:  # a body aiohttp cannot decode (gzip that is not gzip)
+        return error_response(ApiError("invalid_request",
+                                       f"the request body could not be read: {e.message}"))
     except asyncio.CancelledError:
         raise
     except Exception:

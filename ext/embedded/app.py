@@ -71,6 +71,7 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
         architecture=model.config.architectures[0] if model.config.architectures else type(model).__name__,
         max_context_tokens=max_ctx, eos_token_ids=_eos_ids(model, tokenizer),
         hybrid=bool(spec.state_layers),
+        vocab_size=int(model.get_input_embeddings().num_embeddings),
     )
     anchors = None
     if config.anchors:

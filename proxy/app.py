@@ -9,9 +9,9 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from .chat import chat_completions
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
+from .openai_api import chat_completions
 from .planner import Planner
 from .splitter import get_adapter
 from .state import STATE, ProxyState

@@ -41,7 +41,7 @@ test-fast: setup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check anchorcache proxy ext state ops tests bench
-	$(VENV)/bin/mypy anchorcache proxy ext/embedded ext/ops.py ext/slots.py state ops
+	$(VENV)/bin/mypy anchorcache proxy ext/embedded ext/ops.py ext/slots.py ext/held_chain.py state ops
 
 bench: setup
 	$(PY) bench/ext_snapshot.py

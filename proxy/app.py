@@ -13,6 +13,7 @@ from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
 from .openai_api import chat_completions
 from .planner import Planner
+from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
 from .state import STATE, ProxyState
 from .tokenizers import load_tokenizer
@@ -75,10 +76,16 @@ def create_app(config: ProxyConfig, *,
             tokenizer = load_tokenizer(info.tokenizer_path)
             adapter = get_adapter(config.adapter, tokenizer)
             planner = Planner(info.model_id, info.epoch, salt=config.tenant_salt, worker=worker)
-            app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner)
+            splits = SplitPool(adapter, max_pending=config.max_pending_splits)
+            budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
+            app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, splits,
+                                    budget)
             log.info("proxy ready: model %s, adapter %s, anchors %s", info.model_id,
                      adapter.name, "on" if config.anchors else "off")
-            yield
+            try:
+                yield
+            finally:
+                splits.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)

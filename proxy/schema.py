@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 from anchorcache.wire import GREEDY_TEMPERATURE
 
@@ -51,6 +52,16 @@ def bad(message: str, param: str | None = None) -> ApiError:
 
 
 # ---- protocol-neutral pieces ---------------------------------------------------------------
+
+async def read_json(request: web.Request) -> Any:
+    """The decoded JSON body. Unreadable bodies (a gzip label on plain bytes) are turned into
+    400s by the error middleware, bodies over the size limit into 413s."""
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
+
 
 def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS) -> None:
     """One iterative walk over a decoded JSON body: refuses nesting deeper than

@@ -65,7 +65,9 @@ class HFTokenizer:
             if t.special and not t.lstrip and not t.rstrip and not t.normalized))
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL, so a long text tokenized on the
+        # split thread (proxy/split_pool.py) does not stall the event loop
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]

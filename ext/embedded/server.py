@@ -67,8 +67,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
                                 str(e.status)), e.status)
     except (WireError, orjson.JSONDecodeError) as e:
         return _json(error_body(str(e), "invalid_request_error", "invalid_request"), 400)
-    except HttpProcessingError as e:  # a body aiohttp cannot decode (e.g. gzip that is not)
-        return _json(error_body(f"unreadable request body: {e.message}", "invalid_request_error",
+    except (HttpProcessingError, web.RequestPayloadError) as e:  # e.g. gzip that is not
+        return _json(error_body(f"unreadable request body: {e}", "invalid_request_error",
                                 "invalid_request"), 400)
     except asyncio.CancelledError:
         raise

@@ -1,0 +1,130 @@
+"""`/health` latency while the proxy is handed a huge request body (issue 13).
+
+Starts one embedded worker and one proxy (`--max-body-bytes` 32 MiB), then, for each load,
+probes `GET /health` back to back from a second connection while the load request is in
+flight, and reports the probes' latency (p50, p99, max) and how long the load request took:
+
+- `idle`: no load;
+- `16MiB`: one user message of 16 MiB of text (refused as over the context);
+- `in-budget`: a message just under the early token budget's character bound, which is
+  rendered and tokenized on the split thread before it is refused as over the context;
+- `4x16MiB`: four 16 MiB bodies at once.
+
+Prints a table and writes bench/results/health_under_load.json.
+
+    .venv/bin/python bench/health_under_load.py [--idle-s 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from anchorcache.cli import free_port, wait_ready  # noqa: E402
+from anchorcache.proxy.split_pool import TokenBudget  # noqa: E402
+from anchorcache.proxy.tokenizers import load_tokenizer  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+MiB = 1 << 20
+
+
+@contextmanager
+def spawn(*args: str):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
+                             "--log-level", "warning"], start_new_session=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + "/health", proc, timeout_s=600)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def body(chars: int) -> bytes:
+    words = "lorem ipsum dolor sit amet, consectetur adipiscing elit. "
+    text = (words * (chars // len(words) + 1))[:chars]
+    return json.dumps({"model": "default", "max_tokens": 1,
+                       "messages": [{"role": "user", "content": text}]}).encode()
+
+
+async def probe_during(url: str, loads: list[bytes], settle_s: float) -> dict:
+    lat: list[float] = []
+    statuses: dict[int, int] = {}
+    async with aiohttp.ClientSession() as probe, aiohttp.ClientSession() as loader:
+        async def load(data: bytes) -> tuple[int, float]:
+            t0 = time.perf_counter()
+            async with loader.post(url + "/v1/chat/completions", data=data,
+                                   headers={"Content-Type": "application/json"}) as resp:
+                await resp.read()
+                return resp.status, time.perf_counter() - t0
+
+        tasks = [asyncio.create_task(load(d)) for d in loads]
+        end = time.perf_counter() + settle_s
+        while not all(t.done() for t in tasks) or time.perf_counter() < end:
+            t0 = time.perf_counter()
+            async with probe.get(url + "/health") as resp:
+                await resp.read()
+                statuses[resp.status] = statuses.get(resp.status, 0) + 1
+            lat.append((time.perf_counter() - t0) * 1e3)
+            if not tasks and time.perf_counter() >= end:
+                break
+        results = [await t for t in tasks]
+    lat.sort()
+    return {"probes": len(lat), "health_p50_ms": round(statistics.median(lat), 2),
+            "health_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2),
+            "health_max_ms": round(lat[-1], 2), "health_statuses": statuses,
+            "load_statuses": [s for s, _ in results],
+            "load_s": round(max((t for _, t in results), default=0.0), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--idle-s", type=float, default=2.0)
+    args = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    with ExitStack() as stack:
+        worker = stack.enter_context(spawn("worker", "--threads", "2"))
+        proxy = stack.enter_context(spawn("proxy", "--worker", worker.rstrip("/"),
+                                          "--max-body-bytes", str(32 * MiB)))
+        import httpx
+
+        info = httpx.get(worker + "/model_info").json()
+        budget = TokenBudget.for_tokenizer(load_tokenizer(info["tokenizer_path"]),
+                                           info["max_context_tokens"])
+        bound = (budget.context_tokens - 1) * (budget.max_chars_per_token or 4)
+        cases = {"idle": ([], args.idle_s), "16MiB": ([body(16 * MiB)], 0.0),
+                 "in-budget": ([body(bound)], 0.0), "4x16MiB": ([body(16 * MiB)] * 4, 0.0)}
+        for name, (loads, settle) in cases.items():
+            rows[name] = asyncio.run(probe_during(proxy, loads, settle))
+            rows[name]["body_bytes"] = len(loads[0]) if loads else 0
+    print(f"{'load':<10} {'body MiB':>9} {'probes':>7} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'max ms':>8} {'load s':>7}  statuses")
+    for name, r in rows.items():
+        print(f"{name:<10} {r['body_bytes'] / MiB:>9.2f} {r['probes']:>7} {r['health_p50_ms']:>8} "
+              f"{r['health_p99_ms']:>8} {r['health_max_ms']:>8} {r['load_s']:>7}  "
+              f"{r['load_statuses']}")
+    out = RESULTS / "health_under_load.json"
+    out.write_text(json.dumps({"max_chars_per_token": budget.max_chars_per_token,
+                               "context_tokens": budget.context_tokens, "cases": rows}, indent=2))
+    print(f"wrote {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,10 +1,10 @@
 """Parse and validate request bodies once, at the HTTP edge, into typed records.
 
 Two layers, so that the Anthropic route can reuse the first:
-- protocol-neutral pieces: `check_shape` walks the decoded body once, iteratively, against
-  `BodyLimits` (nesting depth, node count; tool-call arguments sent as JSON strings are
-  walked too), and the typed field readers (`number`, `optional_int`, `temperature`,
-  `string`) raise `ApiError("invalid_request")` with the offending parameter;
+- protocol-neutral pieces: `read_json`; `check_shape` walks the decoded body once,
+  iteratively, against `BodyLimits` (nesting depth, node count), and `check_arguments` holds
+  tool-call arguments sent as JSON strings to the same limits; the typed field readers
+  (`number`, `optional_int`, `temperature`, `string`) raise `ApiError("invalid_request")` with the offending parameter;
 - `parse_chat_request`: an OpenAI chat body → `ChatRequest`.
 
 Nothing a client sends may reach the renderer, the tokenizer or the sampler in a shape that
@@ -63,44 +63,45 @@ async def read_json(request: web.Request) -> Any:
         raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
 
 
-def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS) -> None:
-    """One iterative walk over a decoded JSON body: refuses nesting deeper than
-    `limits.max_depth` and more than `limits.max_nodes` values. Tool-call `arguments` sent as
-    a JSON string count at the depth where they appear (they are decoded and rendered as
-    objects later). Never recurses, so no body can exhaust the stack here."""
-    stack: list[tuple[Any, int]] = [(body, 1)]
+def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 1) -> None:
+    """One iterative walk over a decoded JSON value at nesting level `depth` of the body:
+    refuses nesting deeper than `limits.max_depth` and more than `limits.max_nodes` values.
+    Never recurses, so no body can exhaust the stack here (nor, once accepted, downstream)."""
+    stack: list[tuple[Any, int]] = [(body, depth)]
     nodes = 0
     while stack:
-        value, depth = stack.pop()
+        value, level = stack.pop()
         nodes += 1
-        if nodes > limits.max_nodes:
-            raise bad(f"the request body has more than {limits.max_nodes} JSON values")
         if isinstance(value, dict):
             children: Any = value.values()
         elif isinstance(value, list):
             children = value
         else:
             continue
-        if depth > limits.max_depth:
+        if level > limits.max_depth:
             raise bad(f"the request body is nested deeper than {limits.max_depth} levels")
         for child in children:
             if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
+                stack.append((child, level + 1))
             else:
                 nodes += 1
-        if isinstance(value, dict) and isinstance(value.get("arguments"), str):
-            args = value["arguments"]
-            if args[:1] in ("{", "[") and len(args) > 2 * (limits.max_depth - depth):
-                decoded = _loads_or_none(args)
-                if decoded is not None:
-                    stack.append((decoded, depth + 1))
+        if nodes > limits.max_nodes:
+            raise bad(f"the request body has more than {limits.max_nodes} JSON values")
 
 
-def _loads_or_none(text: str) -> Any:
+ARGUMENTS_DEPTH = 7  # body → messages → message → tool_calls → call → function → arguments
+
+
+def check_arguments(arguments: str, param: str, limits: BodyLimits = DEFAULT_LIMITS) -> None:
+    """Tool-call arguments sent as a JSON string are decoded and rendered as objects later:
+    they must be JSON, and are held to the same limits as if they had been sent inline."""
+    if len(arguments) <= 2 * (limits.max_depth - ARGUMENTS_DEPTH) or not arguments.strip():
+        return  # too short to nest too deep; invalid JSON is refused by the splitter
     try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return None  # not JSON: the splitter refuses it with a clear message
+        decoded = orjson.loads(arguments)
+    except orjson.JSONDecodeError as e:
+        raise bad(f"tool-call arguments are not valid JSON: {e}", param) from None
+    check_shape(decoded, limits, depth=ARGUMENTS_DEPTH)
 
 
 def number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -223,8 +224,11 @@ def _message(i: int, msg: Any, limits: BodyLimits) -> dict[str, Any]:
             if not isinstance(fn, dict):
                 raise bad("each tool call needs function.name", cparam)
             string(fn.get("name"), f"{cparam}.function.name", max_chars=limits.max_name_chars)
-            if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            arguments = fn.get("arguments", "{}")
+            if not isinstance(arguments, (str, dict)):
                 raise bad("function.arguments must be a JSON string", f"{cparam}.function.arguments")
+            if isinstance(arguments, str):
+                check_arguments(arguments, f"{cparam}.function.arguments", limits)
             if call.get("id") is not None:
                 string(call["id"], f"{cparam}.id", max_chars=limits.max_name_chars, empty_ok=True)
     return out

@@ -17,18 +17,42 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
-def nested_schema(levels: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
+def nested_schema(levels: int) -> str:
+    """JSON text of a schema nested `levels` objects deep (text: json.dumps would recurse)."""
+    text = '{"type": "string"}'
     for _ in range(levels):
-        schema = {"type": "object", "properties": {"x": schema}}
-    return schema
+        text = '{"type": "object", "properties": {"x": ' + text + "}}"
+    return text
 
 
-def nested_value(levels: int) -> Any:
-    value: Any = 1
+def nested_value(levels: int) -> str:
+    text = "1"
     for i in range(levels):
-        value = {"a": value} if i % 2 else [value]
-    return value
+        text = ('{"a": ' + text + "}") if i % 2 else ("[" + text + "]")
+    return text
+
+
+class Raw(str):
+    """JSON text to splice into a body verbatim."""
+
+
+def encode(fields: dict[str, Any]) -> bytes:
+    raws: dict[str, str] = {}
+
+    def mark(value: Any) -> Any:
+        if isinstance(value, Raw):
+            raws[f"@raw{len(raws)}@"] = value
+            return f"@raw{len(raws) - 1}@"
+        if isinstance(value, dict):
+            return {k: mark(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mark(v) for v in value]
+        return value
+
+    text = json.dumps(mark(fields))
+    for name, raw in raws.items():
+        text = text.replace(f'"{name}"', raw)
+    return text.encode()
 
 
 def calls_with(arguments: Any) -> list[dict[str, Any]]:
@@ -48,10 +72,15 @@ BAD = [
         "type": "function", "function": {"name": {"n": "get_weather"}}}}),
     ("tool_choice is a list", {"messages": HI, "tools": [TOOL], "tool_choice": ["auto"]}),
     ("parameters nested 500 levels", {"messages": HI, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": nested_schema(500)}}]}),
-    ("arguments nested 1000 levels", {"messages": calls_with(nested_value(1000)), "tools": [TOOL]}),
+        {"type": "function", "function": {"name": "f", "parameters": Raw(nested_schema(500))}}]}),
+    ("arguments nested 1000 levels", {"messages": calls_with(Raw(nested_value(1000))),
+                                      "tools": [TOOL]}),
     ("arguments string nested 1000 levels", {
-        "messages": calls_with(json.dumps({"city": nested_value(1000)})), "tools": [TOOL]}),
+        "messages": calls_with('{"city": ' + nested_value(1000) + "}"), "tools": [TOOL]}),
+    ("arguments string nested 2000 levels", {
+        "messages": calls_with(nested_value(2000)), "tools": [TOOL]}),
+    ("arguments string nested 990 levels, invalid at the end", {
+        "messages": calls_with(nested_value(990)[:-1]), "tools": [TOOL]}),
     ("tool name is a list", {"messages": HI, "tools": [
         {"type": "function", "function": {"name": ["f"]}}]}),
     ("message name is an object", {"messages": [{"role": "user", "content": "hi", "name": {}}]}),
@@ -67,7 +96,8 @@ BAD = [
 @pytest.mark.parametrize("name,fields", BAD, ids=[b[0] for b in BAD])
 def test_hostile_body_is_400(proxy, name, fields):
     resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=60,
-                      json={"model": "default", "max_tokens": 2, **fields})
+                      content=encode({"model": "default", "max_tokens": 2, **fields}),
+                      headers={"Content-Type": "application/json"})
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_request"
@@ -98,7 +128,8 @@ def test_a_near_zero_temperature_is_greedy(proxy, temperature):
 
 
 def test_a_schema_at_a_realistic_depth_is_accepted(proxy):
-    resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=120, json={
+    resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=120, content=encode({
         "model": "default", "messages": HI, "max_tokens": 2, "tools": [
-            {"type": "function", "function": {"name": "f", "parameters": nested_schema(20)}}]})
+            {"type": "function", "function": {"name": "f", "parameters": Raw(nested_schema(20))}}]}),
+        headers={"Content-Type": "application/json"})
     assert resp.status_code == 200, resp.text

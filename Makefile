@@ -47,6 +47,7 @@ bench: setup
 	$(PY) bench/ext_snapshot.py
 	$(PY) bench/split_incremental.py
 	$(PY) bench/replay_bench.py
+	$(PY) bench/health_under_load.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info ext/*.so

@@ -12,6 +12,11 @@ link's key over the prompt it was actually given, the slot table checks the slot
 committed key and depth, and the slab's own (key, start, parent) must continue the chain.
 A failed link ends the chain there: the request still runs, it just prefills more.
 
+Late lookup (`restore`, with ext/held_chain.py): a request also restores the deepest chain
+the store holds at one of its own snapshot depths, keyed here over its prompt; a staged slab
+counts once its request finished well. A queued request thus restores what the request
+ahead of it just wrote, though the proxy planned both before either ran.
+
 Thread model: the engine thread snapshots and restores; HTTP handlers confirm, abort, pin
 and list. One lock guards the slab maps; the slot table is itself thread-safe.
 """

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from anchorcache.proxy.splitter import SplitError, canonical_tools, get_adapter, normalize_messages
-from anchorcache.proxy.tokenizers import load_hf_dir
+from anchorcache.proxy.splitter.tokenizers import load_hf_dir
 from tests.proxy.splitter.split_strategies import conversation
 
 SETTINGS = settings(max_examples=40, deadline=None,
@@ -144,7 +144,7 @@ def test_template_that_needs_a_user_turn_still_splits(tmp_path, tokenizers_by_na
 
 def test_proxy_side_never_imports_torch():
     code = ("import sys, json\n"
-            "from anchorcache.proxy.tokenizers import load_tokenizer\n"
+            "from anchorcache.proxy.splitter.tokenizers import load_tokenizer\n"
             "from anchorcache.proxy.splitter import get_adapter\n"
             "for n in ('qwen3', 'smollm2', 'llama3', 'mistral'):\n"
             "    a = get_adapter('auto', load_tokenizer(n))\n"

@@ -24,6 +24,7 @@ message text without special tokens; their adapters do not need this (tests chec
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -42,6 +43,9 @@ class SpecialGuard:
         self._special_rx = re.compile("|".join(map(re.escape, specials))) if specials else None
         # cheap pre-check before the regex: the two-character starts of every special token
         self._starts = tuple({t[:2] for t in specials} | {ESC})
+        # JSON text holds every string verbatim unless it needs escaping
+        self._json_check = not any(c in t for t in specials for c in '"\\/') and all(
+            c >= " " for t in specials for c in t)
         self._ids = {t: tokenizer.token_to_id(t) for t in specials}
         strip = {t.content: (t.lstrip, t.rstrip)
                  for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special} \
@@ -59,14 +63,24 @@ class SpecialGuard:
         return self._special_rx.sub(lambda m: self._names[m.group(0)], text)
 
     def defuse(self, value: Any) -> Any:
-        """A copy of `value` (normalized messages or tools) with every string defused."""
+        """`value` (normalized messages or tools) with every string defused: a copy, or
+        `value` itself when no string needs it (checked on its JSON text, in C)."""
+        if self._json_check and value is not None and not isinstance(value, str):
+            text = json.dumps(value, ensure_ascii=False, check_circular=False)
+            if not any(s in text for s in self._starts) or not (
+                    self._special_rx is not None and self._special_rx.search(text)
+                    or ESC in text):
+                return value
+        return self._defuse(value)
+
+    def _defuse(self, value: Any) -> Any:
         if isinstance(value, str):
             return self.defuse_text(value)
         if isinstance(value, dict):
-            return {(self.defuse_text(k) if isinstance(k, str) else k): self.defuse(v)
+            return {(self.defuse_text(k) if isinstance(k, str) else k): self._defuse(v)
                     for k, v in value.items()}
         if isinstance(value, list):
-            return [self.defuse(v) for v in value]
+            return [self._defuse(v) for v in value]
         return value
 
     def restore(self, text: str) -> str:

@@ -35,6 +35,10 @@ Threads = Annotated[int | None, typer.Option(envvar="ANCHORCACHE_THREADS", min=1
                                              help="Torch CPU threads in the worker.")]
 Adapter = Annotated[str, typer.Option(envvar="ANCHORCACHE_ADAPTER",
                                       help="Chat-template adapter ('auto' picks).")]
+CanonicalTools = Annotated[bool, typer.Option(
+    "--canonical-tools/--client-tools", envvar="ANCHORCACHE_CANONICAL_TOOLS",
+    help="Sort tools and schema keys before rendering: more anchor sharing between clients, "
+         "but the prompt differs from the model's own template (default: client order).")]
 LogLevel = Annotated[str, typer.Option(envvar="ANCHORCACHE_LOG_LEVEL")]
 AnchorSlots = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_SLOTS", min=2,
                                           help="Anchor slots in the worker.")]
@@ -104,6 +108,7 @@ def proxy(
     port: Annotated[int, typer.Option(envvar="ANCHORCACHE_PORT")] = 8000,
     anchors: Anchors = True,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
     max_body_bytes: MaxBody = 32 << 20,
     tenant_salt: TenantSalt = "anchorcache-default-tenant",
     log_level: LogLevel = "info",
@@ -114,7 +119,8 @@ def proxy(
     from anchorcache.proxy.config import ProxyConfig
 
     config = ProxyConfig(worker_url=worker, host=host, port=port, anchors=anchors, adapter=adapter,
-                         max_body_bytes=max_body_bytes, tenant_salt=tenant_salt)
+                         canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
+                         tenant_salt=tenant_salt)
     asyncio.run(_serve_forever(create_app(config), host, port,
                                "anchorcache proxy listening on http://{host}:{port}/v1"))
 
@@ -145,6 +151,7 @@ def serve(
     model: Model = None,
     anchors: Anchors = True,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
     threads: Threads = None,
     anchor_slots: AnchorSlots = 256,
     anchor_bytes: AnchorBytes = 4 << 30,
@@ -169,8 +176,8 @@ def serve(
     from anchorcache.proxy.config import ProxyConfig
 
     config = ProxyConfig(worker_url=f"http://127.0.0.1:{worker_port}", host=host, port=port,
-                         anchors=anchors, adapter=adapter, max_body_bytes=max_body_bytes,
-                         tenant_salt=tenant_salt)
+                         anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
+                         max_body_bytes=max_body_bytes, tenant_salt=tenant_salt)
     try:
         asyncio.run(_serve_supervised(cmd, config))
     except WorkerExited as e:
@@ -204,14 +211,16 @@ def split(
     model: Annotated[str | None, typer.Option(help="Tokenizer: model dir, or qwen3/llama3/"
                                                     "mistral/gpt-oss (default: the default model).")] = None,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
 ) -> None:
-    """Print the adapter, input_ids and every verified cut of a chat request, as JSON."""
+    """Print the adapter, where it deliberately deviates from the model's chat template
+    (`deviation`, null if nowhere), input_ids and every verified cut of a chat request."""
     import orjson
 
     from anchorcache.proxy.splitter.cli import run_split
 
     try:
-        result = run_split(model, adapter, request)
+        result = run_split(model, adapter, request, canonical_tools=canonical_tools)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

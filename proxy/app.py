@@ -74,14 +74,19 @@ def create_app(config: ProxyConfig, *,
             worker = WorkerClient(session, config.worker_url)
             info = await worker.model_info()
             tokenizer = load_tokenizer(info.tokenizer_path)
-            adapter = get_adapter(config.adapter, tokenizer)
+            adapter = get_adapter(config.adapter, tokenizer,
+                                  canonical_tools=config.canonical_tools)
             planner = Planner(info.model_id, info.epoch, salt=config.tenant_salt, worker=worker)
             splits = SplitPool(adapter, max_pending=config.max_pending_splits)
             budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
             app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, splits,
                                     budget)
-            log.info("proxy ready: model %s, adapter %s, anchors %s", info.model_id,
-                     adapter.name, "on" if config.anchors else "off")
+            log.info("proxy ready: model %s, adapter %s, anchors %s, tools in %s order",
+                     info.model_id, adapter.name, "on" if config.anchors else "off",
+                     "canonical" if config.canonical_tools else "client")
+            if adapter.deviation:
+                log.info("adapter %s deviates from the chat template on purpose: %s",
+                         adapter.name, adapter.deviation)
             try:
                 yield
             finally:

@@ -12,6 +12,10 @@ class ProxyConfig:
     port: int = 8000
     anchors: bool = True  # plan/restore/snapshot anchors; off: same chunking, no anchor traffic
     adapter: str = "auto"  # splitter adapter name (see `anchorcache split --help`)
+    # Sort tools and schema keys before rendering (more sharing between clients that send one
+    # toolset in different orders; the prompt then differs from the template's). Off: the
+    # client's order, byte-identical to the model's own template. See docs/splitter.md.
+    canonical_tools: bool = False
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 1024
     tenant_salt: str = "anchorcache-default-tenant"  # server-side secret mixed into anchor keys

@@ -19,11 +19,13 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .anthropic_schema import MessagesRequest, parse_messages_request
 from .cut_hints import with_hint_cuts
 from .errors import ApiError, json_response
 from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
+from .schema import read_json
 from .splitter.types import OutputDelta
 from .state import STATE, ProxyState
 
@@ -150,14 +152,15 @@ def _stop(outcome: Outcome) -> dict[str, Any]:
             "stop_sequence": outcome.stop_sequence if reason == "stop_sequence" else None}
 
 
-def _completion(state: ProxyState, req: MessagesRequest) -> Completion:
-    completion = Completion.create(state, req.generation)
+async def _completion(state: ProxyState, req: MessagesRequest) -> Completion:
+    completion = await Completion.create(state, req.generation)
     if not req.cache_hints:
         return completion
     gen = req.generation
-    split = with_hint_cuts(state.adapter, completion.split, [dict(m) for m in gen.messages],
-                           [dict(t) for t in gen.tools] or None, gen.template_kwargs or None,
-                           req.cache_hints)
+    split = await with_hint_cuts(state.splits.split, completion.split,
+                                 [dict(m) for m in gen.messages],
+                                 [dict(t) for t in gen.tools] or None,
+                                 gen.template_kwargs or None, req.cache_hints)
     return Completion(state, gen, split, tenant=completion.tenant)
 
 
@@ -175,6 +178,9 @@ def _anthropic_errors(handler: Handler) -> Handler:
             if e.status < 400:
                 raise
             return json_response(error_body(e.status, e.text or e.reason), e.status)
+        except (HttpProcessingError, web.RequestPayloadError) as e:  # e.g. gzip that is not
+            return error_response(ApiError("invalid_request",
+                                           f"the request body could not be read: {e}"))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
@@ -184,22 +190,15 @@ def _anthropic_errors(handler: Handler) -> Handler:
     return wrapped
 
 
-async def _body(request: web.Request) -> Any:
-    try:
-        return orjson.loads(await request.read())
-    except orjson.JSONDecodeError as e:
-        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
-
-
 @_anthropic_errors
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """`POST /v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would send
     them to the worker (rendered and split the same way, nothing generated)."""
     state = request.app[STATE]
-    req = parse_messages_request(await _body(request),
+    req = parse_messages_request(await read_json(request),
                                  max_tokens_limit=state.info.max_context_tokens, count_only=True)
     check_model(state, req.model)
-    completion = Completion.create(state, req.generation)
+    completion = await Completion.create(state, req.generation)
     return json_response({"input_tokens": len(completion.split.input_ids)})
 
 
@@ -207,10 +206,10 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 async def messages(request: web.Request) -> web.StreamResponse:
     """`POST /v1/messages`."""
     state = request.app[STATE]
-    req = parse_messages_request(await _body(request),
+    req = parse_messages_request(await read_json(request),
                                  max_tokens_limit=state.info.max_context_tokens)
     check_model(state, req.model)
-    completion = _completion(state, req)
+    completion = await _completion(state, req)
     framer = BlockFramer(single_tool_use=req.single_tool_use)
     message: dict[str, Any] = {"id": "msg_" + uuid.uuid4().hex, "type": "message",
                                "role": "assistant", "model": state.info.model_id}

@@ -27,9 +27,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ApiError
 from .pipeline import Generation
-from .schema import ToolChoice
+from .schema import (
+    DEFAULT_LIMITS,
+    BodyLimits,
+    ToolChoice,
+    bad,
+    check_shape,
+    number,
+    optional_int,
+    string,
+    temperature,
+)
 
 MAX_CACHE_BREAKPOINTS = 4  # what Anthropic's API accepts per request
 MAX_STOP_SEQUENCES = 64
@@ -48,13 +57,9 @@ class MessagesRequest:
     single_tool_use: bool  # tool_choice.disable_parallel_tool_use
 
 
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError("invalid_request", message, param=param)
-
-
 def _object(value: Any, param: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _bad("must be an object", param)
+        raise bad("must be an object", param)
     return value
 
 
@@ -65,12 +70,12 @@ def _cache_control(block: dict[str, Any], param: str) -> bool:
         return False
     at = f"{param}.cache_control" if param else "cache_control"
     if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
-        raise _bad("cache_control must be {'type': 'ephemeral'}", at)
+        raise bad("cache_control must be {'type': 'ephemeral'}", at)
     ttl = cc.get("ttl")
     if ttl is not None and ttl not in CACHE_TTLS:
-        raise _bad(f"cache_control.ttl must be one of {sorted(CACHE_TTLS)}", f"{at}.ttl")
+        raise bad(f"cache_control.ttl must be one of {sorted(CACHE_TTLS)}", f"{at}.ttl")
     if set(cc) - {"type", "ttl"}:
-        raise _bad(f"unknown cache_control fields {sorted(set(cc) - {'type', 'ttl'})}", at)
+        raise bad(f"unknown cache_control fields {sorted(set(cc) - {'type', 'ttl'})}", at)
     return True
 
 
@@ -79,24 +84,30 @@ def _blocks(content: Any, param: str, *, allow_string: bool = True) -> list[dict
     if isinstance(content, str) and allow_string:
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        raise _bad("content must be a string or a list of content blocks", param)
+        raise bad("content must be a string or a list of content blocks", param)
     for j, block in enumerate(content):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise _bad("each content block must be an object with a 'type'", f"{param}.{j}")
+            raise bad("each content block must be an object with a 'type'", f"{param}.{j}")
     return content
+
+
+def _join(texts: list[str]) -> str:
+    """Text blocks of one message as one string, joined as the splitter joins text parts."""
+    return "\n".join(texts)
 
 
 def _text(block: dict[str, Any], param: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
-        raise _bad("a text block needs a string 'text'", f"{param}.text")
+        raise bad("a text block needs a string 'text'", f"{param}.text")
     return text
 
 
 class _Conversion:
     """Walks the messages once, building OpenAI-style messages and the hinted cuts."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: BodyLimits) -> None:
+        self.limits = limits
         self.messages: list[dict[str, Any]] = []
         self.hints: set[int] = set()
         self.breakpoints = 0
@@ -109,7 +120,7 @@ class _Conversion:
             return False
         self.breakpoints += 1
         if self.breakpoints > MAX_CACHE_BREAKPOINTS:
-            raise _bad(f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control",
+            raise bad(f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control",
                        param or "cache_control")
         return True
 
@@ -121,25 +132,25 @@ class _Conversion:
             return
         hinted = self.tools_hinted
         if isinstance(system, str):
-            parts = [{"type": "text", "text": system}]
+            parts = [system]
         else:
             parts = []
             for j, block in enumerate(_blocks(system, "system", allow_string=False)):
                 if block["type"] != "text":
-                    raise _bad(f"system blocks must be text blocks, not {block['type']!r}",
+                    raise bad(f"system blocks must be text blocks, not {block['type']!r}",
                                f"system.{j}")
-                parts.append({"type": "text", "text": _text(block, f"system.{j}")})
+                parts.append(_text(block, f"system.{j}"))
                 hinted |= self.mark(block, f"system.{j}")
             if not parts:
                 return
-        self.messages.append({"role": "system", "content": parts})
+        self.messages.append({"role": "system", "content": _join(parts)})
         if hinted:
             self.hints.add(len(self.messages))
 
     def turn(self, role: str, blocks: list[tuple[dict[str, Any], str]]) -> None:
         """One turn: the blocks of consecutive messages of one role, with their params."""
         if self.pending and role != "user":
-            raise _bad(self.unanswered(), blocks[0][1].rsplit(".content", 1)[0])
+            raise bad(self.unanswered(), blocks[0][1].rsplit(".content", 1)[0])
         if role == "user":
             self._user(blocks)
         else:
@@ -152,13 +163,13 @@ class _Conversion:
     def _user(self, blocks: list[tuple[dict[str, Any], str]]) -> None:
         expected, self.pending = self.pending, {}
         answered: set[str] = set()
-        texts: list[dict[str, Any]] = []
+        texts: list[str] = []
         hint_text = False
 
         def flush_text() -> None:
             nonlocal texts, hint_text
             if texts:
-                self.messages.append({"role": "user", "content": texts})
+                self.messages.append({"role": "user", "content": _join(texts)})
                 if hint_text:
                     self.hints.add(len(self.messages))
             texts, hint_text = [], False
@@ -166,85 +177,81 @@ class _Conversion:
         for block, p in blocks:
             kind = block["type"]
             if kind == "text":
-                texts.append({"type": "text", "text": _text(block, p)})
+                texts.append(_text(block, p))
                 hint_text |= self.mark(block, p)
             elif kind == "tool_result":
                 flush_text()
-                use_id = block.get("tool_use_id")
-                if not isinstance(use_id, str) or not use_id:
-                    raise _bad("a tool_result block needs a string 'tool_use_id'",
-                               f"{p}.tool_use_id")
+                use_id = string(block.get("tool_use_id"), f"{p}.tool_use_id",
+                                max_chars=self.limits.max_name_chars)
                 if use_id not in expected:
-                    raise _bad(f"tool_result block with tool_use_id {use_id!r} has no matching "
+                    raise bad(f"tool_result block with tool_use_id {use_id!r} has no matching "
                                "tool_use block in the previous message", f"{p}.tool_use_id")
                 if use_id in answered:
-                    raise _bad(f"more than one tool_result for tool_use_id {use_id!r}",
+                    raise bad(f"more than one tool_result for tool_use_id {use_id!r}",
                                f"{p}.tool_use_id")
                 answered.add(use_id)
                 is_error = block.get("is_error")
                 if is_error is not None and not isinstance(is_error, bool):
-                    raise _bad("'is_error' must be a boolean", f"{p}.is_error")
+                    raise bad("'is_error' must be a boolean", f"{p}.is_error")
                 hinted = self.mark(block, p)
                 parts, inner_hinted = self._result_parts(block, p)
                 self.messages.append({"role": "tool", "tool_call_id": use_id,
-                                      "name": expected[use_id], "content": parts})
+                                      "name": expected[use_id], "content": _join(parts)})
                 if hinted or inner_hinted:
                     self.hints.add(len(self.messages))
             elif kind == "tool_use":
-                raise _bad("tool_use blocks belong in assistant messages", f"{p}.type")
+                raise bad("tool_use blocks belong in assistant messages", f"{p}.type")
             else:
-                raise _bad(f"unsupported content block type {kind!r} in a user message "
+                raise bad(f"unsupported content block type {kind!r} in a user message "
                            "(supported: 'text', 'tool_result')", f"{p}.type")
         flush_text()
         if set(expected) - answered:
             self.pending = {k: v for k, v in expected.items() if k not in answered}
-            raise _bad(self.unanswered(), blocks[0][1].rsplit(".content", 1)[0])
+            raise bad(self.unanswered(), blocks[0][1].rsplit(".content", 1)[0])
 
-    def _result_parts(self, block: dict[str, Any], param: str
-                      ) -> tuple[list[dict[str, Any]], bool]:
-        """A tool_result's content as text parts, and whether an inner block is marked."""
+    def _result_parts(self, block: dict[str, Any], param: str) -> tuple[list[str], bool]:
+        """A tool_result's content as texts, and whether an inner block is marked."""
         content = block.get("content", "")
         if isinstance(content, str):
-            return [{"type": "text", "text": content}], False
+            return [content], False
         parts, hinted = [], False
         for k, inner in enumerate(_blocks(content, f"{param}.content", allow_string=False)):
             p = f"{param}.content.{k}"
             if inner["type"] != "text":
-                raise _bad(f"unsupported tool_result content block type {inner['type']!r} "
+                raise bad(f"unsupported tool_result content block type {inner['type']!r} "
                            "(supported: 'text')", f"{p}.type")
-            parts.append({"type": "text", "text": _text(inner, p)})
+            parts.append(_text(inner, p))
             hinted |= self.mark(inner, p)
         return parts, hinted
 
     def _assistant(self, blocks: list[tuple[dict[str, Any], str]]) -> None:
-        texts: list[dict[str, Any]] = []
+        texts: list[str] = []
         calls: list[dict[str, Any]] = []
         hinted = False
         for block, p in blocks:
             kind = block["type"]
             if kind == "text":
-                texts.append({"type": "text", "text": _text(block, p)})
+                texts.append(_text(block, p))
             elif kind == "tool_use":
-                use_id, name, args = block.get("id"), block.get("name"), block.get("input")
-                if not isinstance(use_id, str) or not use_id:
-                    raise _bad("a tool_use block needs a string 'id'", f"{p}.id")
+                use_id = string(block.get("id"), f"{p}.id", max_chars=self.limits.max_name_chars)
+                name = string(block.get("name"), f"{p}.name",
+                              max_chars=self.limits.max_name_chars)
+                args = block.get("input")
                 if use_id in self.seen_ids:
-                    raise _bad(f"tool_use ids must be unique; {use_id!r} repeats", f"{p}.id")
-                if not isinstance(name, str) or not name:
-                    raise _bad("a tool_use block needs a string 'name'", f"{p}.name")
+                    raise bad(f"tool_use ids must be unique; {use_id!r} repeats", f"{p}.id")
                 if not isinstance(args, dict):
-                    raise _bad("a tool_use block needs an object 'input'", f"{p}.input")
+                    raise bad("a tool_use block needs an object 'input'", f"{p}.input")
                 self.seen_ids.add(use_id)
                 self.pending[use_id] = name
                 calls.append({"id": use_id, "type": "function",
                               "function": {"name": name, "arguments": args}})
             elif kind == "tool_result":
-                raise _bad("tool_result blocks belong in user messages", f"{p}.type")
+                raise bad("tool_result blocks belong in user messages", f"{p}.type")
             else:
-                raise _bad(f"unsupported content block type {kind!r} in an assistant message "
+                raise bad(f"unsupported content block type {kind!r} in an assistant message "
                            "(supported: 'text', 'tool_use')", f"{p}.type")
             hinted |= self.mark(block, p)
-        out: dict[str, Any] = {"role": "assistant", "content": texts or None}
+        out: dict[str, Any] = {"role": "assistant", "content": _join(texts) if texts else None}
         if calls:
             out["tool_calls"] = calls
         self.messages.append(out)
@@ -252,21 +259,24 @@ class _Conversion:
             self.hints.add(len(self.messages))
 
 
-def _turns(messages: Any) -> list[tuple[str, list[tuple[dict[str, Any], str]]]]:
+def _turns(messages: Any, limits: BodyLimits
+           ) -> list[tuple[str, list[tuple[dict[str, Any], str]]]]:
     """Messages as turns: consecutive messages of one role are one turn (as in Anthropic's
     API), each block paired with its param (`messages.3.content.1`)."""
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list", "messages")
+        raise bad("'messages' must be a non-empty list", "messages")
+    if len(messages) > limits.max_messages:
+        raise bad(f"at most {limits.max_messages} messages are supported", "messages")
     turns: list[tuple[str, list[tuple[dict[str, Any], str]]]] = []
     for i, msg in enumerate(messages):
         param = f"messages.{i}"
         msg = _object(msg, param)
         role = msg.get("role")
         if role not in ("user", "assistant"):
-            raise _bad(f"role must be 'user' or 'assistant', not {role!r}", f"{param}.role")
+            raise bad(f"role must be 'user' or 'assistant', not {role!r}", f"{param}.role")
         content = msg.get("content")
         if content is None or content == "" or content == []:
-            raise _bad("every message needs non-empty content", f"{param}.content")
+            raise bad("every message needs non-empty content", f"{param}.content")
         blocks = [(b, f"{param}.content.{j}")
                   for j, b in enumerate(_blocks(content, f"{param}.content"))]
         if turns and turns[-1][0] == role:
@@ -282,26 +292,27 @@ def _tools(body: dict[str, Any], conv: _Conversion) -> tuple[dict[str, Any], ...
     if tools is None:
         return ()
     if not isinstance(tools, list):
-        raise _bad("'tools' must be a list", "tools")
+        raise bad("'tools' must be a list", "tools")
+    if len(tools) > conv.limits.max_tools:
+        raise bad(f"at most {conv.limits.max_tools} tools are supported", "tools")
     out, names = [], set()
     for i, tool in enumerate(tools):
         p = f"tools.{i}"
         tool = _object(tool, p)
         if tool.get("type", "custom") != "custom":
-            raise _bad(f"unsupported tool type {tool.get('type')!r}; only custom tools "
+            raise bad(f"unsupported tool type {tool.get('type')!r}; only custom tools "
                        "(name, description, input_schema) are supported", f"{p}.type")
-        name, schema = tool.get("name"), tool.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise _bad("each tool needs a non-empty string 'name'", f"{p}.name")
+        name = string(tool.get("name"), f"{p}.name", max_chars=conv.limits.max_name_chars)
+        schema = tool.get("input_schema")
         if name in names:
-            raise _bad(f"tool names must be unique; {name!r} repeats", f"{p}.name")
+            raise bad(f"tool names must be unique; {name!r} repeats", f"{p}.name")
         names.add(name)
         if not isinstance(schema, dict):
-            raise _bad("each tool needs an object 'input_schema'", f"{p}.input_schema")
+            raise bad("each tool needs an object 'input_schema'", f"{p}.input_schema")
         fn: dict[str, Any] = {"name": name}
         if tool.get("description") is not None:
             if not isinstance(tool["description"], str):
-                raise _bad("'description' must be a string", f"{p}.description")
+                raise bad("'description' must be a string", f"{p}.description")
             fn["description"] = tool["description"]
         fn["parameters"] = schema
         out.append({"type": "function", "function": fn})
@@ -318,12 +329,12 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...]
     kind = choice.get("type")
     single = choice.get("disable_parallel_tool_use", False)
     if not isinstance(single, bool):
-        raise _bad("'disable_parallel_tool_use' must be a boolean",
+        raise bad("'disable_parallel_tool_use' must be a boolean",
                    "tool_choice.disable_parallel_tool_use")
     if kind == "none":
         return ToolChoice("none"), False
     if kind in ("any", "tool") and not tools:
-        raise _bad(f"tool_choice {kind!r} needs tools", "tool_choice")
+        raise bad(f"tool_choice {kind!r} needs tools", "tool_choice")
     if kind == "auto":
         return ToolChoice("auto" if tools else "none"), single
     if kind == "any":
@@ -331,37 +342,19 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...]
     if kind == "tool":
         name = choice.get("name")
         if name not in {t["function"]["name"] for t in tools}:
-            raise _bad(f"tool_choice names an unknown tool {name!r}", "tool_choice.name")
+            raise bad(f"tool_choice names an unknown tool {name!r}", "tool_choice.name")
         return ToolChoice("function", name), single
-    raise _bad("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", "tool_choice.type")
+    raise bad("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", "tool_choice.type")
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise _bad(f"'{name}' must be a number between {lo} and {hi}", name)
-    return float(value)
-
-
-def _int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise _bad(f"'{name}' must be an integer between {lo} and {hi}", name)
-    return value
-
-
-def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
+def _stop_sequences(body: dict[str, Any], limits: BodyLimits) -> tuple[str, ...]:
     stops = body.get("stop_sequences")
     if stops is None:
         return ()
     if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES or \
-            not all(isinstance(s, str) and s for s in stops):
-        raise _bad(f"'stop_sequences' must be a list of up to {MAX_STOP_SEQUENCES} non-empty "
-                   "strings", "stop_sequences")
+            not all(isinstance(s, str) and 0 < len(s) <= limits.max_stop_chars for s in stops):
+        raise bad(f"'stop_sequences' must be a list of up to {MAX_STOP_SEQUENCES} non-empty "
+                  f"strings of at most {limits.max_stop_chars} characters", "stop_sequences")
     return tuple(stops)
 
 
@@ -371,56 +364,57 @@ def _user_id(body: dict[str, Any]) -> str | None:
         return None
     meta = _object(meta, "metadata")
     if set(meta) - {"user_id"}:
-        raise _bad(f"unknown metadata fields {sorted(set(meta) - {'user_id'})}", "metadata")
+        raise bad(f"unknown metadata fields {sorted(set(meta) - {'user_id'})}", "metadata")
     user_id = meta.get("user_id")
     if user_id is not None and (not isinstance(user_id, str) or len(user_id) > 256):
-        raise _bad("metadata.user_id must be a string of at most 256 characters",
+        raise bad("metadata.user_id must be a string of at most 256 characters",
                    "metadata.user_id")
     return user_id
 
 
-def parse_messages_request(body: Any, *, max_tokens_limit: int,
-                           count_only: bool = False) -> MessagesRequest:
+def parse_messages_request(body: Any, *, max_tokens_limit: int, count_only: bool = False,
+                           limits: BodyLimits = DEFAULT_LIMITS) -> MessagesRequest:
     """A `/v1/messages` body; `count_only` for `/v1/messages/count_tokens`, which has no
     `max_tokens` (sampling fields are then ignored)."""
     if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
+        raise bad("the request body must be a JSON object")
+    check_shape(body, limits)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("'model' is required", "model")
+        raise bad("'model' is required", "model")
     if body.get("max_tokens") is None and not count_only:
-        raise _bad("'max_tokens' is required", "max_tokens")
-    max_tokens = None if count_only else _int(body, "max_tokens", 1, max_tokens_limit)
+        raise bad("'max_tokens' is required", "max_tokens")
+    max_tokens = None if count_only else optional_int(body, "max_tokens", 1, max_tokens_limit)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
+        raise bad("'stream' must be a boolean", "stream")
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "disabled":
         thinking = None
     if thinking is not None:
-        raise _bad("extended thinking is not supported by this model", "thinking")
-    conv = _Conversion()
+        raise bad("extended thinking is not supported by this model", "thinking")
+    conv = _Conversion(limits)
     tools = _tools(body, conv)
     choice, single = _tool_choice(body, tools)
     conv.system(body.get("system"))
-    turns = _turns(body.get("messages"))
+    turns = _turns(body.get("messages"), limits)
     for role, blocks in turns:
         conv.turn(role, blocks)
     if turns[-1][0] == "assistant":
-        raise _bad("the last message must be a user message; a final assistant message "
+        raise bad("the last message must be a user message; a final assistant message "
                    "(a prefill) is not supported", f"messages.{len(body['messages']) - 1}")
     if body.get("cache_control") is not None:
         # automatic caching marks the last block: the end of the messages, cut anyway
         conv.mark(body, "")
-    top_k = _int(body, "top_k", 0, 1 << 20)
+    top_k = optional_int(body, "top_k", 0, 1 << 20)
     gen = Generation(
         messages=tuple(conv.messages),
         tools=tools,
         tool_choice=choice,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        temperature=temperature(body, hi=1.0),
+        top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=top_k or -1,
-        stop=_stop_sequences(body),
+        stop=_stop_sequences(body, limits),
     )
     return MessagesRequest(model, gen, stream, tuple(sorted(conv.hints)), _user_id(body), single)

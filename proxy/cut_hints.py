@@ -17,18 +17,25 @@ cut only decides which prefixes are saved for reuse.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from .splitter import Adapter
-from .splitter.types import Cut, CutKind, SplitError, SplitResult
+from .errors import ApiError
+from .splitter.types import Cut, CutKind, SplitResult
+
+# (messages, tools, template_kwargs) → their split; raises ApiError for a bad chat or when
+# the split thread is overloaded (SplitPool.split)
+Splitter = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None],
+                    Awaitable[SplitResult]]
 
 
-def with_hint_cuts(adapter: Adapter, split: SplitResult, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None,
-                   hints: Iterable[int]) -> SplitResult:
+async def with_hint_cuts(split_fn: Splitter, split: SplitResult, messages: list[dict[str, Any]],
+                         tools: list[dict[str, Any]] | None,
+                         template_kwargs: dict[str, Any] | None,
+                         hints: Iterable[int]) -> SplitResult:
     """`split` plus a HINT cut after each of the first `k` messages (`k` in `hints`) that
-    can be verified; `split` itself when none can."""
+    can be verified; `split` itself when none can. The leading messages are split with
+    `split_fn` (the proxy's split thread, which owns the adapter's prefix cache)."""
     ends = [c for c in split.cuts if c.kind is CutKind.MESSAGES]
     if not ends:
         return split
@@ -42,8 +49,8 @@ def with_hint_cuts(adapter: Adapter, split: SplitResult, messages: list[dict[str
         if not 0 < k < len(messages):
             continue
         try:
-            sub = adapter.split(messages[:k], tools, template_kwargs=template_kwargs)
-        except SplitError:
+            sub = await split_fn(messages[:k], tools, template_kwargs)
+        except ApiError:  # fail closed: no hint cut, the request still runs
             continue
         if not sub.cuts:
             continue

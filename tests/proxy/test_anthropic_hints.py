@@ -4,6 +4,8 @@ verified, and the planner snapshots it."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from anchorcache.proxy.anthropic_schema import parse_messages_request
@@ -12,6 +14,7 @@ from anchorcache.proxy.planner import Planner
 from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.types import CutKind
 from anchorcache.proxy.tokenizers import load_tokenizer
+from tests.proxy.test_anthropic_schema import split_fn
 
 CC = {"type": "ephemeral"}
 TOOL = {"name": "lookup", "input_schema": {"type": "object", "properties": {}}}
@@ -27,7 +30,9 @@ def _hinted(adapter, body):
     gen = req.generation
     msgs, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
     plain = adapter.split(msgs, tools)
-    return msgs, tools, plain, with_hint_cuts(adapter, plain, msgs, tools, None, req.cache_hints)
+    hinted = asyncio.run(with_hint_cuts(split_fn(adapter), plain, msgs, tools, None,
+                                        req.cache_hints))
+    return msgs, tools, plain, hinted
 
 
 def _hint_positions(split):

@@ -4,6 +4,7 @@ content-block event sequence."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 
@@ -52,20 +53,17 @@ def test_a_tool_conversation_maps_to_openai_messages_in_block_order():
         metadata={"user_id": "u-1"})
     chat = req.generation
     assert list(chat.messages) == [
-        {"role": "system", "content": [{"type": "text", "text": "Be brief."},
-                                       {"type": "text", "text": "Be kind."}]},
-        {"role": "user", "content": [{"type": "text", "text": "Weather in Rome and Oslo?"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}],
+        {"role": "system", "content": "Be brief.\nBe kind."},
+        {"role": "user", "content": "Weather in Rome and Oslo?"},
+        {"role": "assistant", "content": "Checking.",
          "tool_calls": [
              {"id": "toolu_1", "type": "function",
               "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
              {"id": "toolu_2", "type": "function",
               "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather",
-         "content": [{"type": "text", "text": "sunny"}]},
-        {"role": "tool", "tool_call_id": "toolu_2", "name": "get_weather",
-         "content": [{"type": "text", "text": "no"}, {"type": "text", "text": "data"}]},
-        {"role": "user", "content": [{"type": "text", "text": "Thanks; and tomorrow?"}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "toolu_2", "name": "get_weather", "content": "no\ndata"},
+        {"role": "user", "content": "Thanks; and tomorrow?"},
     ]
     assert chat.tools == ({"type": "function", "function": {
         "name": "get_weather", "description": "Current weather for a city.",
@@ -106,8 +104,7 @@ def test_consecutive_messages_of_one_role_are_one_turn():
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}])
     assert [(m["role"], len(m.get("tool_calls", ()))) for m in req.generation.messages] == [
         ("user", 0), ("assistant", 2), ("tool", 0), ("tool", 0)]
-    assert req.generation.messages[0]["content"] == [{"type": "text", "text": "a"},
-                                                     {"type": "text", "text": "b"}]
+    assert req.generation.messages[0]["content"] == "a\nb"
 
 
 def test_top_level_cache_control_is_validated_and_counted():
@@ -295,6 +292,16 @@ _body = st.fixed_dictionaries(
               "cache_control": _cc, "thinking": _mostly(st.just({"type": "disabled"}))})
 
 
+def split_fn(adapter):
+    """The adapter's split as the proxy's split thread offers it (async, ApiError)."""
+    async def split(messages, tools, template_kwargs):
+        try:
+            return adapter.split(messages, tools, template_kwargs=template_kwargs)
+        except SplitError as e:
+            raise ApiError("invalid_request", str(e)) from None
+    return split
+
+
 @functools.cache
 def _chatml():
     return get_adapter("auto", load_tokenizer("smollm2"))
@@ -319,7 +326,8 @@ def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
         split = _chatml().split(msgs, tools)
     except SplitError:
         return
-    hinted = with_hint_cuts(_chatml(), split, msgs, tools, None, req.cache_hints)
+    hinted = asyncio.run(with_hint_cuts(split_fn(_chatml()), split, msgs, tools, None,
+                                        req.cache_hints))
     assert hinted.input_ids == split.input_ids
     positions = [c.position for c in hinted.cuts]
     assert positions == sorted(set(positions)) and all(0 < p < len(split.input_ids)

@@ -4,22 +4,19 @@ The request is parsed into the pipeline's `Generation` (`anthropic_schema`), run
 same `Completion` as chat completions (same splitter, planner, anchors and worker), with the
 client's `cache_control` marks added as verified cuts (`cut_hints`), and the deltas are
 framed as Anthropic content blocks: one `text` block per run of text, one `tool_use` block
-per tool call. Errors are Anthropic error objects with the status of the error table.
+per tool call. Errors are Anthropic error objects with the status of the error table
+(`errors.py`: the one error middleware formats them for these routes).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
-import logging
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from .anthropic_schema import MessagesRequest, parse_messages_request
 from .cut_hints import with_hint_cuts
@@ -29,31 +26,8 @@ from .schema import read_json
 from .splitter.types import OutputDelta
 from .state import STATE, ProxyState
 
-log = logging.getLogger("anchorcache.proxy")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# HTTP status → Anthropic error type (https://docs.anthropic.com/en/api/errors)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error",
-               504: "timeout_error"}
 STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
                 FinishReason.TOOL_CALLS: "tool_use", FinishReason.STOP_SEQUENCE: "stop_sequence"}
-
-
-def error_type(status: int) -> str:
-    if status in ERROR_TYPES:
-        return ERROR_TYPES[status]
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    text = f"{param}: {message}" if param else message
-    return {"type": "error", "error": {"type": error_type(status), "message": text}}
-
-
-def error_response(err: ApiError) -> web.Response:
-    return json_response(error_body(err.status, err.message, err.param), err.status)
 
 
 def tool_use_id(call_id: str) -> str:
@@ -164,33 +138,6 @@ async def _completion(state: ProxyState, req: MessagesRequest) -> Completion:
     return Completion(state, gen, split, tenant=completion.tenant)
 
 
-def _anthropic_errors(handler: Handler) -> Handler:
-    """Every error, whatever raised it, leaves as an Anthropic error object with the status
-    of the error table (in-band once a stream has started, see `messages`)."""
-
-    @functools.wraps(handler)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ApiError as e:
-            return error_response(e)
-        except web.HTTPException as e:  # e.g. 413 from the body-size limit
-            if e.status < 400:
-                raise
-            return json_response(error_body(e.status, e.text or e.reason), e.status)
-        except (HttpProcessingError, web.RequestPayloadError) as e:  # e.g. gzip that is not
-            return error_response(ApiError("invalid_request",
-                                           f"the request body could not be read: {e}"))
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception:
-            log.exception("unhandled error in %s %s", request.method, request.path)
-            return error_response(ApiError("internal_error", "internal error in the proxy"))
-
-    return wrapped
-
-
-@_anthropic_errors
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """`POST /v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would send
     them to the worker (rendered and split the same way, nothing generated)."""
@@ -202,7 +149,6 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     return json_response({"input_tokens": len(completion.split.input_ids)})
 
 
-@_anthropic_errors
 async def messages(request: web.Request) -> web.StreamResponse:
     """`POST /v1/messages`."""
     state = request.app[STATE]
@@ -246,7 +192,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 for event in framer.feed(delta):
                     await resp.write(event)
         except ApiError as e:  # the stream has started: report in-band, then end it
-            await resp.write(sse("error", error_body(e.status, e.message, e.param)))
+            await resp.write(sse("error", e.anthropic_body()))
             await resp.write_eof()
             return resp
     for event in framer.close():

@@ -274,6 +274,16 @@ def test_bad_input_gets_an_anthropic_error(proxy, name, body, status, kind):
     assert httpx.get(proxy.url + "/health", timeout=30).status_code == 200
 
 
+def test_wrong_method_and_unknown_path_are_anthropic_errors(proxy):
+    resp = httpx.get(proxy.url + "/v1/messages", timeout=30)
+    assert resp.status_code == 405
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+    resp = httpx.post(proxy.url + "/v1/messages/nothing-here", json={}, timeout=30)
+    assert resp.status_code == 404
+    assert resp.json() == {"type": "error", "error": {"type": "not_found_error",
+                                                      "message": "Not Found"}}
+
+
 def test_the_sdk_raises_its_own_error_types(client):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="default", max_tokens=8, messages=[

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from anchorcache.proxy.anthropic_api import BlockFramer, error_body, usage_json
+from anchorcache.proxy.anthropic_api import BlockFramer, usage_json
 from anchorcache.proxy.anthropic_schema import parse_messages_request
 from anchorcache.proxy.cut_hints import with_hint_cuts
-from anchorcache.proxy.errors import ApiError
+from anchorcache.proxy.errors import ApiError, anthropic_body
 from anchorcache.proxy.pipeline import Usage
 from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.types import OutputDelta, SplitError, ToolCallDelta
@@ -186,9 +186,19 @@ def test_bad_requests_are_invalid_request_errors(name, body, needle):
     with pytest.raises(ApiError) as e:
         _parse(**body)
     assert e.value.kind == "invalid_request" and e.value.status == 400
-    err = error_body(e.value.status, e.value.message, e.value.param)
+    err = e.value.anthropic_body()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert needle in err["error"]["message"]
+
+
+@pytest.mark.parametrize("status,kind", [
+    (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+    (404, "not_found_error"), (405, "invalid_request_error"), (413, "request_too_large"),
+    (429, "rate_limit_error"), (500, "api_error"), (502, "api_error"),
+    (503, "overloaded_error"), (504, "timeout_error")])
+def test_anthropic_error_types_follow_the_status(status, kind):
+    assert anthropic_body(status, "m", "messages.0") == {
+        "type": "error", "error": {"type": kind, "message": "messages.0: m"}}
 
 
 def _events(chunks: list[bytes]) -> list[tuple[str, dict]]:

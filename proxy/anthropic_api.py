@@ -1,8 +1,8 @@
 """`POST /v1/messages`: Anthropic's Messages API, a thin layer over the request pipeline.
 
-The request is parsed into the pipeline's `Generation` (`anthropic_schema`), run by the
-same `Completion` as chat completions (same splitter, planner, anchors and worker), with the
-client's `cache_control` marks added as verified cuts (`cut_hints`), and the deltas are
+The request is parsed into the pipeline's `Generation` (`anthropic_schema`; the client's
+`cache_control` marks become `cut_after` hints), run by the same `Completion` as chat
+completions (same splitter, planner, anchors and worker), and the deltas are
 framed as Anthropic content blocks: one `text` block per run of text, one `tool_use` block
 per tool call. Errors are Anthropic error objects with the status of the error table
 (`errors.py`: the one error middleware formats them for these routes).
@@ -18,13 +18,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from .anthropic_schema import MessagesRequest, parse_messages_request
-from .cut_hints import with_hint_cuts
+from .anthropic_schema import parse_messages_request
 from .errors import ApiError, json_response
 from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
 from .schema import read_json
 from .splitter.types import OutputDelta
-from .state import STATE, ProxyState
+from .state import STATE
 
 STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
                 FinishReason.TOOL_CALLS: "tool_use", FinishReason.STOP_SEQUENCE: "stop_sequence"}
@@ -126,18 +125,6 @@ def _stop(outcome: Outcome) -> dict[str, Any]:
             "stop_sequence": outcome.stop_sequence if reason == "stop_sequence" else None}
 
 
-async def _completion(state: ProxyState, req: MessagesRequest) -> Completion:
-    completion = await Completion.create(state, req.generation)
-    if not req.cache_hints:
-        return completion
-    gen = req.generation
-    split = await with_hint_cuts(state.splits.split, completion.split,
-                                 [dict(m) for m in gen.messages],
-                                 [dict(t) for t in gen.tools] or None,
-                                 gen.template_kwargs or None, req.cache_hints)
-    return Completion(state, gen, split, tenant=completion.tenant)
-
-
 async def count_tokens(request: web.Request) -> web.StreamResponse:
     """`POST /v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would send
     them to the worker (rendered and split the same way, nothing generated)."""
@@ -155,7 +142,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req = parse_messages_request(await read_json(request),
                                  max_tokens_limit=state.info.max_context_tokens)
     check_model(state, req.model)
-    completion = await _completion(state, req)
+    completion = await Completion.create(state, req.generation)
     framer = BlockFramer(single_tool_use=req.single_tool_use)
     message: dict[str, Any] = {"id": "msg_" + uuid.uuid4().hex, "type": "message",
                                "role": "assistant", "model": state.info.model_id}

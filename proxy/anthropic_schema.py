@@ -50,9 +50,8 @@ class MessagesRequest:
     """An Anthropic request: the pipeline's `Generation`, plus what only Anthropic has."""
 
     model: str
-    generation: Generation
+    generation: Generation  # cache_control marks: its `cut_after`
     stream: bool
-    cache_hints: tuple[int, ...]  # cut after this many of `generation.messages`; ascending
     user_id: str | None  # metadata.user_id
     single_tool_use: bool  # tool_choice.disable_parallel_tool_use
 
@@ -416,5 +415,6 @@ def parse_messages_request(body: Any, *, max_tokens_limit: int, count_only: bool
         top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=top_k or -1,
         stop=_stop_sequences(body, limits),
+        cut_after=tuple(sorted(conv.hints)),
     )
-    return MessagesRequest(model, gen, stream, tuple(sorted(conv.hints)), _user_id(body), single)
+    return MessagesRequest(model, gen, stream, _user_id(body), single)

@@ -22,6 +22,7 @@ from typing import Any
 
 from anchorcache.wire import GenerateRequest, SamplingParams
 
+from .cut_hints import with_hint_cuts
 from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError
 from .planner import DEFAULT_TENANT, Plan
@@ -46,6 +47,9 @@ class Generation:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop sequences (text)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # anchor hints from the client (Anthropic cache_control): also cut after this many
+    # messages where that boundary verifies (cut_hints.py)
+    cut_after: tuple[int, ...] = ()
 
 
 class FinishReason(str, Enum):
@@ -131,9 +135,11 @@ class Completion:
 
         The split runs on the split thread (split_pool.py), never on the event loop."""
         state.budget.check(rendered_chars(gen.messages), gen.max_tokens)
-        split = await state.splits.split([dict(m) for m in gen.messages],
-                                         [dict(t) for t in gen.tools] or None,
-                                         gen.template_kwargs or None)
+        messages, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
+        split = await state.splits.split(messages, tools, gen.template_kwargs or None)
+        if gen.cut_after:
+            split = await with_hint_cuts(state.splits.split, split, messages, tools,
+                                         gen.template_kwargs or None, gen.cut_after)
         return cls(state, gen, split, tenant=tenant)
 
     def _plan(self) -> Plan:

@@ -31,7 +31,7 @@ def _hinted(adapter, body):
     msgs, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
     plain = adapter.split(msgs, tools)
     hinted = asyncio.run(with_hint_cuts(split_fn(adapter), plain, msgs, tools, None,
-                                        req.cache_hints))
+                                        req.generation.cut_after))
     return msgs, tools, plain, hinted
 
 

@@ -71,7 +71,7 @@ def test_a_tool_conversation_maps_to_openai_messages_in_block_order():
     assert chat.tool_choice.mode == "auto"
     assert chat.stop == ("\n\nHuman:",) and chat.max_tokens == 16
     assert (chat.temperature, chat.top_k, req.stream) == (0.0, 5, True)
-    assert req.user_id == "u-1" and req.cache_hints == () and not req.single_tool_use
+    assert req.user_id == "u-1" and req.generation.cut_after == () and not req.single_tool_use
 
 
 def test_cache_control_marks_the_end_of_the_rendered_message_holding_the_block():
@@ -85,12 +85,12 @@ def test_cache_control_marks_the_end_of_the_rendered_message_holding_the_block()
             {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
     ]
     # system (1 message) + user + assistant + tool + user: hints after 2, 3 and 5
-    assert _parse(system="s", tools=[WEATHER], messages=msgs).cache_hints == (2, 3, 5)
+    assert _parse(system="s", tools=[WEATHER], messages=msgs).generation.cut_after == (2, 3, 5)
     # a marked tool hints at the end of the system part, as a marked system block does
     assert _parse(system="s", tools=[{**WEATHER, "cache_control": CC}],
-                  messages=[{"role": "user", "content": "q"}]).cache_hints == (1,)
+                  messages=[{"role": "user", "content": "q"}]).generation.cut_after == (1,)
     assert _parse(system=[{"type": "text", "text": "s", "cache_control": CC}],
-                  messages=[{"role": "user", "content": "q"}]).cache_hints == (1,)
+                  messages=[{"role": "user", "content": "q"}]).generation.cut_after == (1,)
 
 
 def test_consecutive_messages_of_one_role_are_one_turn():
@@ -108,7 +108,7 @@ def test_consecutive_messages_of_one_role_are_one_turn():
 
 
 def test_top_level_cache_control_is_validated_and_counted():
-    assert _parse(cache_control=CC, messages=USER).cache_hints == ()
+    assert _parse(cache_control=CC, messages=USER).generation.cut_after == ()
     with pytest.raises(ApiError, match="ephemeral"):
         _parse(cache_control={"type": "x"}, messages=USER)
     marked = [{"type": "text", "text": str(i), "cache_control": CC} for i in range(4)]
@@ -337,7 +337,7 @@ def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
     except SplitError:
         return
     hinted = asyncio.run(with_hint_cuts(split_fn(_chatml()), split, msgs, tools, None,
-                                        req.cache_hints))
+                                        req.generation.cut_after))
     assert hinted.input_ids == split.input_ids
     positions = [c.position for c in hinted.cuts]
     assert positions == sorted(set(positions)) and all(0 < p < len(split.input_ids)

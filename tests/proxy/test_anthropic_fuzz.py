@@ -58,7 +58,7 @@ encoded = st.one_of(
     st.binary(max_size=64).map(lambda b: (b, JSON_HEADERS)),
     st.binary(max_size=64).map(lambda b: (b, {**JSON_HEADERS, "Content-Encoding": "gzip"})),
 )
-FUZZ = settings(max_examples=400, derandomize=True, database=None, deadline=None,
+FUZZ = settings(max_examples=250, derandomize=True, database=None, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 
@@ -95,8 +95,8 @@ async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client):
             assert body["type"] == "message" and body["usage"]["output_tokens"] == 1
 
     await asyncio.to_thread(one)
-    assert seen.get(200, 0) >= 40, seen  # some bodies were valid and generated
-    assert sum(n for s, n in seen.items() if 400 <= s < 500) >= 200, seen
+    assert seen.get(200, 0) >= 60, seen  # some bodies were valid and generated
+    assert sum(n for s, n in seen.items() if 400 <= s < 500) >= 120, seen
     ok = await client.post("/v1/messages", json={
         "model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status == 200

@@ -175,6 +175,18 @@ def test_stop_sequences_spanning_tokens(client, stream):
     assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == stop
 
 
+def test_chat_completions_stream_never_leaks_part_of_a_stop_string(openai_client):
+    """The pipeline holds back text a stop string may still complete: the OpenAI stream, too,
+    stops exactly before a stop string that spans tokens and chunks."""
+    kw = dict(model="default", max_tokens=24, temperature=0, messages=FRANCE)
+    base = openai_client.chat.completions.create(**kw).choices[0].message.content
+    words = base.split()
+    stop = words[2][-1] + " " + words[3][:2]
+    chunks = openai_client.chat.completions.create(stream=True, stop=[stop], **kw)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == base[: base.index(stop)]
+
+
 def test_a_shared_cache_control_system_block_is_read_from_cache(client):
     system = [{"type": "text", "text": f"Session {uuid.uuid4().hex}. You answer geography "
                "questions briefly and precisely.", "cache_control": CC}]

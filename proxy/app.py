@@ -1,4 +1,4 @@
-"""The proxy's aiohttp application: routes, lifecycle, one error middleware."""
+"""The proxy's aiohttp application: routes, lifecycle, middlewares (errors, admin, tenants)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from anchorcache.state.ledger import Ledger
+
+from . import admin
 from .chat import chat_completions
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
-from .planner import Planner
+from .lifecycle import SHARED_TENANT, AnchorLifecycle
+from .planner import Planner, tenant_namespace
 from .splitter import get_adapter
 from .state import STATE, ProxyState
+from .tenants import TENANTS, Tenants, tenant_middleware
 from .tokenizers import load_tokenizer
 from .worker_client import WorkerClient
 
@@ -33,29 +38,48 @@ async def health(request: web.Request) -> web.Response:
         worker = await state.worker.health()
     except ApiError as e:
         return json_response({"status": "degraded", "worker": None, "error": e.message}, 503)
-    state.planner.observe_epoch(worker.get("epoch"))
+    state.lifecycle.observe_epoch(worker.epoch)
     return json_response({"status": "ok", "model": state.info.model_id,
-                          "anchors": state.config.anchors, "worker": worker})
+                          "anchors": state.config.anchors, "worker": worker.to_json()})
 
 
 def create_app(config: ProxyConfig) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, admin.admin_middleware, tenant_middleware],
+                          client_max_size=config.max_body_bytes)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.worker_timeout_s, sock_connect=5)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            worker = WorkerClient(session, config.worker_url)
-            info = await worker.model_info()
-            tokenizer = load_tokenizer(info.tokenizer_path)
-            adapter = get_adapter(config.adapter, tokenizer)
-            planner = Planner(info.model_id, info.epoch, salt=config.tenant_salt, worker=worker)
-            app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner)
-            log.info("proxy ready: model %s, adapter %s, anchors %s", info.model_id,
-                     adapter.name, "on" if config.anchors else "off")
-            yield
+        ledger = Ledger.open(config.state_dir)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                worker = WorkerClient(session, config.worker_url)
+                info = await worker.model_info()
+                tokenizer = load_tokenizer(info.tokenizer_path)
+                adapter = get_adapter(config.adapter, tokenizer)
+                planner = Planner(info.model_id, info.epoch)
+                shared = ledger.ensure_tenant(SHARED_TENANT)
+                anchors = AnchorLifecycle(
+                    worker, ledger, planner, worker_id=config.worker_url.rstrip("/"),
+                    shared_namespace=tenant_namespace(shared.salt, shared.name),
+                    single_flight_wait_s=config.single_flight_wait_s)
+                app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, ledger,
+                                        anchors)
+                app[TENANTS] = Tenants(ledger, anonymous=config.anonymous_access,
+                                       default_quotas=config.default_quotas)
+                if config.anchors:
+                    await anchors.start()
+                log.info("proxy ready: model %s, adapter %s, anchors %s, ledger %s", info.model_id,
+                         adapter.name, "on" if config.anchors else "off", config.state_dir)
+                try:
+                    yield
+                finally:
+                    await anchors.close()
+        finally:
+            ledger.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    admin.add_routes(app)
     return app

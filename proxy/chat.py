@@ -19,13 +19,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from anchorcache.wire import GenerateRequest, SamplingParams
+from anchorcache.wire import GenerateMeta, GenerateRequest, SamplingParams
 
 from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError, json_response
+from .lifecycle import Caller, Flight
 from .schema import ChatRequest, parse_chat_request
 from .splitter.types import SplitError, SplitResult
 from .state import STATE, ProxyState
+from .tenants import TENANT
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Outcome:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str = "stop"
     completion_tokens: int = 0
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: GenerateMeta | None = None
 
 
 def _sampling(req: ChatRequest, prompt_ids: tuple[int, ...], state: ProxyState) -> SamplingParams:
@@ -68,25 +70,30 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
     return min(hits) if hits else None
 
 
-async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
+async def _run(state: ProxyState, req: ChatRequest, split: SplitResult, caller: Caller,
                outcome: Outcome) -> AsyncGenerator[dict[str, Any], None]:
     """Yield OpenAI `delta` dicts; fill `outcome`. Cleans up the worker side on any exit."""
     rid = uuid.uuid4().hex
-    plan = state.planner.plan(split) if state.anchors_on else state.planner.chunk_only(split)
     choice = req.tool_choice.openai()
     parse_tools = bool(req.tools) and req.tool_choice.mode != "none"
     forced = state.adapter.forced_prefix(choice) if parse_tools else None
     prompt_ids = split.input_ids + (tuple(state.tokenizer.encode(forced)) if forced else ())
-    gen = GenerateRequest(input_ids=prompt_ids, sampling=_sampling(req, prompt_ids, state),
-                          rid=rid, stream=True, anchor=plan.request)
-    stop_ids = set(gen.sampling.stop_token_ids) | set(state.info.eos_token_ids)
-    detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
-    # Always parse: besides tool calls, some formats (harmony) carry channels that must not
-    # reach the client as content; with tool_choice "none" the parser only splits those.
-    parser = state.adapter.output_parser(list(req.tools) or None, tool_choice=choice)
+    sampling = _sampling(req, prompt_ids, state)
+    flight: Flight | None = None
+    if state.anchors_on:
+        flight = await state.lifecycle.begin(rid, caller, split)
     finished = settled = False
     emitted = 0  # characters of detok.text already passed on
-    try:
+    reason = "cancelled"
+    try:  # from here on, any exit closes the reservation (the `finally`)
+        plan = flight.plan if flight is not None else state.planner.chunk_only(split)
+        gen = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=rid, stream=True,
+                              anchor=plan.request)
+        stop_ids = set(gen.sampling.stop_token_ids) | set(state.info.eos_token_ids)
+        detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
+        # Always parse: besides tool calls, some formats (harmony) carry channels that must
+        # not reach the client as content; with tool_choice "none" the parser only splits those.
+        parser = state.adapter.output_parser(list(req.tools) or None, tool_choice=choice)
         async for chunk in state.worker.generate(gen):
             outcome.completion_tokens += len(chunk.output_ids)
             detok.add(chunk.output_ids)
@@ -101,11 +108,11 @@ async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
                 yield _delta_json(delta, outcome)
             if cut is not None:
                 outcome.finish_reason = "stop"
+                reason = "stop_string"
                 break
             if chunk.meta is not None:
                 outcome.meta = chunk.meta
-                reason = chunk.meta.get("finish_reason", {}).get("type")
-                outcome.finish_reason = "length" if reason == "length" else "stop"
+                outcome.finish_reason = "length" if chunk.meta.finish_type == "length" else "stop"
                 finished = True
         for delta in parser.flush():
             yield _delta_json(delta, outcome)
@@ -114,12 +121,18 @@ async def _run(state: ProxyState, req: ChatRequest, split: SplitResult,
         outcome.tool_calls = [c.to_openai() for c in parsed.tool_calls]
         if outcome.tool_calls:
             outcome.finish_reason = "tool_calls"
-        if finished:
-            await state.planner.settle(plan, outcome.meta)
+        if finished and outcome.meta is not None:
+            if flight is not None:
+                await asyncio.shield(state.lifecycle.settle(flight, outcome.meta))
             settled = True
+    except ApiError as e:
+        reason = e.kind
+        raise
     finally:
         if not settled:
             # client gone, stop string, or worker failure: nothing of this request may linger
+            if flight is not None:
+                state.lifecycle.fail(flight, reason)
             await asyncio.shield(_cleanup(state, rid))
 
 
@@ -150,20 +163,19 @@ def _delta_json(delta: Any, outcome: Outcome) -> dict[str, Any]:
 
 def _usage(split: SplitResult, outcome: Outcome) -> dict[str, Any]:
     meta = outcome.meta
-    anchors = meta.get("anchors", {})
-    prompt_tokens = meta.get("prompt_tokens", len(split.input_ids))
+    prompt_tokens = meta.prompt_tokens if meta else len(split.input_ids)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": outcome.completion_tokens,
         "total_tokens": prompt_tokens + outcome.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0)},
+        "prompt_tokens_details": {"cached_tokens": meta.cached_tokens if meta else 0},
         "timings": {
-            "restore_ms": meta.get("restore_ms", 0.0),
-            "prefill_ms": meta.get("prefill_ms", 0.0),
-            "decode_ms": meta.get("decode_ms", 0.0),
-            "prefill_tokens": meta.get("prefill_tokens", prompt_tokens),
-            "anchor_hits": [{"kind": h.get("kind"), "depth": h["depth"]}
-                            for h in anchors.get("restored", [])],
+            "restore_ms": meta.restore_ms if meta else 0.0,
+            "prefill_ms": meta.prefill_ms if meta else 0.0,
+            "decode_ms": meta.decode_ms if meta else 0.0,
+            "prefill_tokens": meta.prefill_tokens if meta else prompt_tokens,
+            "anchor_hits": [{"kind": h.kind.value, "depth": h.depth}
+                            for h in (meta.anchors.restored if meta else ())],
         },
     }
 
@@ -175,6 +187,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except orjson.JSONDecodeError as e:
         raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
     req = parse_chat_request(body, max_tokens_limit=state.info.max_context_tokens)
+    caller = request[TENANT].caller(body.get("cache_salt") if isinstance(body, dict) else None)
     if req.model not in (state.info.model_id, "default"):
         raise ApiError("model_not_found", f"the model {req.model!r} does not exist; this proxy "
                        f"serves {state.info.model_id!r}", param="model")
@@ -183,7 +196,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     outcome = Outcome()
     if not req.stream:
-        async with contextlib.aclosing(_run(state, req, split, outcome)) as deltas:
+        async with contextlib.aclosing(_run(state, req, split, caller, outcome)) as deltas:
             async for _ in deltas:
                 pass
         message: dict[str, Any] = {"role": "assistant",
@@ -205,7 +218,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     # Wait for the first delta before sending headers, so that a worker that is down or
     # rejects the request still gets a proper status code rather than a 200 stream.
-    async with contextlib.aclosing(_run(state, req, split, outcome)) as deltas:
+    async with contextlib.aclosing(_run(state, req, split, caller, outcome)) as deltas:
         first = await anext(deltas, None)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})

@@ -1,4 +1,5 @@
-"""What a running proxy holds: config, worker client and info, tokenizer, splitter, planner."""
+"""What a running proxy holds: config, worker client and info, tokenizer, splitter, planner,
+ledger, the anchor life cycle and the tenants."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from typing import Any
 
 from aiohttp import web
 
+from anchorcache.state.ledger import Ledger
+
 from .config import ProxyConfig
+from .lifecycle import AnchorLifecycle
 from .planner import Planner
 from .splitter import Adapter
 from .worker_client import WorkerClient, WorkerInfo
@@ -21,6 +25,8 @@ class ProxyState:
     tokenizer: Any
     adapter: Adapter
     planner: Planner
+    ledger: Ledger
+    lifecycle: AnchorLifecycle
 
     @property
     def anchors_on(self) -> bool:

@@ -30,8 +30,10 @@ import torch
 from anchorcache.ext import ops
 from anchorcache.ext.slots import SlotTable
 from anchorcache.wire import (
+    AnchorHeld,
     AnchorKind,
     AnchorPlan,
+    AnchorRef,
     AnchorWritten,
     SnapshotSpec,
     anchor_keys,
@@ -85,7 +87,7 @@ class AnchorStore:
     def restore(self, model: torch.nn.Module, rid: str, ids: tuple[int, ...],
                 plan: AnchorPlan) -> tuple[Any, int, dict[str, Any]]:
         """Restore the verified prefix of `plan.restore`; (cache or None, depth, info)."""
-        keys = anchor_keys(plan.namespace, self.model_id, ids, [r.depth for r in plan.restore])
+        keys = _link_keys(plan, self.model_id, ids)
         chain: list[Slab] = []
         misses: list[dict[str, Any]] = []
         with self._lock:
@@ -95,7 +97,7 @@ class AnchorStore:
                 slot = None
                 if ref.depth >= len(ids):
                     reason = "covers_prompt"  # at least the last token must be prefilled
-                elif keys[ref.depth] != ref.key:
+                elif keys[ref] != ref.key:
                     reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
                 elif (slot := self.table.lookup(ref.key, ref.depth)) is None:
                     reason = "not_resident"
@@ -152,7 +154,11 @@ class AnchorStore:
         tip = self._tips.setdefault(rid, _Tip())
         if self.table.contains(key, depth):
             self._tips[rid] = _Tip(key, depth)  # already saved by an earlier request: chain on
-            return None
+            with self._lock:
+                held = self._live.get(self._slot_of.get(key, -1))
+            if held is None or held.key != key:
+                return None
+            return AnchorHeld(self._slot_of[key], key, depth, held.parent, held.nbytes, held.kind)
         cache_io.check_snapshot_depth(cache, depth)
         start = tip.depth
         nbytes = self.spec.kv_bytes_per_token * (depth - start) + self.spec.state_bytes
@@ -258,3 +264,14 @@ class AnchorStore:
     def staged_count(self) -> int:
         with self._lock:
             return len(self._staged)
+
+
+def _link_keys(plan: AnchorPlan, model_id: str, ids: tuple[int, ...]) -> dict[AnchorRef, bytes]:
+    """Each restore link's key recomputed over `ids`, in the link's own namespace (a shared
+    toolset's root) or the plan's."""
+    out: dict[AnchorRef, bytes] = {}
+    for ns in {r.namespace or plan.namespace for r in plan.restore}:
+        links = [r for r in plan.restore if (r.namespace or plan.namespace) == ns]
+        keys = anchor_keys(ns, model_id, ids, [r.depth for r in links if r.depth <= len(ids)])
+        out.update({r: keys[r.depth] for r in links if r.depth in keys})
+    return out

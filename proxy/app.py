@@ -11,10 +11,10 @@ from aiohttp import web
 from anchorcache.state.ledger import Ledger
 
 from . import admin
-from .chat import chat_completions
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
 from .lifecycle import SHARED_TENANT, AnchorLifecycle
+from .openai_api import chat_completions
 from .planner import Planner, tenant_namespace
 from .splitter import get_adapter
 from .state import STATE, ProxyState

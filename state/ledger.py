@@ -89,11 +89,11 @@ class Ledger:
         self.db.close()
 
     def event(self, kind: str, tenant: str | None = None, **detail: Any) -> None:
-        self.db["events"].insert({"at": self.clock(), "kind": kind, "tenant": tenant,
+        self.db.table("events").insert({"at": self.clock(), "kind": kind, "tenant": tenant,
                                   "detail": orjson.dumps(detail).decode()})
 
     def events(self, limit: int = 100) -> list[dict[str, Any]]:
-        return [{**r, "detail": orjson.loads(r["detail"])} for r in self.db["events"].rows_where(
+        return [{**r, "detail": orjson.loads(r["detail"])} for r in self.db.table("events").rows_where(
             order_by="id desc", limit=limit)]
 
     # ---- tenants and keys ---------------------------------------------------------------
@@ -104,11 +104,11 @@ class Ledger:
                       r["created_at"])
 
     def tenant(self, name: str) -> Tenant | None:
-        rows = list(self.db["tenants"].rows_where("name = ?", [name]))
+        rows = list(self.db.table("tenants").rows_where("name = ?", [name]))
         return self._tenant(rows[0]) if rows else None
 
     def tenants(self) -> list[Tenant]:
-        return [self._tenant(r) for r in self.db["tenants"].rows_where(order_by="created_at")]
+        return [self._tenant(r) for r in self.db.table("tenants").rows_where(order_by="created_at")]
 
     def create_tenant(self, name: str, quotas: Quotas = Quotas()) -> tuple[Tenant, str, str]:
         """A new tenant with a fresh secret salt and a first API key: (tenant, key_id, key).
@@ -129,13 +129,13 @@ class Ledger:
     def _insert_tenant(self, name: str, quotas: Quotas) -> Tenant:
         row = {"name": name, "salt": secrets.token_hex(32), "created_at": self.clock(),
                **quotas.to_json()}
-        self.db["tenants"].insert(row)
+        self.db.table("tenants").insert(row)
         return self._tenant(row)
 
     def set_quotas(self, name: str, quotas: Quotas) -> Tenant:
         if self.tenant(name) is None:
             raise LedgerError(f"no tenant {name!r}")
-        self.db["tenants"].update(name, quotas.to_json())
+        self.db.table("tenants").update(name, quotas.to_json())
         tenant = self.tenant(name)
         assert tenant is not None
         return tenant
@@ -152,7 +152,7 @@ class Ledger:
     def _insert_key(self, tenant: str) -> tuple[str, str]:
         key_id = "key_" + secrets.token_hex(6)
         api_key = KEY_PREFIX + secrets.token_urlsafe(32)
-        self.db["api_keys"].insert({"key_id": key_id, "tenant": tenant,
+        self.db.table("api_keys").insert({"key_id": key_id, "tenant": tenant,
                                     "key_hash": hash_key(api_key), "created_at": self.clock(),
                                     "revoked_at": None})
         return key_id, api_key
@@ -169,11 +169,11 @@ class Ledger:
 
     def keys(self, tenant: str) -> list[ApiKey]:
         return [ApiKey(r["key_id"], r["tenant"], r["created_at"], r["revoked_at"])
-                for r in self.db["api_keys"].rows_where("tenant = ?", [tenant], order_by="created_at")]
+                for r in self.db.table("api_keys").rows_where("tenant = ?", [tenant], order_by="created_at")]
 
     def lookup_key(self, api_key: str) -> ApiKey | None:
         """The key record for a presented API key (revoked ones too), or None."""
-        rows = list(self.db["api_keys"].rows_where("key_hash = ?", [hash_key(api_key)]))
+        rows = list(self.db.table("api_keys").rows_where("key_hash = ?", [hash_key(api_key)]))
         if not rows:
             return None
         r = rows[0]
@@ -199,20 +199,20 @@ class Ledger:
                "pinned": int(pinned if pinned is not None else (old.pinned if old else False)),
                "shared": int(shared if shared is not None else (old.shared if old else False)),
                "created_at": old.created_at if old else self.clock()}
-        self.db["toolsets"].upsert(row, pk="toolset")
+        self.db.table("toolsets").upsert(row, pk="toolset")
         ts = self.toolset(key.hex())
         assert ts is not None
         return ts
 
     def toolset(self, toolset: str) -> Toolset | None:
-        rows = list(self.db["toolsets"].rows_where("toolset = ?", [toolset]))
+        rows = list(self.db.table("toolsets").rows_where("toolset = ?", [toolset]))
         return self._toolset(rows[0]) if rows else None
 
     def toolsets(self, tenant: str | None = None, *, pinned: bool | None = None,
                  shared: bool | None = None) -> list[Toolset]:
         where, args = self._where(tenant=tenant, pinned=None if pinned is None else int(pinned),
                                   shared=None if shared is None else int(shared))
-        return [self._toolset(r) for r in self.db["toolsets"].rows_where(where, args, order_by="created_at")]
+        return [self._toolset(r) for r in self.db.table("toolsets").rows_where(where, args, order_by="created_at")]
 
     def set_toolset(self, toolset: str, *, pinned: bool | None = None,
                     shared: bool | None = None) -> Toolset:
@@ -220,7 +220,7 @@ class Ledger:
             raise LedgerError(f"no toolset {toolset!r}")
         changes = {k: int(v) for k, v in (("pinned", pinned), ("shared", shared)) if v is not None}
         if changes:
-            self.db["toolsets"].update(toolset, changes)
+            self.db.table("toolsets").update(toolset, changes)
         ts = self.toolset(toolset)
         assert ts is not None
         return ts
@@ -236,7 +236,7 @@ class Ledger:
         return (" AND ".join(parts) or None), args
 
     def open_reservation(self, rid: str, tenant: str, worker: str, epoch: str) -> None:
-        self.db["reservations"].insert({"rid": rid, "tenant": tenant, "worker": worker,
+        self.db.table("reservations").insert({"rid": rid, "tenant": tenant, "worker": worker,
                                         "epoch": epoch, "opened_at": self.clock(),
                                         "closed_at": None, "outcome": ReservationOutcome.OPEN.value,
                                         "reason": None})
@@ -255,7 +255,7 @@ class Ledger:
 
     def reservations(self, outcome: ReservationOutcome | None = None) -> list[dict[str, Any]]:
         where, args = self._where(outcome=outcome.value if outcome else None)
-        return list(self.db["reservations"].rows_where(where, args, order_by="opened_at"))
+        return list(self.db.table("reservations").rows_where(where, args, order_by="opened_at"))
 
     def _upsert_anchors(self, rid: str | None, worker: str, epoch: str, namespace: bytes,
                         tenant: str, anchors: Iterable[NewAnchor], status: AnchorStatus) -> None:
@@ -328,7 +328,7 @@ class Ledger:
         where, args = self._where(worker=worker, epoch=epoch, tenant=tenant,
                                   status=status.value if status else None,
                                   key=key.hex() if key else None)
-        return [self._anchor(r) for r in self.db["anchors"].rows_where(where, args, order_by="depth, created_at")]
+        return [self._anchor(r) for r in self.db.table("anchors").rows_where(where, args, order_by="depth, created_at")]
 
     def anchor_bytes(self, tenant: str, worker: str, epoch: str) -> int:
         row = self.db.execute(

@@ -14,29 +14,29 @@ import sqlite_utils
 
 
 def _v1(db: sqlite_utils.Database) -> None:
-    db["tenants"].create({"name": str, "salt": str, "max_pinned_toolsets": int,
+    db.table("tenants").create({"name": str, "salt": str, "max_pinned_toolsets": int,
                           "max_anchor_bytes": int, "max_in_flight": int, "created_at": float},
                          pk="name", if_not_exists=True)
-    db["api_keys"].create({"key_id": str, "tenant": str, "key_hash": str, "created_at": float,
+    db.table("api_keys").create({"key_id": str, "tenant": str, "key_hash": str, "created_at": float,
                            "revoked_at": float}, pk="key_id",
                           foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
-    db["api_keys"].create_index(["key_hash"], unique=True, if_not_exists=True)
-    db["toolsets"].create({"toolset": str, "tenant": str, "namespace": str, "depth": int,
+    db.table("api_keys").create_index(["key_hash"], unique=True, if_not_exists=True)
+    db.table("toolsets").create({"toolset": str, "tenant": str, "namespace": str, "depth": int,
                            "input_ids": bytes, "pinned": int, "shared": int,
                            "created_at": float}, pk="toolset",
                           foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
-    db["anchors"].create({"worker": str, "epoch": str, "key": str, "depth": int, "parent": str,
+    db.table("anchors").create({"worker": str, "epoch": str, "key": str, "depth": int, "parent": str,
                           "namespace": str, "tenant": str, "slot": int, "nbytes": int,
                           "kind": str, "status": str, "hits": int, "last_hit": float,
                           "rid": str, "created_at": float, "updated_at": float},
                          pk=("worker", "epoch", "key"), not_null={"status"}, if_not_exists=True)
-    db["anchors"].create_index(["status", "worker", "epoch"], if_not_exists=True)
-    db["anchors"].create_index(["tenant", "status"], if_not_exists=True)
-    db["reservations"].create({"rid": str, "tenant": str, "worker": str, "epoch": str,
+    db.table("anchors").create_index(["status", "worker", "epoch"], if_not_exists=True)
+    db.table("anchors").create_index(["tenant", "status"], if_not_exists=True)
+    db.table("reservations").create({"rid": str, "tenant": str, "worker": str, "epoch": str,
                                "opened_at": float, "closed_at": float, "outcome": str,
                                "reason": str}, pk="rid", if_not_exists=True)
-    db["reservations"].create_index(["outcome"], if_not_exists=True)
-    db["events"].create({"id": int, "at": float, "kind": str, "tenant": str, "detail": str},
+    db.table("reservations").create_index(["outcome"], if_not_exists=True)
+    db.table("events").create({"id": int, "at": float, "kind": str, "tenant": str, "detail": str},
                         pk="id", if_not_exists=True)
 
 

@@ -103,11 +103,12 @@ def test_tenants_never_share_unless_a_toolset_is_shared(closed):
     assert cached(chat(closed, a, prompt + [{"role": "assistant", "content": "Sunny."}]
                        + user("And in Rome?"))) > 0
     assert cached(chat(closed, b, prompt)) == 0  # exactly A's prompt
-    assert cached(chat(closed, b, prompt + [{"role": "assistant", "content": "Sunny."}]
-                       + user("And in Rome?"))) == 0
-    # B's anchors are B's; an admin sees A's, A's key cannot list anything
-    mine = admin(closed, "GET", "/admin/anchors", params={"tenant": "iso-a"}).json()["data"]
-    assert mine and {r["tenant"] for r in mine} == {"iso-a"}
+    # the same prompts gave each tenant its own anchors (keys in its own namespace)
+    rows = {t: admin(closed, "GET", "/admin/anchors", params={"tenant": t}).json()["data"]
+            for t in ("iso-a", "iso-b")}
+    assert rows["iso-a"] and rows["iso-b"]
+    assert {r["tenant"] for r in rows["iso-a"]} == {"iso-a"}
+    assert not {r["key"] for r in rows["iso-a"]} & {r["key"] for r in rows["iso-b"]}
     # a cache_salt narrows sharing inside a tenant
     assert cached(chat(closed, a, prompt, cache_salt="narrow")) == 0
 

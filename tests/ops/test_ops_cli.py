@@ -27,7 +27,7 @@ def proxy(worker) -> Iterator[Server]:
 
 
 def ops(proxy: Server, *args: str, token: str | None = ADMIN_TOKEN):
-    env = {"ANCHORCACHE_URL": proxy.url}
+    env = {"ANCHORCACHE_URL": proxy.url, "COLUMNS": "200"}  # a wide terminal
     if token is not None:
         env["ANCHORCACHE_ADMIN_TOKEN"] = token
     return CliRunner().invoke(app, ["ops", *args], env=env)

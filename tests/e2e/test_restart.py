@@ -118,6 +118,15 @@ def test_sigkill_the_proxy_during_a_replay(worker, off, tmp_path):
         assert on["choices"][0]["message"] == ref["choices"][0]["message"]
         assert cached(on) > 0
         assert on["usage"]["timings"]["anchor_hits"][0]["kind"] == "instruction"
+    # a proxy that lost its ledger altogether learns what the worker holds from its `held`
+    # reports: the first request runs cold, the next one of the same toolset hits
+    with proxy_process(worker.url, state_dir=str(tmp_path / "empty")) as proxy:
+        first = ask(proxy, fresh, tools)
+        assert cached(first) == 0
+        follow = [*fresh[:-1], {"role": "user", "content": "Yet another new question."}]
+        on, ref = ask(proxy, follow, tools), ask(off, follow, tools)
+        assert on["choices"][0]["message"] == ref["choices"][0]["message"]
+        assert on["usage"]["timings"]["anchor_hits"][0]["kind"] == "instruction"
 
 
 def test_worker_restart_loses_anchors_and_rewarms_pinned_toolsets(default_model_dir, tmp_path):

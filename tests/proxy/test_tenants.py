@@ -181,3 +181,38 @@ def test_a_pinned_toolset_survives_other_tenants_traffic(small_stack):
     # unpinned, it is ordinary again; unpinning twice is harmless
     assert admin(proxy, "POST", "/admin/unpin", json={"toolset": ts["toolset"]}).json()["pinned"] is False
     assert admin(proxy, "POST", "/admin/pin", json={"toolset": "nope"}).status_code == 404
+
+
+def test_quotas_answer_429(closed):
+    key = tenant(closed, "quota")
+    assert admin(closed, "POST", "/admin/tenants/quota/quotas",
+                 json={"max_in_flight": 1, "max_pinned_toolsets": 0}).status_code == 200
+
+    async def two() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            body = {"model": "default", "temperature": 0, "max_tokens": 120,
+                    "messages": user("Count from 1 to 500, one number per line.")}
+            headers = {"Authorization": f"Bearer {key}"}
+            slow = asyncio.create_task(client.post(closed.url + "/v1/chat/completions",
+                                                   json=body, headers=headers))
+            async def busy() -> bool:
+                tenants = (await client.get(closed.url + "/admin/tenants", headers=ADMIN)).json()
+                return any(t["name"] == "quota" and t["in_flight"] for t in tenants["data"])
+
+            for _ in range(2000):  # until the slow one is in flight
+                if await busy():
+                    break
+            second = await client.post(closed.url + "/v1/chat/completions",
+                                       json={**body, "max_tokens": 1}, headers=headers)
+            return await slow, second
+
+    first, second = asyncio.run(two())
+    assert first.status_code == 200
+    assert second.status_code == 429
+    assert second.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "in flight" in second.json()["error"]["message"]
+    assert chat(closed, key, user("hi")).status_code == 200  # the slot came back
+
+    pinned = admin(closed, "POST", "/admin/tenants/quota/toolsets",
+                   json={"messages": system("quota"), "tools": TOOLS, "pin": True})
+    assert pinned.status_code == 429 and pinned.json()["error"]["code"] == "quota_exceeded"

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from .errors import ApiError, json_response
 from .pipeline import Completion, FinishReason, Generation, Usage, check_model
-from .schema import ChatRequest, parse_chat_request
+from .schema import ChatRequest, parse_chat_request, read_json
 from .splitter.types import OutputDelta
 from .state import STATE
 from .tenants import TENANT
@@ -67,14 +67,11 @@ def usage_json(u: Usage) -> dict[str, Any]:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as e:
-        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
+    body = await read_json(request)
     req = parse_chat_request(body, max_tokens_limit=state.info.max_context_tokens)
     check_model(state, req.model)
-    cache_salt = body.get("cache_salt") if isinstance(body, dict) else None
-    completion = Completion.create(state, generation(req, cache_salt), tenant=request[TENANT])
+    completion = await Completion.create(state, generation(req, body.get("cache_salt")),
+                                         tenant=request[TENANT])
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     outcome = completion.outcome

@@ -25,8 +25,8 @@ from anchorcache.wire import AnchorKind, GenerateMeta, GenerateRequest, Sampling
 from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError
 from .lifecycle import Caller, Flight
-from .schema import ToolChoice
-from .splitter.types import OutputDelta, SplitError, SplitResult, ToolCall
+from .schema import ToolChoice, rendered_chars
+from .splitter.types import OutputDelta, SplitResult, ToolCall
 from .state import ProxyState
 from .tenants import TenantContext
 
@@ -114,18 +114,18 @@ class Completion:
         self.outcome = Outcome()
 
     @classmethod
-    def create(cls, state: ProxyState, gen: Generation, *, tenant: TenantContext) -> Completion:
-        """Render and split the chat (a bad chat raises a 400 `ApiError`). `tenant`: what
-        the tenant middleware put on the request (`request[TENANT]`)."""
+    async def create(cls, state: ProxyState, gen: Generation, *,
+                     tenant: TenantContext) -> Completion:
+        """Render and split the chat (a bad chat raises a 400 `ApiError`, one that cannot
+        fit the context `context_length_exceeded` before anything is rendered). `tenant`:
+        what the tenant middleware put on the request (`request[TENANT]`).
+
+        The split runs on the split thread (split_pool.py), never on the event loop."""
         caller = tenant.caller(gen.cache_salt)
-        # On the event loop: the splitter's prefix cache is single-threaded, and an
-        # incremental split of an agent prompt takes well under a millisecond.
-        try:
-            split = state.adapter.split([dict(m) for m in gen.messages],
-                                        [dict(t) for t in gen.tools] or None,
-                                        template_kwargs=gen.template_kwargs or None)
-        except SplitError as e:
-            raise ApiError("invalid_request", str(e), param=e.param) from None
+        state.budget.check(rendered_chars(gen.messages), gen.max_tokens)
+        split = await state.splits.split([dict(m) for m in gen.messages],
+                                         [dict(t) for t in gen.tools] or None,
+                                         gen.template_kwargs or None)
         return cls(state, gen, split, caller=caller)
 
     def _sampling(self, prompt_ids: tuple[int, ...]) -> SamplingParams:

@@ -124,15 +124,21 @@ class AnchorStore:
             # queue; restore it instead of prefilling it again.
             late = deepest_held_chain(plan.namespace, self.model_id, ids,
                                       [s.depth for s in plan.snapshot], self._held_locked)
+            held: list[AnchorHeld] = []
             if late and late[-1].depth > prev.depth:
+                planned = {r.key for r in plan.restore}
                 for slab in late:
                     if slab.key in self._slot_of:  # committed: LRU touch and a hit
                         self.table.lookup(slab.key, slab.depth)
+                        if slab.key not in planned:  # the proxy may not know it: report it
+                            held.append(AnchorHeld(self._slot_of[slab.key], slab.key, slab.depth,
+                                                   slab.parent, slab.nbytes, slab.kind))
                 chain, prev = late, _Tip(late[-1].key, late[-1].depth)
         info: dict[str, Any] = {"restored": [{"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
                                              for s in chain],
                                 "restore_miss": misses,
-                                "late_lookup": bool(late) and chain is late}
+                                "late_lookup": bool(late) and chain is late,
+                                "held": held}
         if not chain:
             return None, 0, info
         self.fault("restore")

@@ -228,7 +228,10 @@ class Engine:
             "decode_ms": round((t_decode - t_prefill) * 1e3, 3),
             "anchors": {**anchor_info,
                         "written": [w.to_json() for w in written if not isinstance(w, AnchorHeld)],
-                        "held": [w.to_json() for w in written if isinstance(w, AnchorHeld)]},
+                        # held: committed prefixes it restored unasked (late lookup) or did
+                        # not write again because it holds them
+                        "held": [w.to_json() for w in [*anchor_info.get("held", ()), *written]
+                                 if isinstance(w, AnchorHeld)]},
         }
         job.emit(FinishEvent(finish, meta))
 

@@ -4,6 +4,7 @@ proxy as separate processes, the proxy SIGKILLed at random points of a replay.""
 from __future__ import annotations
 
 import random
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -118,15 +119,23 @@ def test_sigkill_the_proxy_during_a_replay(worker, off, tmp_path):
         assert on["choices"][0]["message"] == ref["choices"][0]["message"]
         assert cached(on) > 0
         assert on["usage"]["timings"]["anchor_hits"][0]["kind"] == "instruction"
-    # a proxy that lost its ledger altogether learns what the worker holds from its `held`
-    # reports: the first request runs cold, the next one of the same toolset hits
-    with proxy_process(worker.url, state_dir=str(tmp_path / "empty")) as proxy:
-        first = ask(proxy, fresh, tools)
-        assert cached(first) == 0
+    # a ledger that is behind the worker (a confirm reply lost, a kill between the worker's
+    # confirm and the ledger's commit): the worker reports what it holds, the proxy learns it
+    conn = sqlite3.connect(tmp_path / "ledger.sqlite3")
+    with conn:
+        conn.execute("DELETE FROM anchors")
+    conn.close()
+    with proxy_process(worker.url, state_dir=str(tmp_path), port=port) as proxy:
+        assert admin(proxy, "/admin/anchors")["data"] == []
         follow = [*fresh[:-1], {"role": "user", "content": "Yet another new question."}]
         on, ref = ask(proxy, follow, tools), ask(off, follow, tools)
         assert on["choices"][0]["message"] == ref["choices"][0]["message"]
-        assert on["usage"]["timings"]["anchor_hits"][0]["kind"] == "instruction"
+        assert cached(on) > 0
+        learned = {(r["key"], r["depth"]) for r in admin(proxy, "/admin/anchors")["data"]}
+        hits = on["usage"]["timings"]["anchor_hits"]
+        assert hits and hits[0]["kind"] == "instruction"
+        assert {h["depth"] for h in hits} <= {d for _, d in learned}
+        check_ledger_matches_worker(proxy)
 
 
 def test_worker_restart_loses_anchors_and_rewarms_pinned_toolsets(default_model_dir, tmp_path):

@@ -175,6 +175,13 @@ def test_a_prefix_already_held_is_reported_not_skipped_silently(worker):
     assert held[100]["kind"] == "conversation"  # the slab's own kind, as it was written
     slots = {s["slot"]: s for s in httpx.get(worker.url + "/anchor/slots").json()["slots"]}
     assert slots[held[200]["slot"]]["key"] == keys[200].hex()
+    # (restored by the late lookup there; a snapshot at the prompt's end is never restored,
+    # and is reported held instead of being written twice)
+    assert [r["depth"] for r in report["restored"]] == [100, 200]
+    same = generate(worker, ids[:200], AnchorPlan(NS, snapshot=(
+        SnapshotSpec(200, AnchorKind.CONVERSATION, Region.THICK),)))
+    assert same["meta_info"]["anchors"]["written"] == []
+    assert [(h["depth"], h["key"]) for h in same["meta_info"]["anchors"]["held"]] == [(200, keys[200].hex())]
 
 
 def test_a_link_in_its_own_namespace(worker):

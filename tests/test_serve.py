@@ -53,11 +53,12 @@ LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}
 
 
 @pytest.fixture(scope="module")
-def serve_proc(default_model_dir):
+def serve_proc(default_model_dir, tmp_path_factory):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", "serve", "--port", str(port),
                              "--threads", "2", "--log-level", "warning"],
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                 "ANCHORCACHE_STATE_DIR": str(tmp_path_factory.mktemp("state"))})
     proc.url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc.url + "/health", proc, timeout_s=300)
@@ -74,7 +75,7 @@ def _health(url: str) -> httpx.Response:
 
 
 def test_a_killed_worker_is_restarted_and_its_anchors_forgotten(serve_proc):
-    client = openai.OpenAI(base_url=serve_proc.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=serve_proc.url + "/v1", api_key="", max_retries=0, timeout=120)
     before = _health(serve_proc.url).json()
     assert before["worker_process"] == {"state": "running", "pid": before["worker_process"]["pid"],
                                         "restarts": 0, "last_exit_code": None}

@@ -48,6 +48,7 @@ AnchorBytes = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_BYTES", min
 MaxBody = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_BODY_BYTES", min=1024,
                                       help="Largest request body the proxy accepts.")]
 StateDir = Annotated[str, typer.Option(envvar="ANCHORCACHE_STATE_DIR",
+                                       show_default="~/.local/state/anchorcache",
                                        help="Directory of the proxy's ledger (SQLite: tenants, "
                                             "keys, toolsets, anchors).")]
 AdminToken = Annotated[str | None, typer.Option(envvar="ANCHORCACHE_ADMIN_TOKEN", show_default=False,
@@ -55,8 +56,8 @@ AdminToken = Annotated[str | None, typer.Option(envvar="ANCHORCACHE_ADMIN_TOKEN"
 Anonymous = Annotated[bool | None, typer.Option("--anonymous/--no-anonymous",
                                                 envvar="ANCHORCACHE_ANONYMOUS", show_default=False,
                                                 help="Serve requests without an API key as the "
-                                                     "anonymous tenant [default: on when "
-                                                     "listening on loopback].")]
+                                                     "anonymous tenant (default: on when "
+                                                     "listening on loopback).")]
 MaxInFlight = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_IN_FLIGHT", min=1,
                                           help="Default per-tenant requests in flight (429 past it).")]
 MaxPinned = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_PINNED_TOOLSETS", min=0,

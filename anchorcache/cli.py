@@ -21,6 +21,8 @@ from typing import Annotated
 
 import typer
 
+from anchorcache.supervise import Supervisor, WorkerExited
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="anchorcache: prefix-cache sidecar for LLM agent traffic.")
 
@@ -157,7 +159,8 @@ def serve(
     tenant_salt: TenantSalt = "anchorcache-default-tenant",
     log_level: LogLevel = "info",
 ) -> None:
-    """Start the embedded worker and the proxy; Ctrl-C/SIGTERM stops both."""
+    """Start the embedded worker and the proxy; the worker is restarted if it dies, and
+    Ctrl-C/SIGTERM stops both."""
     _logging(log_level)
     if model is None:  # convert the default model once, in the foreground, with a message
         from anchorcache.ext.embedded.model_store import default_model_dir, prepare_default_model
@@ -170,23 +173,36 @@ def serve(
            "--anchor-bytes", str(anchor_bytes), "--log-level", log_level]
     if threads:
         cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    from anchorcache.proxy.config import ProxyConfig
 
-    def stop_worker(*_: object) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
+    config = ProxyConfig(worker_url=f"http://127.0.0.1:{worker_port}", host=host, port=port,
+                         anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
+                         max_body_bytes=max_body_bytes, tenant_salt=tenant_salt)
     try:
-        wait_ready(f"http://127.0.0.1:{worker_port}/health", proc, timeout_s=600)
-        proxy(worker=f"http://127.0.0.1:{worker_port}", host=host, port=port, anchors=anchors,
-              adapter=adapter, canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
-              tenant_salt=tenant_salt, log_level=log_level)
+        asyncio.run(_serve_supervised(cmd, config))
+    except WorkerExited as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+
+
+async def _serve_supervised(worker_cmd: list[str], config) -> None:
+    """The proxy in front of a supervised worker (anchorcache/supervise.py): the worker is
+    given by its command line only, whatever its backend."""
+    from anchorcache.proxy.app import create_app, refresh_worker_epoch
+
+    supervisor = Supervisor(worker_cmd, config.worker_url + "/health")
+    await supervisor.start()
+    try:
+        web_app = create_app(config, worker_status=supervisor.status)
+
+        async def on_ready() -> None:
+            await refresh_worker_epoch(web_app)
+
+        supervisor.on_ready = on_ready
+        await _serve_forever(web_app, config.host, config.port,
+                             "anchorcache proxy listening on http://{host}:{port}/v1")
     finally:
-        stop_worker()
+        await supervisor.stop()
 
 
 @app.command()

@@ -20,6 +20,7 @@ class ProxyConfig:
     default_max_tokens: int = 1024
     tenant_salt: str = "anchorcache-default-tenant"  # server-side secret mixed into anchor keys
     worker_timeout_s: float = 600.0
+    max_pending_splits: int = 64  # requests waiting for the split thread; more get 503 overloaded
 
     def __post_init__(self) -> None:
         if not self.worker_url.startswith(("http://", "https://")):
@@ -28,5 +29,7 @@ class ProxyConfig:
             raise ValueError(f"port must be in 1..65535, not {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_pending_splits < 1:
+            raise ValueError("max_pending_splits must be positive")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be positive")

@@ -81,14 +81,16 @@ class HFTokenizer:
         object.__setattr__(self, "text_backend", text_backend)
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL, so a long text tokenized on the
+        # split thread (proxy/split_pool.py) does not stall the event loop
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
 
     def encode_text(self, text: str) -> list[int]:
         """`text` as text: special-token strings in it never become special tokens."""
-        return self.text_backend.encode(text, add_special_tokens=False).ids
+        return self.text_backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -154,8 +154,8 @@ class Completion:
         plan = self._plan()
         choice = gen.tool_choice.openai()
         parse_tools = bool(gen.tools) and gen.tool_choice.mode != "none"
-        forced = state.adapter.forced_prefix(choice) if parse_tools else None
-        prompt_ids = self.split.input_ids + (tuple(state.tokenizer.encode(forced)) if forced else ())
+        forced = state.adapter.forced_prefix_ids(choice) if parse_tools else ()
+        prompt_ids = self.split.input_ids + forced
         req = GenerateRequest(input_ids=prompt_ids, sampling=self._sampling(prompt_ids),
                               rid=self.rid, stream=True, anchor=plan.request)
         stop_ids = set(req.sampling.stop_token_ids) | set(state.info.eos_token_ids)

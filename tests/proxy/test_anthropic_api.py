@@ -29,7 +29,7 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 @pytest.fixture()
 def client(proxy):
-    return anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=proxy.url, api_key="", max_retries=0, timeout=120)
 
 
 def _few_shot() -> tuple[list[dict], list[dict]]:
@@ -205,7 +205,7 @@ def test_a_shared_cache_control_system_block_is_read_from_cache(client):
 def off_client(worker):
     """A second proxy on the same worker with anchors off: the reference outputs."""
     with proxy_process(worker.url, "--no-anchors") as off:
-        yield anthropic.Anthropic(base_url=off.url, api_key="unused", max_retries=0,
+        yield anthropic.Anthropic(base_url=off.url, api_key="", max_retries=0,
                                   timeout=120)
 
 

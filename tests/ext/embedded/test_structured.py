@@ -143,3 +143,51 @@ async def test_logprobs_describe_the_chosen_tokens(loaded: Loaded) -> None:
         assert len(p.top) == 3 and p.top[0][0] == p.token  # greedy: the most likely
         assert p.logprob == pytest.approx(p.top[0][1]) and p.logprob <= 0.0
         assert [lp for _, lp in p.top] == sorted((lp for _, lp in p.top), reverse=True)
+
+
+# ---- the same over the worker contract (HTTP), on the shared default worker -------------
+
+def _post(worker: Any, body: dict[str, Any]) -> Any:
+    import httpx
+
+    return httpx.post(worker.url + "/generate", json=body, timeout=120)
+
+
+def test_bad_constraints_are_400_over_http(worker: Any) -> None:
+    ids = [1, 9690, 198, 2]
+    for sampling in [{"json_schema": '{"type": "objec"}'}, {"regex": "(a"},
+                     {"ebnf": "root ::="}, {"regex": "a", "ebnf": 'root ::= "a"'},
+                     {"json_schema": {"type": "object"}}, {"n": 0}, {"n": 17}]:
+        resp = _post(worker, {"input_ids": ids, "sampling_params": sampling})
+        assert resp.status_code == 400, (sampling, resp.text)
+        err = resp.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_n_samples_and_logprobs_over_http(worker: Any) -> None:
+    import httpx
+
+    body = {"input_ids": [1, 9690, 198, 33, 2], "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.8, "seed": 7, "n": 2,
+                                "ignore_eos": True},
+            "stream": True}
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    finals = []
+    with httpx.stream("POST", worker.url + "/generate", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    for line in lines[:-1]:
+        event = json.loads(line)
+        if "meta_info" in event:
+            finals.append(event)
+            continue
+        tokens[event["index"]] += event["output_ids"]
+        [[logprob, token, _]] = event["output_token_logprobs"]
+        assert token == event["output_ids"][0] and logprob <= 0
+        assert len(event["output_top_logprobs"][0]) == 2
+    assert [f["index"] for f in finals] == [0, 1]
+    assert all(len(t) == 4 for t in tokens.values())
+    whole = _post(worker, {**body, "stream": False}).json()
+    assert [r["output_ids"] for r in whole] == [tokens[0], tokens[1]]  # seeded: the same
+    assert [r["meta_info"]["completion_tokens"] for r in whole] == [4, 4]

@@ -6,9 +6,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ApiError
+from .structured import Constraint, ResponseFormat, parse_grammar, parse_response_format
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16  # n (the worker contract's limit)
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,12 @@ class ChatRequest:
     tools: tuple[dict[str, Any], ...]
     tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: ResponseFormat | None = None
+    grammar: Constraint | None = None  # SGLang's `regex` / `ebnf` extras
+    parallel_tool_calls: bool = True
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -147,9 +156,17 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
-    n = body.get("n")
-    if n not in (None, 1):
-        raise _bad("only n=1 is supported", "n")
+    n = _optional_int(body, "n", 1, MAX_CHOICES) or 1
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise _bad("'logprobs' must be a boolean", "logprobs")
+    top_logprobs = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top_logprobs and not logprobs:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
+    if not isinstance(parallel, bool):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     max_tokens = _optional_int(body, "max_completion_tokens", 1, max_tokens_limit)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", 1, max_tokens_limit)
@@ -170,9 +187,6 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> ChatRequest:
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("only response_format {'type': 'text'} is supported", "response_format")
     tools = _tools(body)
     top_k = _optional_int(body, "top_k", -1, 1 << 20)
     return ChatRequest(
@@ -189,4 +203,10 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int) -> ChatRequest:
         tools=tools,
         tool_choice=_tool_choice(body, tools),
         template_kwargs=template_kwargs,
+        n=n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        response_format=parse_response_format(body.get("response_format")),
+        grammar=parse_grammar(body),
+        parallel_tool_calls=parallel,
     )

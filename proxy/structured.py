@@ -61,7 +61,7 @@ class Constraint:
     kind: str  # "json_schema" | "regex" | "ebnf" | "structural_tag"
     text: str
 
-    def sampling_fields(self) -> dict[str, str]:
+    def sampling_fields(self) -> dict[str, Any]:
         return {self.kind: self.text}
 
 

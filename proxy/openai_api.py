@@ -71,8 +71,9 @@ def logprobs_json(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dic
 
 
 def _message(outcome: Outcome) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant",
-                               "content": outcome.text if outcome.text or not outcome.tool_calls else None}
+    # no text: null next to tool calls or a call that failed, else "" (a plain empty answer)
+    content = outcome.text or (None if outcome.tool_calls or outcome.tool_call_error else "")
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if outcome.tool_calls:
         message["tool_calls"] = [c.to_openai() for c in outcome.tool_calls]
     return message

@@ -15,6 +15,7 @@ grammar is complete, and nothing else there.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,25 +29,40 @@ CACHE_LIMIT_BYTES = 256 << 20
 
 
 class Grammars:
-    """Compiles constraints for one model's vocabulary. Thread-safe (xgrammar's compiler)."""
+    """Compiles constraints for one model's vocabulary. Thread-safe.
+
+    The vocabulary is read on the first compile (a second or two for a 150k vocabulary), so
+    a worker that never sees a constraint never pays for it.
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1,
-                                            cache_limit_bytes=CACHE_LIMIT_BYTES)
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer,
+                                                          vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                     cache_limit_bytes=CACHE_LIMIT_BYTES)
+            return self._compiler
 
     def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         """Raises WireError (a 400) for a grammar or schema xgrammar cannot compile."""
+        compiler = self.compiler
         try:
             if kind == "json_schema":
-                return self.compiler.compile_json_schema(text)
+                return compiler.compile_json_schema(text)
             if kind == "regex":
-                return self.compiler.compile_regex(text)
+                return compiler.compile_regex(text)
             if kind == "ebnf":
-                return self.compiler.compile_grammar(text)
+                return compiler.compile_grammar(text)
             if kind == "structural_tag":
-                return self.compiler.compile_structural_tag(text)
+                return compiler.compile_structural_tag(text)
         except (RuntimeError, ValueError, TypeError) as e:
             # xgrammar reports bad input as RuntimeError/ValueError (and pydantic errors,
             # which are ValueErrors) with a readable message

@@ -137,7 +137,6 @@ class _Choice:
         if stop is not None:
             text = text[:stop[0]]
         new, self.emitted = text[self.emitted:], len(text)
-        deltas = self._guard(self.parser.feed(new)) if new else []
         if stop is not None:
             outcome.finish_reason = FinishReason.STOP_SEQUENCE
             outcome.stop_sequence = stop[1]
@@ -145,6 +144,7 @@ class _Choice:
             outcome.meta = chunk.meta
             reason = chunk.meta.get("finish_reason", {}).get("type")
             outcome.finish_reason = FinishReason.LENGTH if reason == "length" else FinishReason.STOP
+        deltas = self._guard(self.parser.feed(new)) if new else []
         if stop is not None or chunk.meta is not None:
             deltas += self._close()
         out = [ChoiceDelta(self.index, d) for d in deltas]

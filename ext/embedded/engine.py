@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from anchorcache.ext.store import AnchorHeld, written_json
 from anchorcache.wire import AnchorWritten, GenerateRequest
 
 from . import cache_io
@@ -165,13 +166,18 @@ class Engine:
         boundaries = sorted({d for d in (plan.chunk_at if plan else ()) if restored < d < n}
                             | {d for d in snapshots if d < n}) if self.recurrent else []
         written: list[AnchorWritten] = []
+        held: list[AnchorHeld] = []
+
+        def keep(w: AnchorWritten | AnchorHeld | None) -> None:
+            if isinstance(w, AnchorHeld):
+                held.append(w)
+            elif w is not None:
+                written.append(w)
 
         def save(depth: int, cache: Any) -> None:
             spec = snapshots.get(depth)
             if spec is not None and self.anchors is not None and plan is not None:
-                w = self.anchors.snapshot(job.rid, cache, ids, depth, spec, plan)
-                if w is not None:
-                    written.append(w)
+                keep(self.anchors.snapshot(job.rid, cache, ids, depth, spec, plan))
 
         def on_boundary(depth: int, cache: Any) -> None:
             self._check(job, "prefill")
@@ -213,9 +219,7 @@ class Engine:
             # the cache holds every token but the last sampled one: feed it so the state
             # covers prompt + output exactly
             cache_io.decode_step(self.model, cache, out[-1], position)
-            w = self.anchors.snapshot_response(job.rid, cache, ids + tuple(out), plan)
-            if w is not None:
-                written.append(w)
+            keep(self.anchors.snapshot_response(job.rid, cache, ids + tuple(out), plan))
 
         meta = {
             "id": job.rid,
@@ -226,12 +230,7 @@ class Engine:
             "restore_ms": round((t_restore - t0) * 1e3, 3),
             "prefill_ms": round((t_prefill - t_restore) * 1e3, 3),
             "decode_ms": round((t_decode - t_prefill) * 1e3, 3),
-            "anchors": {**anchor_info, "written": [_written_json(w) for w in written]},
+            "anchors": {**anchor_info, "written": [written_json(w) for w in written],
+                        "held": [h.to_json() for h in held]},
         }
         job.emit(FinishEvent(finish, meta))
-
-
-def _written_json(w: AnchorWritten) -> dict[str, Any]:
-    return {"slot": w.slot, "key": w.key.hex(), "depth": w.depth,
-            "parent": w.parent.hex() if w.parent else None, "nbytes": w.nbytes,
-            "kind": w.kind.value}

@@ -1,0 +1,244 @@
+"""The SGLang worker against a real SGLang 0.5.23 server on CPU (tiny dense Qwen3 with
+the real Qwen3 tokenizer; prompts are real BFCL agent conversations rendered with its
+chat template). One server is shared by the session (tests/ext/conftest.py).
+
+Every check drops SGLang's own device cache first (`/flush_cache`), so a hit can only
+come from an anchor restored out of the host tier."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import re
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from anchorcache.wire import (
+    AnchorKind,
+    AnchorPlan,
+    AnchorRef,
+    GenerateRequest,
+    Region,
+    SamplingParams,
+    SnapshotSpec,
+    anchor_keys,
+)
+
+pytestmark = pytest.mark.slow
+
+NS = bytes(range(16, 32))
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+BFCL = Path(__file__).resolve().parents[3].parent / "shared" / "data" / \
+    "bfcl_multi_turn_base.conversations.json"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+
+
+@pytest.fixture(scope="module")
+def conversations(tokenizer):
+    """Per conversation: (tool anchor depth, turn-1 prompt ids, turn-2 prompt ids).
+    The tool anchor ends after the system block (tools), turn 1 is system + first user
+    message, turn 2 appends the assistant's tool calls and the tool results."""
+    data = json.loads(BFCL.read_text())
+    out = []
+    for conv in data[:8]:
+        tools, msgs = conv["tools"][:2], conv["messages"]
+        sys_ids = tokenizer.apply_chat_template(msgs[:1], tools=tools, tokenize=False)
+        t1 = tokenizer.apply_chat_template(msgs[:2], tools=tools, tokenize=False,
+                                           add_generation_prompt=True)
+        t2 = tokenizer.apply_chat_template(msgs[:5], tools=tools, tokenize=False,
+                                           add_generation_prompt=True)
+        enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        system, p1, p2 = enc(sys_ids), enc(t1), enc(t2)
+        tool_depth = len(system)
+        assert p1[:tool_depth] == system and p2[:len(p1) - 3] == p1[:len(p1) - 3]
+        out.append((tool_depth, p1, p2))
+    return out
+
+
+def generate(url, ids, plan=None, max_new=6):
+    req = GenerateRequest(input_ids=tuple(ids), anchor=plan,
+                          sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0))
+    resp = httpx.post(url + "/generate", json=req.to_json(), timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def post(url, path, body=None):
+    resp = httpx.post(url + path, json=body or {}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def flush_device(url):
+    post(url, "/flush_cache")
+
+
+def snapshot_plan(*specs):
+    return AnchorPlan(NS, snapshot=tuple(SnapshotSpec(d, k, r) for d, k, r in specs))
+
+
+def save(url, ids, specs):
+    out = generate(url, ids, snapshot_plan(*specs))
+    written = out["meta_info"]["anchors"]["written"]
+    post(url, "/anchor/confirm", {"slots": [w["slot"] for w in written]})
+    return {w["depth"]: bytes.fromhex(w["key"]) for w in written}, out
+
+
+def test_snapshot_flush_restore_equals_cold(sglang, conversations):
+    url = sglang.url
+    _, p1, p2 = conversations[0]
+    depth = len(p1) - 1
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    cold = generate(url, p2)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    flush_device(url)
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    meta = warm["meta_info"]
+    assert meta["cached_tokens"] == depth
+    assert meta["anchors"]["restored_tokens"] == depth  # scattered from the host slabs
+    assert warm["output_ids"] == cold["output_ids"]
+
+
+def test_chain_restore_of_tool_and_conversation_anchors(sglang, conversations):
+    url = sglang.url
+    tool_depth, p1, p2 = conversations[1]
+    conv_depth = len(p1) - 1
+    keys, out = save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
+                               (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])
+    written = {w["depth"]: w for w in out["meta_info"]["anchors"]["written"]}
+    assert written[conv_depth]["parent"] == keys[tool_depth].hex()  # rows past the tool anchor
+    flush_device(url)
+    cold = generate(url, p2)
+    flush_device(url)
+    chain = (AnchorRef(keys[tool_depth], tool_depth), AnchorRef(keys[conv_depth], conv_depth))
+    warm = generate(url, p2, AnchorPlan(NS, restore=chain))
+    assert [r["depth"] for r in warm["meta_info"]["anchors"]["restored"]] == [tool_depth, conv_depth]
+    assert warm["meta_info"]["cached_tokens"] == conv_depth
+    assert warm["output_ids"] == cold["output_ids"]
+    # the tool anchor alone serves another conversation's prompt with the same tools? No:
+    # different conversations have different system blocks; the tool anchor restores only
+    # under its own prefix (key recomputed by the worker)
+    flush_device(url)
+    partial = generate(url, p2, AnchorPlan(NS, restore=chain[:1]))
+    assert partial["meta_info"]["cached_tokens"] == tool_depth
+    assert partial["output_ids"] == cold["output_ids"]
+
+
+def test_a_restored_prefix_on_the_device_is_not_rewritten(sglang, conversations):
+    url = sglang.url
+    _, p1, p2 = conversations[2]
+    depth = len(p1) - 1
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    # no flush: SGLang still holds the prefix, so nothing is scattered
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] >= depth
+    flush_device(url)
+    assert warm["output_ids"] == generate(url, p2)["output_ids"]
+
+
+def _num_running(url) -> int:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    m = re.search(r"^sglang:num_running_reqs\{[^}]*\} ([0-9.]+)", text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conversations):
+    url = sglang.url
+    convs = conversations[:8]
+    cold = []
+    for _, _, p2 in convs:
+        flush_device(url)
+        cold.append(generate(url, p2, max_new=8)["output_ids"])
+    flush_device(url)
+    post(url, "/anchor/flush")
+
+    def turn1(c):
+        tool_depth, p1, _ = c
+        return save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
+                              (len(p1) - 1, AnchorKind.CONVERSATION, Region.THICK)])[0]
+
+    running: list[int] = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            running.append(_num_running(url))
+
+    with cf.ThreadPoolExecutor(9) as pool:
+        keys = list(pool.map(turn1, convs))
+        flush_device(url)  # every turn 2 must restore from the host tier
+        watcher = pool.submit(watch)
+
+        def turn2(i):
+            tool_depth, p1, p2 = convs[i]
+            d = len(p1) - 1
+            plan = AnchorPlan(NS, restore=(AnchorRef(keys[i][tool_depth], tool_depth),
+                                           AnchorRef(keys[i][d], d)),
+                              snapshot=(SnapshotSpec(len(p2), AnchorKind.CONVERSATION),))
+            return generate(url, p2, plan, max_new=8)
+
+        warm = list(pool.map(turn2, range(len(convs))))
+        stop.set()
+        watcher.result()
+    for i, out in enumerate(warm):
+        assert out["output_ids"] == cold[i], i
+        assert out["meta_info"]["cached_tokens"] == len(convs[i][1]) - 1, i
+        assert len(out["meta_info"]["anchors"]["written"]) == 1
+    assert max(running) > 1, running  # SGLang ran several of them in one batch
+
+
+def test_pinned_anchor_survives_eviction_pressure(sglang, conversations):
+    url = sglang.url
+    post(url, "/anchor/flush")
+    _tool_depth, p1, p2 = conversations[3]
+    depth = len(p1) - 1
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    victim_keys, _ = save(url, conversations[4][1], [(len(conversations[4][1]) - 1,
+                                                      AnchorKind.CONVERSATION, Region.THICK)])
+    assert post(url, "/anchor/pin", {"key": keys[depth].hex()})["pinned"]
+    slots = httpx.get(url + "/anchor/stats").json()["num_slots"]
+    # many other conversations' anchors: more than the table holds
+    for seed in range(slots + 2):
+        ids = [1000 + (seed * 7919 + i * 31) % 90000 for i in range(120)]
+        save(url, ids, [(100, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    cold = generate(url, p2)
+    flush_device(url)
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["cached_tokens"] == depth
+    assert warm["output_ids"] == cold["output_ids"]
+    v_depth = len(conversations[4][1]) - 1
+    gone = generate(url, conversations[4][2],
+                    AnchorPlan(NS, restore=(AnchorRef(victim_keys[v_depth], v_depth),)))
+    assert gone["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
+    post(url, "/anchor/unpin", {"key": keys[depth].hex()})
+
+
+def test_restart_gives_a_new_epoch_and_no_restore_from_the_old(sglang, conversations):
+    url = sglang.url
+    _, p1, p2 = conversations[5]
+    depth = len(p1) - 1
+    keys, out = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    old_epoch = out["meta_info"]["epoch"]
+    sglang.restart()
+    url = sglang.url
+    assert httpx.get(url + "/health").json()["epoch"] != old_epoch
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["epoch"] != old_epoch
+    assert warm["meta_info"]["cached_tokens"] == 0
+    assert warm["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
+    key = anchor_keys(NS, httpx.get(url + "/model_info").json()["model_id"], p1, [depth])[depth]
+    assert key == keys[depth]  # same key, new epoch: the anchor itself is gone

@@ -210,9 +210,10 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
                 self.token_to_kv_pool_allocator.free(fresh[need:])
             self._scatter(check.chain, on_device, rows)
             prefix = self.path_device_indices(match.last_device_node)[:on_device].to(torch.int64)
-            result = self.insert(InsertParams(key=key, value=torch.cat([prefix, rows])))
-            if result.prefix_len > on_device:  # cannot happen on one loop; never leak slots
-                self.token_to_kv_pool_allocator.free(rows[: result.prefix_len - on_device])
+            # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
+            # (the insert frees any other overlap itself)
+            self.insert(InsertParams(key=key, value=torch.cat([prefix, rows]),
+                                     prev_prefix_len=on_device))
             scattered = need
             match = self.match_prefix(MatchPrefixParams(key=key))
         elif fresh is not None:
@@ -256,7 +257,11 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
         if p is not None and p.todo:
-            self._snapshot(req, p, up_to)
+            try:
+                self._snapshot(req, p, up_to)
+            except Exception:  # a failed snapshot costs its anchors, never the scheduler
+                log.exception("snapshot of request %s failed", req.rid)
+                p.todo = []
         super().checkpoint(req, up_to=up_to, **kwargs)
 
     def _snapshot(self, req: Any, p: _Pending, up_to: int) -> None:

@@ -46,9 +46,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def conversations(tokenizer):
-    """Per conversation: (tool anchor depth, turn-1 prompt ids, turn-2 prompt ids).
-    The tool anchor ends after the system block (tools), turn 1 is system + first user
-    message, turn 2 appends the assistant's tool calls and the tool results."""
+    """Per conversation: (tool anchor depth, conversation anchor depth, turn-1 prompt ids,
+    turn-2 prompt ids). The tool anchor ends after the system block (tools), turn 1 is
+    system + first user message, turn 2 appends the assistant's tool calls and the tool
+    results; the conversation anchor is where the two turns' renderings part."""
     data = json.loads(BFCL.read_text())
     out = []
     for conv in data[:8]:
@@ -61,8 +62,9 @@ def conversations(tokenizer):
         enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
         system, p1, p2 = enc(sys_ids), enc(t1), enc(t2)
         tool_depth = len(system)
-        assert p1[:tool_depth] == system and p2[:len(p1) - 3] == p1[:len(p1) - 3]
-        out.append((tool_depth, p1, p2))
+        conv_depth = next(i for i, (a, b) in enumerate(zip(p1, p2, strict=False)) if a != b)
+        assert p1[:tool_depth] == system and tool_depth < conv_depth < len(p1)
+        out.append((tool_depth, conv_depth, p1, p2))
     return out
 
 
@@ -97,8 +99,7 @@ def save(url, ids, specs):
 
 def test_snapshot_flush_restore_equals_cold(sglang, conversations):
     url = sglang.url
-    _, p1, p2 = conversations[0]
-    depth = len(p1) - 1
+    _, depth, p1, p2 = conversations[0]
     keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
     flush_device(url)
     cold = generate(url, p2)
@@ -113,8 +114,7 @@ def test_snapshot_flush_restore_equals_cold(sglang, conversations):
 
 def test_chain_restore_of_tool_and_conversation_anchors(sglang, conversations):
     url = sglang.url
-    tool_depth, p1, p2 = conversations[1]
-    conv_depth = len(p1) - 1
+    tool_depth, conv_depth, p1, p2 = conversations[1]
     keys, out = save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
                                (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])
     written = {w["depth"]: w for w in out["meta_info"]["anchors"]["written"]}
@@ -127,9 +127,7 @@ def test_chain_restore_of_tool_and_conversation_anchors(sglang, conversations):
     assert [r["depth"] for r in warm["meta_info"]["anchors"]["restored"]] == [tool_depth, conv_depth]
     assert warm["meta_info"]["cached_tokens"] == conv_depth
     assert warm["output_ids"] == cold["output_ids"]
-    # the tool anchor alone serves another conversation's prompt with the same tools? No:
-    # different conversations have different system blocks; the tool anchor restores only
-    # under its own prefix (key recomputed by the worker)
+    # the chain's first link alone: only the tool block comes back, the rest is prefilled
     flush_device(url)
     partial = generate(url, p2, AnchorPlan(NS, restore=chain[:1]))
     assert partial["meta_info"]["cached_tokens"] == tool_depth
@@ -138,8 +136,7 @@ def test_chain_restore_of_tool_and_conversation_anchors(sglang, conversations):
 
 def test_a_restored_prefix_on_the_device_is_not_rewritten(sglang, conversations):
     url = sglang.url
-    _, p1, p2 = conversations[2]
-    depth = len(p1) - 1
+    _, depth, p1, p2 = conversations[2]
     keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
     # no flush: SGLang still holds the prefix, so nothing is scattered
     warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
@@ -159,16 +156,16 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
     url = sglang.url
     convs = conversations[:8]
     cold = []
-    for _, _, p2 in convs:
+    for _, _, _, p2 in convs:
         flush_device(url)
         cold.append(generate(url, p2, max_new=8)["output_ids"])
     flush_device(url)
     post(url, "/anchor/flush")
 
     def turn1(c):
-        tool_depth, p1, _ = c
+        tool_depth, conv_depth, p1, _ = c
         return save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
-                              (len(p1) - 1, AnchorKind.CONVERSATION, Region.THICK)])[0]
+                              (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])[0]
 
     running: list[int] = []
     stop = threading.Event()
@@ -183,8 +180,7 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
         watcher = pool.submit(watch)
 
         def turn2(i):
-            tool_depth, p1, p2 = convs[i]
-            d = len(p1) - 1
+            tool_depth, d, _, p2 = convs[i]
             plan = AnchorPlan(NS, restore=(AnchorRef(keys[i][tool_depth], tool_depth),
                                            AnchorRef(keys[i][d], d)),
                               snapshot=(SnapshotSpec(len(p2), AnchorKind.CONVERSATION),))
@@ -195,7 +191,7 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
         watcher.result()
     for i, out in enumerate(warm):
         assert out["output_ids"] == cold[i], i
-        assert out["meta_info"]["cached_tokens"] == len(convs[i][1]) - 1, i
+        assert out["meta_info"]["cached_tokens"] == convs[i][1], i
         assert len(out["meta_info"]["anchors"]["written"]) == 1
     assert max(running) > 1, running  # SGLang ran several of them in one batch
 
@@ -203,11 +199,10 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
 def test_pinned_anchor_survives_eviction_pressure(sglang, conversations):
     url = sglang.url
     post(url, "/anchor/flush")
-    _tool_depth, p1, p2 = conversations[3]
-    depth = len(p1) - 1
+    _, depth, p1, p2 = conversations[3]
     keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
-    victim_keys, _ = save(url, conversations[4][1], [(len(conversations[4][1]) - 1,
-                                                      AnchorKind.CONVERSATION, Region.THICK)])
+    _, v_depth, v1, v2 = conversations[4]
+    victim_keys, _ = save(url, v1, [(v_depth, AnchorKind.CONVERSATION, Region.THICK)])
     assert post(url, "/anchor/pin", {"key": keys[depth].hex()})["pinned"]
     slots = httpx.get(url + "/anchor/stats").json()["num_slots"]
     # many other conversations' anchors: more than the table holds
@@ -220,8 +215,7 @@ def test_pinned_anchor_survives_eviction_pressure(sglang, conversations):
     warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
     assert warm["meta_info"]["cached_tokens"] == depth
     assert warm["output_ids"] == cold["output_ids"]
-    v_depth = len(conversations[4][1]) - 1
-    gone = generate(url, conversations[4][2],
+    gone = generate(url, v2,
                     AnchorPlan(NS, restore=(AnchorRef(victim_keys[v_depth], v_depth),)))
     assert gone["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
     post(url, "/anchor/unpin", {"key": keys[depth].hex()})
@@ -229,8 +223,7 @@ def test_pinned_anchor_survives_eviction_pressure(sglang, conversations):
 
 def test_restart_gives_a_new_epoch_and_no_restore_from_the_old(sglang, conversations):
     url = sglang.url
-    _, p1, p2 = conversations[5]
-    depth = len(p1) - 1
+    _, depth, p1, p2 = conversations[5]
     keys, out = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
     old_epoch = out["meta_info"]["epoch"]
     sglang.restart()

@@ -65,7 +65,7 @@ def worker_process(*extra: str, model: str | None = None, env: dict[str, str] | 
 
 
 # SGLang's KV pool for the tests: small, so a handful of conversations puts it under pressure
-SGLANG_TEST_ARGS = ("--max-total-tokens", "6000", "--enable-metrics")
+SGLANG_TEST_ARGS = ("--max-total-tokens", "6000")
 
 
 @contextmanager

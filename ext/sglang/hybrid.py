@@ -40,7 +40,7 @@ def kv_views(allocator: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def state_views(req_to_token_pool: Any) -> list[torch.Tensor]:
     """Every Mamba state tensor indexed by slot first, per layer (conv pieces, temporal)."""
     cache = req_to_token_pool.mamba_pool.mamba_cache
-    views = []
+    views: list[torch.Tensor] = []
     for layer in range(cache.temporal.shape[0]):
         views.extend(conv[layer] for conv in cache.conv)
         views.append(cache.temporal[layer])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import re
 import threading
 from pathlib import Path
 
@@ -91,10 +90,11 @@ def snapshot_plan(*specs):
 
 
 def save(url, ids, specs):
+    """Snapshot and confirm; {depth: key} of the anchors written or already held."""
     out = generate(url, ids, snapshot_plan(*specs))
-    written = out["meta_info"]["anchors"]["written"]
-    post(url, "/anchor/confirm", {"slots": [w["slot"] for w in written]})
-    return {w["depth"]: bytes.fromhex(w["key"]) for w in written}, out
+    anchors = out["meta_info"]["anchors"]
+    post(url, "/anchor/confirm", {"slots": [w["slot"] for w in anchors["written"]]})
+    return {w["depth"]: bytes.fromhex(w["key"]) for w in anchors["written"] + anchors["held"]}, out
 
 
 def test_snapshot_flush_restore_equals_cold(sglang, conversations):
@@ -147,25 +147,30 @@ def test_a_restored_prefix_on_the_device_is_not_rewritten(sglang, conversations)
 
 
 def _num_running(url) -> int:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    m = re.search(r"^sglang:num_running_reqs\{[^}]*\} ([0-9.]+)", text, re.M)
-    return int(float(m.group(1))) if m else 0
+    """Requests in SGLang's running batch right now (its own `/v1/loads`, asked of the
+    scheduler)."""
+    loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=60).json()
+    return int(loads["loads"][0]["num_running_reqs"])
 
 
 def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conversations):
     url = sglang.url
     convs = conversations[:8]
     cold = []
-    for _, _, _, p2 in convs:
+    for *_, p2 in convs:
         flush_device(url)
         cold.append(generate(url, p2, max_new=8)["output_ids"])
     flush_device(url)
     post(url, "/anchor/flush")
-
-    def turn1(c):
-        tool_depth, conv_depth, p1, _ = c
-        return save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
-                              (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])[0]
+    # turn 1 of each (tool + conversation anchors); conversations sharing a tool block
+    # hold one tool anchor, the later ones report it held and chain on from it
+    chains = []
+    for tool_depth, conv_depth, p1, _ in convs:
+        keys, _ = save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
+                                 (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])
+        chains.append((AnchorRef(keys[tool_depth], tool_depth),
+                       AnchorRef(keys[conv_depth], conv_depth)))
+    flush_device(url)  # every turn 2 must restore from the host tier
 
     running: list[int] = []
     stop = threading.Event()
@@ -174,20 +179,18 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
         while not stop.is_set():
             running.append(_num_running(url))
 
+    def turn2(i):
+        *_, p2 = convs[i]
+        plan = AnchorPlan(NS, restore=chains[i],
+                          snapshot=(SnapshotSpec(len(p2), AnchorKind.CONVERSATION),))
+        return generate(url, p2, plan, max_new=8)
+
     with cf.ThreadPoolExecutor(9) as pool:
-        keys = list(pool.map(turn1, convs))
-        flush_device(url)  # every turn 2 must restore from the host tier
         watcher = pool.submit(watch)
-
-        def turn2(i):
-            tool_depth, d, _, p2 = convs[i]
-            plan = AnchorPlan(NS, restore=(AnchorRef(keys[i][tool_depth], tool_depth),
-                                           AnchorRef(keys[i][d], d)),
-                              snapshot=(SnapshotSpec(len(p2), AnchorKind.CONVERSATION),))
-            return generate(url, p2, plan, max_new=8)
-
-        warm = list(pool.map(turn2, range(len(convs))))
-        stop.set()
+        try:
+            warm = list(pool.map(turn2, range(len(convs))))
+        finally:
+            stop.set()
         watcher.result()
     for i, out in enumerate(warm):
         assert out["output_ids"] == cold[i], i

@@ -21,6 +21,9 @@ from typing import Annotated
 
 import typer
 
+from anchorcache.paths import default_state_dir
+from anchorcache.supervise import Supervisor, WorkerExited
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="anchorcache: prefix-cache sidecar for LLM agent traffic.")
 
@@ -33,6 +36,10 @@ Threads = Annotated[int | None, typer.Option(envvar="ANCHORCACHE_THREADS", min=1
                                              help="Torch CPU threads in the worker.")]
 Adapter = Annotated[str, typer.Option(envvar="ANCHORCACHE_ADAPTER",
                                       help="Chat-template adapter ('auto' picks).")]
+CanonicalTools = Annotated[bool, typer.Option(
+    "--canonical-tools/--client-tools", envvar="ANCHORCACHE_CANONICAL_TOOLS",
+    help="Sort tools and schema keys before rendering: more anchor sharing between clients, "
+         "but the prompt differs from the model's own template (default: client order).")]
 LogLevel = Annotated[str, typer.Option(envvar="ANCHORCACHE_LOG_LEVEL")]
 AnchorSlots = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_SLOTS", min=2,
                                           help="Anchor slots in the worker.")]
@@ -40,8 +47,23 @@ AnchorBytes = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_BYTES", min
                                           help="Anchor memory budget in the worker (bytes).")]
 MaxBody = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_BODY_BYTES", min=1024,
                                       help="Largest request body the proxy accepts.")]
-TenantSalt = Annotated[str, typer.Option(envvar="ANCHORCACHE_TENANT_SALT", show_default=False,
-                                         help="Server-side secret mixed into every anchor key.")]
+StateDir = Annotated[str, typer.Option(envvar="ANCHORCACHE_STATE_DIR",
+                                       show_default="~/.local/state/anchorcache",
+                                       help="Directory of the proxy's ledger (SQLite: tenants, "
+                                            "keys, toolsets, anchors).")]
+AdminToken = Annotated[str | None, typer.Option(envvar="ANCHORCACHE_ADMIN_TOKEN", show_default=False,
+                                                help="Token of the /admin API (off if unset).")]
+Anonymous = Annotated[bool | None, typer.Option("--anonymous/--no-anonymous",
+                                                envvar="ANCHORCACHE_ANONYMOUS", show_default=False,
+                                                help="Serve requests without an API key as the "
+                                                     "anonymous tenant (default: on when "
+                                                     "listening on loopback).")]
+MaxInFlight = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_IN_FLIGHT", min=1,
+                                          help="Default per-tenant requests in flight (429 past it).")]
+MaxPinned = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_PINNED_TOOLSETS", min=0,
+                                        help="Default per-tenant pinned toolsets.")]
+PinBudget = Annotated[int, typer.Option(envvar="ANCHORCACHE_PIN_BUDGET_BYTES", min=0,
+                                        help="Anchor bytes all pinned toolsets may hold together.")]
 FaultInjection = Annotated[bool, typer.Option(envvar="ANCHORCACHE_FAULT_INJECTION", hidden=True,
                                               help="Enable /debug/fault on the worker (tests).")]
 
@@ -138,17 +160,29 @@ def proxy(
     port: Annotated[int, typer.Option(envvar="ANCHORCACHE_PORT")] = 8000,
     anchors: Anchors = True,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
     max_body_bytes: MaxBody = 32 << 20,
-    tenant_salt: TenantSalt = "anchorcache-default-tenant",
+    state_dir: StateDir = str(default_state_dir()),
+    admin_token: AdminToken = None,
+    anonymous: Anonymous = None,
+    max_in_flight: MaxInFlight = 64,
+    max_pinned_toolsets: MaxPinned = 8,
+    pin_budget_bytes: PinBudget = 1 << 30,
     log_level: LogLevel = "info",
 ) -> None:
     """Run the OpenAI-compatible proxy in front of a running worker."""
     _logging(log_level)
     from anchorcache.proxy.app import create_app
     from anchorcache.proxy.config import ProxyConfig
+    from anchorcache.state.records import Quotas
 
     config = ProxyConfig(worker_url=worker, host=host, port=port, anchors=anchors, adapter=adapter,
-                         max_body_bytes=max_body_bytes, tenant_salt=tenant_salt)
+                         canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
+                         state_dir=state_dir, admin_token=admin_token or None,
+                         anonymous=anonymous,
+                         default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
+                                               max_in_flight=max_in_flight),
+                         pin_budget_bytes=pin_budget_bytes)
     asyncio.run(_serve_forever(create_app(config), host, port,
                                "anchorcache proxy listening on http://{host}:{port}/v1"))
 
@@ -181,16 +215,19 @@ def serve(
     model: Model = None,
     anchors: Anchors = True,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
     threads: Threads = None,
     anchor_slots: AnchorSlots = 256,
     anchor_bytes: AnchorBytes = 4 << 30,
     max_body_bytes: MaxBody = 32 << 20,
-    tenant_salt: TenantSalt = "anchorcache-default-tenant",
+    state_dir: StateDir = str(default_state_dir()),
+    admin_token: AdminToken = None,
+    anonymous: Anonymous = None,
     log_level: LogLevel = "info",
     sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
     """Start a worker (embedded, or SGLang with `--backend sglang [-- SGLANG_ARGS...]`) and
-    the proxy; Ctrl-C/SIGTERM stops both."""
+    the proxy; the worker is restarted if it dies, and Ctrl-C/SIGTERM stops both."""
     if backend not in ("embedded", "sglang"):
         raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded, sglang)")
     _logging(log_level)
@@ -209,23 +246,37 @@ def serve(
         cmd += ["--sglang-log-level", sglang_log_level, "--", *ctx.args]
     elif ctx.args:
         raise typer.BadParameter(f"unexpected arguments {ctx.args}")
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    from anchorcache.proxy.config import ProxyConfig
 
-    def stop_worker(*_: object) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
+    config = ProxyConfig(worker_url=f"http://127.0.0.1:{worker_port}", host=host, port=port,
+                         anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
+                         max_body_bytes=max_body_bytes, state_dir=state_dir,
+                         admin_token=admin_token or None, anonymous=anonymous)
     try:
-        wait_ready(f"http://127.0.0.1:{worker_port}/health", proc, timeout_s=600)
-        proxy(worker=f"http://127.0.0.1:{worker_port}", host=host, port=port, anchors=anchors,
-              adapter=adapter, max_body_bytes=max_body_bytes, tenant_salt=tenant_salt,
-              log_level=log_level)
+        asyncio.run(_serve_supervised(cmd, config))
+    except WorkerExited as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+
+
+async def _serve_supervised(worker_cmd: list[str], config) -> None:
+    """The proxy in front of a supervised worker (anchorcache/supervise.py): the worker is
+    given by its command line only, whatever its backend."""
+    from anchorcache.proxy.app import create_app, refresh_worker_epoch
+
+    supervisor = Supervisor(worker_cmd, config.worker_url + "/health")
+    await supervisor.start()
+    try:
+        web_app = create_app(config, worker_status=supervisor.status)
+
+        async def on_ready() -> None:
+            await refresh_worker_epoch(web_app)
+
+        supervisor.on_ready = on_ready
+        await _serve_forever(web_app, config.host, config.port,
+                             "anchorcache proxy listening on http://{host}:{port}/v1")
     finally:
-        stop_worker()
+        await supervisor.stop()
 
 
 @app.command()
@@ -234,18 +285,29 @@ def split(
     model: Annotated[str | None, typer.Option(help="Tokenizer: model dir, or qwen3/llama3/"
                                                     "mistral/gpt-oss (default: the default model).")] = None,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
 ) -> None:
-    """Print the adapter, input_ids and every verified cut of a chat request, as JSON."""
+    """Print the adapter, where it deliberately deviates from the model's chat template
+    (`deviation`, null if nowhere), input_ids and every verified cut of a chat request."""
     import orjson
 
     from anchorcache.proxy.splitter.cli import run_split
 
     try:
-        result = run_split(model, adapter, request)
+        result = run_split(model, adapter, request, canonical_tools=canonical_tools)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     sys.stdout.write(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+def _mount_ops() -> None:
+    from anchorcache.ops.cli import app as ops_app
+
+    app.add_typer(ops_app, name="ops")
+
+
+_mount_ops()
 
 
 def main() -> None:

@@ -20,6 +20,11 @@ link's key over the prompt it was actually given, the slot table checks the slot
 committed key and depth, and the slab's own (key, start, parent) must continue the chain.
 A failed link ends the chain there: the request still runs, it just prefills more.
 
+Late lookup (with ext/held_chain.py): a request also restores the deepest chain the store
+holds at one of its own snapshot depths, keyed here over its prompt; a staged slab counts
+once its request finished well. A queued request thus restores what the request ahead of
+it just wrote, though the proxy planned both before either ran.
+
 Tips: per request, the deepest anchor restored, held or written so far; a new snapshot
 stores only the rows past it and names it as parent.
 
@@ -40,8 +45,17 @@ from typing import Any, TypeVar
 
 import torch
 
+from anchorcache.ext.held_chain import deepest_held_chain
 from anchorcache.ext.slots import Region, SlotTable
-from anchorcache.wire import AnchorKind, AnchorPlan, AnchorWritten, anchor_keys
+from anchorcache.wire import (
+    AnchorHeld,
+    AnchorKind,
+    AnchorPlan,
+    AnchorRef,
+    AnchorWritten,
+    anchor_keys,
+    parse_ids,
+)
 
 log = logging.getLogger("anchorcache.worker")
 
@@ -65,46 +79,28 @@ class Slab:
 
 
 @dataclass(frozen=True)
-class AnchorHeld:
-    """A snapshot asked for a prefix the store already holds (committed): nothing was
-    written, the request chains on from it. Reported in `meta_info.anchors.held`."""
-
-    slot: int
-    key: bytes
-    depth: int
-    kind: AnchorKind
-
-    def to_json(self) -> dict[str, Any]:
-        return {"slot": self.slot, "key": self.key.hex(), "depth": self.depth,
-                "kind": self.kind.value}
-
-
-@dataclass(frozen=True)
 class RestoreCheck:
     """The verified prefix of a restore chain and what the reply reports about it."""
 
     chain: tuple[Slab, ...]
     restored: tuple[dict[str, Any], ...]
     misses: tuple[dict[str, Any], ...]
+    late_lookup: bool = False  # the chain came from the late lookup, not the plan
+    held: tuple[AnchorHeld, ...] = ()  # committed links of a late chain the plan did not name
 
     @property
     def depth(self) -> int:
         return self.chain[-1].depth if self.chain else 0
 
     def info(self) -> dict[str, Any]:
-        return {"restored": list(self.restored), "restore_miss": list(self.misses)}
+        return {"restored": list(self.restored), "restore_miss": list(self.misses),
+                "late_lookup": self.late_lookup, "held": list(self.held)}
 
 
 @dataclass
 class _Tip:
     key: bytes | None = None
     depth: int = 0
-
-
-def written_json(w: AnchorWritten) -> dict[str, Any]:
-    return {"slot": w.slot, "key": w.key.hex(), "depth": w.depth,
-            "parent": w.parent.hex() if w.parent else None, "nbytes": w.nbytes,
-            "kind": w.kind.value}
 
 
 class AnchorStore:
@@ -130,8 +126,7 @@ class AnchorStore:
     # ---- owning loop --------------------------------------------------------------------
     def check_chain(self, ids: tuple[int, ...], plan: AnchorPlan) -> RestoreCheck:
         """Verify `plan.restore` against the prompt `ids`; the verified prefix (LRU touched)."""
-        keys = anchor_keys(plan.namespace, self.model_id, ids, [r.depth for r in plan.restore
-                                                                if r.depth <= len(ids)])
+        keys = _link_keys(plan, self.model_id, ids)
         chain: list[Slab] = []
         misses: list[dict[str, Any]] = []
         with self._lock:
@@ -141,7 +136,7 @@ class AnchorStore:
                 slot = None
                 if ref.depth >= len(ids):
                     reason = "covers_prompt"  # at least the last token must be prefilled
-                elif keys[ref.depth] != ref.key:
+                elif keys[ref] != ref.key:
                     reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
                 elif (slot := self.table.lookup(ref.key, ref.depth)) is None:
                     reason = "not_resident"
@@ -156,9 +151,40 @@ class AnchorStore:
                 assert slot is not None
                 chain.append(self._live[slot])
                 prev = _Tip(ref.key, ref.depth)
+            # Late lookup (ext/held_chain.py): a cut this request would snapshot may have
+            # been written since the proxy planned it, by the request ahead of it in the
+            # queue; restore it instead of prefilling it again.
+            late = deepest_held_chain(plan.namespace, self.model_id, ids,
+                                      [s.depth for s in plan.snapshot], self._held_locked)
+            held: list[AnchorHeld] = []
+            if late and late[-1].depth > prev.depth:
+                planned = {r.key for r in plan.restore}
+                for slab in late:
+                    if slab.key in self._slot_of:  # committed: LRU touch and a hit
+                        self.table.lookup(slab.key, slab.depth)
+                        if slab.key not in planned:  # the proxy may not know it: report it
+                            held.append(AnchorHeld(self._slot_of[slab.key], slab.key, slab.depth,
+                                                   slab.parent, slab.nbytes, slab.kind))
+                chain, prev = late, _Tip(late[-1].key, late[-1].depth)
         restored = tuple({"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
                          for s in chain)
-        return RestoreCheck(tuple(chain), restored, tuple(misses))
+        return RestoreCheck(tuple(chain), restored, tuple(misses),
+                            late_lookup=bool(late) and chain is late, held=tuple(held))
+
+    def _held_locked(self, key: bytes, depth: int) -> Slab | None:
+        """The slab of `key` at `depth` if it may be restored: committed (slot-checked), or
+        staged by a request that finished well and awaits the proxy's confirm. Such a slab is
+        complete and was keyed by this worker over the prompt it prefilled; confirmation
+        decides what the proxy may plan on, not whether the data is right."""
+        slot = self._slot_of.get(key)
+        if slot is not None and self.table.contains(key, depth):
+            slab = self._live.get(slot)
+            if slab is not None and slab.key == key and slab.depth == depth:
+                return slab
+        for slot, (slab, _) in self._staged.items():
+            if slab.key == key and slab.depth == depth and slot in self._staged_deadline:
+                return slab
+        return None
 
     def restore_chain(self, rid: str, ids: tuple[int, ...], plan: AnchorPlan,
                       load: Callable[[tuple[Slab, ...]], T]) -> tuple[T | None, int, dict[str, Any]]:
@@ -193,9 +219,11 @@ class AnchorStore:
         tip = self._tips.setdefault(rid, _Tip())
         with self._lock:
             held_slot = self._slot_of.get(key)
-            if held_slot is not None and self.table.contains(key, depth):
+            live = self._live.get(held_slot) if held_slot is not None else None
+            if held_slot is not None and live is not None and live.key == key \
+                    and self.table.contains(key, depth):
                 self._tips[rid] = _Tip(key, depth)  # saved by an earlier request: chain on
-                return AnchorHeld(held_slot, key, depth, kind)
+                return AnchorHeld(held_slot, key, depth, live.parent, live.nbytes, live.kind)
         if check is not None:
             check()
         start = tip.depth
@@ -276,8 +304,10 @@ class AnchorStore:
         now = time.monotonic()
         self._abort_locked([s for s, t in self._staged_deadline.items() if t < now])
 
-    def lookup(self, namespace: bytes, ids: list[int], depths: list[int]) -> list[dict[str, Any]]:
-        """Which prefixes `ids[:d]` are committed (no LRU touch). ValueError on bad depths."""
+    def lookup(self, namespace: bytes, ids: Any, depths: Any) -> list[dict[str, Any]]:
+        """Which prefixes `ids[:d]` are committed (no LRU touch). ValueError (WireError) on
+        malformed ids or depths."""
+        ids, depths = parse_ids(ids, "input_ids"), parse_ids(depths, "depths")
         keys = anchor_keys(namespace, self.model_id, ids, depths)
         return [{"depth": d, "key": keys[d].hex(), "committed": self.table.contains(keys[d], d)}
                 for d in depths]
@@ -317,3 +347,14 @@ def _entry_json(e: Any) -> dict[str, Any]:
         if isinstance(d.get(name), bytes):
             d[name] = d[name].hex()
     return d
+
+
+def _link_keys(plan: AnchorPlan, model_id: str, ids: tuple[int, ...]) -> dict[AnchorRef, bytes]:
+    """Each restore link's key recomputed over `ids`, in the link's own namespace (a shared
+    toolset's root) or the plan's."""
+    out: dict[AnchorRef, bytes] = {}
+    for ns in {r.namespace or plan.namespace for r in plan.restore}:
+        links = [r for r in plan.restore if (r.namespace or plan.namespace) == ns]
+        keys = anchor_keys(ns, model_id, ids, [r.depth for r in links if r.depth <= len(ids)])
+        out.update({r: keys[r.depth] for r in links if r.depth in keys})
+    return out

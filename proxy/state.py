@@ -1,4 +1,5 @@
-"""What a running proxy holds: config, worker client and info, tokenizer, splitter, planner."""
+"""What a running proxy holds: config, worker client and info, tokenizer, splitter (and the
+thread it runs on), planner, ledger and the anchor life cycle."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ from typing import Any
 
 from aiohttp import web
 
+from anchorcache.state.ledger import Ledger
+
 from .config import ProxyConfig
+from .lifecycle import AnchorLifecycle
 from .planner import Planner
+from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
 from .worker_client import WorkerClient, WorkerInfo
 
@@ -21,6 +26,10 @@ class ProxyState:
     tokenizer: Any
     adapter: Adapter
     planner: Planner
+    splits: SplitPool  # render + tokenize, off the event loop
+    budget: TokenBudget  # early refusal of text that cannot fit the context
+    ledger: Ledger
+    lifecycle: AnchorLifecycle  # the one owner of plan → generate → confirm/abort → record
 
     @property
     def anchors_on(self) -> bool:

@@ -6,7 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
-from anchorcache.wire import WireError
+from anchorcache.wire import KEY_BYTES, WireError
 
 from .anchors import AnchorStore
 from .server import ENGINE, EPOCH, _body, _json
@@ -34,9 +34,12 @@ async def _slots_arg(request: web.Request) -> list[int]:
 async def _key_arg(request: web.Request) -> bytes:
     body = await _body(request)
     try:
-        return bytes.fromhex(body["key"])
+        key = bytes.fromhex(body["key"])
     except (TypeError, KeyError, ValueError):
-        raise WireError("'key' must be a hex string") from None
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise WireError(f"'key' must be a hex string of {KEY_BYTES} bytes")
+    return key
 
 
 async def confirm(request: web.Request) -> web.Response:
@@ -55,9 +58,9 @@ async def lookup(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise WireError("body must be an object")
     try:
-        hits = store.lookup(bytes.fromhex(body.get("namespace", "")), body["input_ids"],
-                            body["depths"])
-    except (KeyError, TypeError, ValueError) as e:
+        hits = store.lookup(bytes.fromhex(body.get("namespace", "")), body.get("input_ids"),
+                            body.get("depths"))
+    except (TypeError, ValueError) as e:
         raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
     return _reply(request, hits=hits)
 

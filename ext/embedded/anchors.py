@@ -5,6 +5,9 @@ restore check) lives in `ext/store.py`; this module supplies the cache access fo
 embedded worker's `bhtd` cache: a restore builds a fresh cache from the chain's slabs, a
 snapshot copies rows `[start, depth)` (and, on recurrent models, the state at `depth`).
 
+Late lookup (a queued request restores what the request ahead of it just wrote) and the
+`held` report live in the store too (`ext/store.py`, `ext/held_chain.py`).
+
 Thread model: the engine thread snapshots and restores; HTTP handlers confirm, abort, pin
 and list.
 """
@@ -17,9 +20,16 @@ import torch
 
 from anchorcache.ext import ops
 from anchorcache.ext.slots import SlotTable
-from anchorcache.ext.store import STAGED_TTL_S, AnchorHeld, Slab
+from anchorcache.ext.store import STAGED_TTL_S, Slab
 from anchorcache.ext.store import AnchorStore as _Store
-from anchorcache.wire import AnchorKind, AnchorPlan, AnchorWritten, SnapshotSpec, anchor_keys
+from anchorcache.wire import (
+    AnchorHeld,
+    AnchorKind,
+    AnchorPlan,
+    AnchorWritten,
+    SnapshotSpec,
+    anchor_keys,
+)
 
 from . import cache_io
 

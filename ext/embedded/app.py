@@ -7,6 +7,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from aiohttp import web
@@ -53,6 +54,13 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _vocab_size(model: Any) -> int:
+    """Rows of the input embedding (a transformers model): every input id must be below it."""
+    embeddings = model.get_input_embeddings()
+    assert isinstance(embeddings, torch.nn.Embedding), type(embeddings)
+    return int(embeddings.num_embeddings)
+
+
 def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,6 +79,7 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
         architecture=model.config.architectures[0] if model.config.architectures else type(model).__name__,
         max_context_tokens=max_ctx, eos_token_ids=_eos_ids(model, tokenizer),
         hybrid=bool(spec.state_layers),
+        vocab_size=_vocab_size(model),
     )
     anchors = None
     if config.anchors:

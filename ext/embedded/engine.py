@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from anchorcache.ext.store import AnchorHeld, written_json
-from anchorcache.wire import AnchorWritten, GenerateRequest
+from anchorcache.wire import AnchorHeld, AnchorWritten, GenerateRequest
 
 from . import cache_io
 from .sampling import Sampler
@@ -153,7 +152,7 @@ class Engine:
 
         t0 = time.perf_counter()
         cache, restored, anchor_info = None, 0, {}
-        if self.anchors is not None and plan is not None and plan.restore:
+        if self.anchors is not None and plan is not None and (plan.restore or plan.snapshot):
             cache, restored, anchor_info = self.anchors.restore(self.model, job.rid, ids, plan)
         if cache is None:
             cache, restored = cache_io.new_cache(self.model), 0
@@ -166,18 +165,13 @@ class Engine:
         boundaries = sorted({d for d in (plan.chunk_at if plan else ()) if restored < d < n}
                             | {d for d in snapshots if d < n}) if self.recurrent else []
         written: list[AnchorWritten] = []
-        held: list[AnchorHeld] = []
-
-        def keep(w: AnchorWritten | AnchorHeld | None) -> None:
-            if isinstance(w, AnchorHeld):
-                held.append(w)
-            elif w is not None:
-                written.append(w)
 
         def save(depth: int, cache: Any) -> None:
             spec = snapshots.get(depth)
             if spec is not None and self.anchors is not None and plan is not None:
-                keep(self.anchors.snapshot(job.rid, cache, ids, depth, spec, plan))
+                w = self.anchors.snapshot(job.rid, cache, ids, depth, spec, plan)
+                if w is not None:
+                    written.append(w)
 
         def on_boundary(depth: int, cache: Any) -> None:
             self._check(job, "prefill")
@@ -219,7 +213,9 @@ class Engine:
             # the cache holds every token but the last sampled one: feed it so the state
             # covers prompt + output exactly
             cache_io.decode_step(self.model, cache, out[-1], position)
-            keep(self.anchors.snapshot_response(job.rid, cache, ids + tuple(out), plan))
+            w = self.anchors.snapshot_response(job.rid, cache, ids + tuple(out), plan)
+            if w is not None:
+                written.append(w)
 
         meta = {
             "id": job.rid,
@@ -230,7 +226,12 @@ class Engine:
             "restore_ms": round((t_restore - t0) * 1e3, 3),
             "prefill_ms": round((t_prefill - t_restore) * 1e3, 3),
             "decode_ms": round((t_decode - t_prefill) * 1e3, 3),
-            "anchors": {**anchor_info, "written": [written_json(w) for w in written],
-                        "held": [h.to_json() for h in held]},
+            "anchors": {**anchor_info,
+                        "written": [w.to_json() for w in written if not isinstance(w, AnchorHeld)],
+                        # held: committed prefixes it restored unasked (late lookup) or did
+                        # not write again because it holds them
+                        "held": [w.to_json() for w in [*anchor_info.get("held", ()), *written]
+                                 if isinstance(w, AnchorHeld)]},
         }
         job.emit(FinishEvent(finish, meta))
+

@@ -37,8 +37,9 @@ import zmq
 
 from anchorcache.ext import ops
 from anchorcache.ext.slots import SlotTable
-from anchorcache.ext.store import AnchorHeld, AnchorStore, Slab, written_json
+from anchorcache.ext.store import AnchorStore, Slab
 from anchorcache.wire import (
+    AnchorHeld,
     AnchorPlan,
     AnchorWritten,
     WireError,
@@ -136,7 +137,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         if p is None:
             return {"written": [], "held": []}
         self._unlock(p)
-        return {"written": [written_json(w) for w in p.written],
+        return {"written": [w.to_json() for w in p.written],
                 "held": [h.to_json() for h in p.held]}
 
     def _op_confirm(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -152,8 +153,8 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
     def _op_lookup(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
             hits = self.anchors.lookup(bytes.fromhex(body.get("namespace", "")),
-                                       body["input_ids"], body["depths"])
-        except (KeyError, TypeError, ValueError) as e:
+                                       body.get("input_ids"), body.get("depths"))
+        except (TypeError, ValueError) as e:
             raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
         return {"hits": hits}
 
@@ -179,7 +180,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
     def _restore(self, rid: str, p: _Pending) -> tuple[int, int]:
         """(tokens scattered from slabs, tokens already on the device) for the chain."""
         check = self.anchors.check_chain(p.ids, p.plan)
-        p.info = check.info()
+        p.info = {**check.info(), "held": [h.to_json() for h in check.held]}
         if not check.chain:
             return 0, 0
         depth = check.depth

@@ -197,6 +197,9 @@ async def generate(request: Any, worker: SGLangWorker) -> Any:
         raise WireError(f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
                         f"({req.sampling.max_new_tokens}) exceeds the model's context of "
                         f"{limit} tokens")
+    vocab = int(tm.model_config.hf_config.vocab_size)
+    if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
+        raise WireError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary)")
     rid = req.rid or uuid.uuid4().hex
     if rid in tm.rid_to_state:
         raise WireError(f"request id {rid!r} is already running")
@@ -279,7 +282,8 @@ class _Run:
         if self.prep is not None:
             anchors.update(self.prep["anchors"])
             fin = await self.worker.call("finish", {"rid": self.rid, "ok": ok})
-            anchors["written"], anchors["held"] = fin["written"], fin["held"]
+            anchors["written"] = fin["written"]
+            anchors["held"] = [*anchors.get("held", []), *fin["held"]]
             anchors["restored_tokens"] = self.prep["restored_tokens"]
         m = self.sglang_meta
         n = len(self.req.input_ids)
@@ -321,7 +325,8 @@ async def model_info(request: Any, worker: SGLangWorker) -> Any:
     return _json({"model_id": worker.model_id, "model_path": worker.model_path,
                   "tokenizer_path": worker.model_path, "is_generation": True,
                   "architecture": archs[0], "max_context_tokens": int(tm.context_len),
-                  "eos_token_ids": sorted(eos), "hybrid": False, "backend": "sglang",
+                  "eos_token_ids": sorted(eos), "hybrid": False,
+                  "vocab_size": int(getattr(hf, "vocab_size", 0)), "backend": "sglang",
                   "epoch": worker.epoch})
 
 

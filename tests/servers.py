@@ -70,7 +70,7 @@ SGLANG_TEST_ARGS = ("--max-total-tokens", "10000")
 
 
 @contextmanager
-def sglang_worker_process(*extra: str, model: str, anchor_slots: int = 24,
+def sglang_worker_process(*extra: str, model: str, anchor_slots: int = 64,
                           port: int | None = None, env: dict[str, str] | None = None
                           ) -> Iterator[Server]:
     """SGLang 0.5.23 with the anchorcache plugin (CPU recipe applied by the CLI); `extra`

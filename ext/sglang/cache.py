@@ -125,7 +125,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         p.todo = sorted((s for s in plan.snapshot if s.depth <= len(ids)), key=lambda s: s.depth)
         self._pending[rid] = p
         restored_tokens = device_tokens = 0
-        if plan.restore:
+        if plan.restore or plan.snapshot:  # snapshot depths: the late lookup (ext/store.py)
             restored_tokens, device_tokens = self._restore(rid, p)
         return {"anchors": p.info, "restored_tokens": restored_tokens,
                 "device_tokens": device_tokens}

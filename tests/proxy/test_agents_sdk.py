@@ -38,7 +38,7 @@ def test_agent_tool_loop_runs_to_completion(default_model_dir):
 
     async def run(url: str):
         set_tracing_disabled(True)
-        client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="", max_retries=0, timeout=300)
         agent = Agent(name="weather", instructions="You answer questions about the weather.",
                       tools=[get_weather],
                       model=OpenAIChatCompletionsModel(model="default", openai_client=client),

@@ -34,7 +34,7 @@ def proxy_off(worker: Server) -> Iterator[Server]:
 def client_off(proxy_off: Server) -> Any:
     import openai
 
-    return openai.OpenAI(base_url=proxy_off.url + "/v1", api_key="unused", max_retries=0,
+    return openai.OpenAI(base_url=proxy_off.url + "/v1", api_key="", max_retries=0,
                          timeout=300)
 
 

@@ -11,6 +11,7 @@ from aiohttp import web
 from .chat import chat_completions
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
+from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .planner import Planner
 from .splitter import get_adapter
 from .state import STATE, ProxyState
@@ -39,7 +40,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 def create_app(config: ProxyConfig) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    # metrics outermost: it counts the status the error middleware made of a failure
+    app = web.Application(middlewares=[metrics_middleware, error_middleware],
+                          client_max_size=config.max_body_bytes)
+    app[METRICS] = ProxyMetrics(max_tenants=config.metrics_max_tenants,
+                                worker_timeout_s=config.metrics_worker_timeout_s)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.worker_timeout_s, sock_connect=5)
@@ -58,4 +63,5 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
     return app

@@ -16,6 +16,8 @@ class ProxyConfig:
     default_max_tokens: int = 1024
     tenant_salt: str = "anchorcache-default-tenant"  # server-side secret mixed into anchor keys
     worker_timeout_s: float = 600.0
+    metrics_max_tenants: int = 100  # distinct tenant label values; later tenants → "other"
+    metrics_worker_timeout_s: float = 1.0  # /metrics waits this long for the worker's stats
 
     def __post_init__(self) -> None:
         if not self.worker_url.startswith(("http://", "https://")):
@@ -26,3 +28,7 @@ class ProxyConfig:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be positive")
+        if self.metrics_max_tenants < 1:
+            raise ValueError("metrics_max_tenants must be positive")
+        if not 0 < self.metrics_worker_timeout_s <= 60:
+            raise ValueError("metrics_worker_timeout_s must be in (0, 60]")

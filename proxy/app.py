@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from .chat import chat_completions
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
+from .openai_api import chat_completions
 from .planner import Planner
 from .splitter import get_adapter
 from .state import STATE, ProxyState

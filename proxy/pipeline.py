@@ -1,0 +1,236 @@
+"""The protocol-neutral request pipeline: split → plan anchors → generate → settle → usage.
+
+Every API layer (OpenAI chat completions, Anthropic messages) parses its body into one
+`Generation`, runs it through a `Completion`, and formats what comes out: a stream of
+`OutputDelta`s (text and tool-call pieces) and, at the end, the `Outcome` and `Usage`.
+Nothing here knows a wire format.
+
+One generator (`Completion.deltas`) drives the worker; streaming and non-streaming replies
+are two consumers of it, so both see the same tokens. Whatever ends the request early
+(client gone, stop sequence, worker failure), its `finally` aborts the worker request, and
+the worker drops every anchor it staged for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from anchorcache.wire import GenerateRequest, SamplingParams
+
+from .detokenizer import IncrementalDetokenizer
+from .errors import ApiError
+from .planner import DEFAULT_TENANT, Plan
+from .schema import ToolChoice
+from .splitter.types import OutputDelta, SplitError, SplitResult, ToolCall
+from .state import ProxyState
+
+NO_TOOLS = ToolChoice("none")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A chat to complete, in the splitter's terms (OpenAI-form messages and tools)."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: ToolChoice = NO_TOOLS
+    max_tokens: int | None = None  # None: the proxy's default, bounded by the context left
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop sequences (text)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # an EOS / stop token
+    LENGTH = "length"  # max_tokens or the context ran out
+    TOOL_CALLS = "tool_calls"  # the output parsed into tool calls
+    STOP_SEQUENCE = "stop_sequence"  # one of `Generation.stop` appeared in the text
+
+
+@dataclass
+class Outcome:
+    """What one completion produced, filled in as `Completion.deltas` goes."""
+
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.STOP
+    stop_sequence: str | None = None  # which of `Generation.stop` ended the text
+    completion_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)  # the worker's final meta_info
+
+
+@dataclass(frozen=True)
+class AnchorHit:
+    kind: str | None
+    depth: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens the worker did not prefill (device cache + restored)
+    prefill_tokens: int
+    snapshot_tokens: int  # prompt tokens newly saved as anchors by this request
+    restore_ms: float
+    prefill_ms: float
+    decode_ms: float
+    anchor_hits: tuple[AnchorHit, ...]
+
+
+def check_model(state: ProxyState, model: str) -> None:
+    if model not in (state.info.model_id, "default"):
+        raise ApiError("model_not_found", f"the model {model!r} does not exist; this proxy "
+                       f"serves {state.info.model_id!r}", param="model")
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    """The earliest stop sequence in `text` that ends past `start` (where new text began)."""
+    hits = [(i, s) for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
+
+
+class Completion:
+    """One request's run through the pipeline. Build it with `Completion.create`, consume
+    `deltas()` once (inside `contextlib.aclosing`), then read `outcome` and `usage()`."""
+
+    def __init__(self, state: ProxyState, gen: Generation, split: SplitResult, *,
+                 tenant: str = DEFAULT_TENANT) -> None:
+        self.state = state
+        self.gen = gen
+        self.split = split
+        self.tenant = tenant
+        self.rid = uuid.uuid4().hex
+        self.outcome = Outcome()
+
+    @classmethod
+    def create(cls, state: ProxyState, gen: Generation, *,
+               tenant: str = DEFAULT_TENANT) -> Completion:
+        """Render and split the chat (a bad chat raises a 400 `ApiError`)."""
+        # On the event loop: the splitter's prefix cache is single-threaded, and an
+        # incremental split of an agent prompt takes well under a millisecond.
+        try:
+            split = state.adapter.split([dict(m) for m in gen.messages],
+                                        [dict(t) for t in gen.tools] or None,
+                                        template_kwargs=gen.template_kwargs or None)
+        except SplitError as e:
+            raise ApiError("invalid_request", str(e), param=e.param) from None
+        return cls(state, gen, split, tenant=tenant)
+
+    def _plan(self) -> Plan:
+        planner = self.state.planner
+        if self.state.anchors_on:
+            return planner.plan(self.split, self.tenant)
+        return planner.chunk_only(self.split)
+
+    def _sampling(self, prompt_ids: tuple[int, ...]) -> SamplingParams:
+        gen, state = self.gen, self.state
+        room = state.info.max_context_tokens - len(prompt_ids)
+        if room < 1 or (gen.max_tokens is not None and gen.max_tokens > room):
+            raise ApiError("context_length_exceeded",
+                           f"the prompt has {len(prompt_ids)} tokens; with max_tokens="
+                           f"{gen.max_tokens} it exceeds the model's context of "
+                           f"{state.info.max_context_tokens} tokens", param="messages")
+        return SamplingParams(
+            max_new_tokens=min(gen.max_tokens or state.config.default_max_tokens, room),
+            temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+            stop_token_ids=tuple(state.adapter.stop_token_ids), seed=gen.seed)
+
+    async def deltas(self) -> AsyncGenerator[OutputDelta, None]:
+        """Yield text / tool-call deltas as the worker produces them; fill `outcome`.
+
+        Raises `ApiError` before the first delta for a request the worker refuses (so a
+        streaming layer can still answer with a status code) and after it for a failure
+        mid-generation. Cleans up the worker side on any exit.
+        """
+        state, gen, outcome = self.state, self.gen, self.outcome
+        plan = self._plan()
+        choice = gen.tool_choice.openai()
+        parse_tools = bool(gen.tools) and gen.tool_choice.mode != "none"
+        forced = state.adapter.forced_prefix(choice) if parse_tools else None
+        prompt_ids = self.split.input_ids + (tuple(state.tokenizer.encode(forced)) if forced else ())
+        req = GenerateRequest(input_ids=prompt_ids, sampling=self._sampling(prompt_ids),
+                              rid=self.rid, stream=True, anchor=plan.request)
+        stop_ids = set(req.sampling.stop_token_ids) | set(state.info.eos_token_ids)
+        detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
+        # Always parse: besides tool calls, some formats (harmony) carry channels that must
+        # not reach the client as content; with tool_choice "none" the parser only splits those.
+        parser = state.adapter.output_parser(list(gen.tools) or None, tool_choice=choice)
+        finished = settled = False
+        emitted = 0  # characters of detok.text already passed on
+        try:
+            async for chunk in state.worker.generate(req):
+                outcome.completion_tokens += len(chunk.output_ids)
+                detok.add(chunk.output_ids)
+                if chunk.meta is not None:
+                    detok.flush()
+                text = detok.text
+                stop = _find_stop(text, gen.stop, emitted) if gen.stop else None
+                if stop is not None:
+                    text = text[:stop[0]]
+                new, emitted = text[emitted:], len(text)
+                for delta in parser.feed(new) if new else ():
+                    yield self._record(delta)
+                if stop is not None:
+                    outcome.finish_reason = FinishReason.STOP_SEQUENCE
+                    outcome.stop_sequence = stop[1]
+                    break
+                if chunk.meta is not None:
+                    outcome.meta = chunk.meta
+                    reason = chunk.meta.get("finish_reason", {}).get("type")
+                    outcome.finish_reason = FinishReason.LENGTH if reason == "length" \
+                        else FinishReason.STOP
+                    finished = True
+            for delta in parser.flush():
+                yield self._record(delta)
+            parsed = parser.finish()
+            outcome.text = parsed.content or ""
+            outcome.tool_calls = list(parsed.tool_calls)
+            if outcome.tool_calls:
+                outcome.finish_reason = FinishReason.TOOL_CALLS
+            if finished:
+                await state.planner.settle(plan, outcome.meta)
+                settled = True
+        finally:
+            if not settled:
+                # client gone, stop sequence, or worker failure: nothing may linger
+                await asyncio.shield(self._abort())
+
+    def _record(self, delta: OutputDelta) -> OutputDelta:
+        if delta.tool_call is None:
+            self.outcome.text += delta.content or ""
+        return delta
+
+    async def _abort(self) -> None:
+        """Abort the worker request; the worker then drops every snapshot it staged for it."""
+        try:
+            await self.state.worker.abort(self.rid)
+        except ApiError:
+            pass
+
+    def usage(self) -> Usage:
+        meta = self.outcome.meta
+        anchors = meta.get("anchors", {})
+        prompt_tokens = meta.get("prompt_tokens", len(self.split.input_ids))
+        cached = meta.get("cached_tokens", 0)
+        saved = [w["depth"] for w in anchors.get("written", []) if w.get("kind") != "response"]
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=self.outcome.completion_tokens,
+            cached_tokens=cached,
+            prefill_tokens=meta.get("prefill_tokens", prompt_tokens),
+            snapshot_tokens=max(0, min(max(saved, default=0), prompt_tokens) - cached),
+            restore_ms=meta.get("restore_ms", 0.0),
+            prefill_ms=meta.get("prefill_ms", 0.0),
+            decode_ms=meta.get("decode_ms", 0.0),
+            anchor_hits=tuple(AnchorHit(h.get("kind"), h["depth"])
+                              for h in anchors.get("restored", [])),
+        )

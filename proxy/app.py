@@ -54,7 +54,8 @@ def create_app(config: ProxyConfig) -> web.Application:
             tokenizer = load_tokenizer(info.tokenizer_path)
             adapter = get_adapter(config.adapter, tokenizer)
             planner = Planner(info.model_id, info.epoch, salt=config.tenant_salt, worker=worker)
-            app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner)
+            app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner,
+                                    app[METRICS])
             log.info("proxy ready: model %s, adapter %s, anchors %s", info.model_id,
                      adapter.name, "on" if config.anchors else "off")
             yield

@@ -207,13 +207,13 @@ class ProxyMetrics:
                                     ["tenant", "outcome", "reason"], registry=r)
         r.register(self.worker)
 
-    def record_generation(self, tenant: str, plan: Plan, meta: dict[str, Any],
-                          ttft_s: float | None) -> None:
+    def record_ttft(self, tenant: str, seconds: float) -> None:
+        self.ttft.labels(self.tenant(tenant)).observe(seconds)
+
+    def record_generation(self, tenant: str, plan: Plan, meta: dict[str, Any]) -> None:
         """One finished generation: its plan and the worker's final meta info."""
         t = self.tenant(tenant)
         s = GenerationStats.from_meta(meta)
-        if ttft_s is not None:
-            self.ttft.labels(t).observe(ttft_s)
         self.prefill_seconds.labels(t).observe(s.prefill_ms / 1e3)
         self.prompt_tokens.labels(t, "prefilled").inc(s.prefill_tokens)
         self.prompt_tokens.labels(t, "restored").inc(s.cached_tokens)

@@ -14,6 +14,7 @@ the worker drops every anchor it staged for it.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class Generation:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop sequences (text)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    anchors: bool = True  # False: restore and save nothing for this request (a baseline)
 
 
 class FinishReason(str, Enum):
@@ -103,18 +105,21 @@ class Completion:
     `deltas()` once (inside `contextlib.aclosing`), then read `outcome` and `usage()`."""
 
     def __init__(self, state: ProxyState, gen: Generation, split: SplitResult, *,
-                 tenant: str = DEFAULT_TENANT) -> None:
+                 tenant: str = DEFAULT_TENANT, started: float | None = None) -> None:
         self.state = state
         self.gen = gen
         self.split = split
         self.tenant = tenant
         self.rid = uuid.uuid4().hex
         self.outcome = Outcome()
+        self.started = time.perf_counter() if started is None else started
+        self.ttft_s: float | None = None  # pipeline start → first generated token
 
     @classmethod
     def create(cls, state: ProxyState, gen: Generation, *,
                tenant: str = DEFAULT_TENANT) -> Completion:
         """Render and split the chat (a bad chat raises a 400 `ApiError`)."""
+        started = time.perf_counter()
         # On the event loop: the splitter's prefix cache is single-threaded, and an
         # incremental split of an agent prompt takes well under a millisecond.
         try:
@@ -123,11 +128,11 @@ class Completion:
                                         template_kwargs=gen.template_kwargs or None)
         except SplitError as e:
             raise ApiError("invalid_request", str(e), param=e.param) from None
-        return cls(state, gen, split, tenant=tenant)
+        return cls(state, gen, split, tenant=tenant, started=started)
 
     def _plan(self) -> Plan:
         planner = self.state.planner
-        if self.state.anchors_on:
+        if self.state.anchors_on and self.gen.anchors:
             return planner.plan(self.split, self.tenant)
         return planner.chunk_only(self.split)
 
@@ -165,9 +170,12 @@ class Completion:
         # not reach the client as content; with tool_choice "none" the parser only splits those.
         parser = state.adapter.output_parser(list(gen.tools) or None, tool_choice=choice)
         finished = settled = False
+        ended = "client_gone"  # why a request that is not settled ended; closed early: client gone
         emitted = 0  # characters of detok.text already passed on
         try:
             async for chunk in state.worker.generate(req):
+                if self.ttft_s is None and chunk.output_ids:
+                    self.ttft_s = time.perf_counter() - self.started
                 outcome.completion_tokens += len(chunk.output_ids)
                 detok.add(chunk.output_ids)
                 if chunk.meta is not None:
@@ -182,6 +190,7 @@ class Completion:
                 if stop is not None:
                     outcome.finish_reason = FinishReason.STOP_SEQUENCE
                     outcome.stop_sequence = stop[1]
+                    ended = "stop_sequence"
                     break
                 if chunk.meta is not None:
                     outcome.meta = chunk.meta
@@ -199,10 +208,28 @@ class Completion:
             if finished:
                 await state.planner.settle(plan, outcome.meta)
                 settled = True
+        except ApiError as e:
+            ended = e.kind
+            raise
+        except Exception:
+            ended = "error"
+            raise
         finally:
+            self._observe(plan, None if settled else ended)
             if not settled:
                 # client gone, stop sequence, or worker failure: nothing may linger
                 await asyncio.shield(self._abort())
+
+    def _observe(self, plan: Plan, aborted: str | None) -> None:
+        """The one place the pipeline feeds the metrics (`aborted`: why it was not settled)."""
+        metrics = self.state.metrics
+        if self.ttft_s is not None:
+            metrics.record_ttft(self.tenant, self.ttft_s)
+        if self.outcome.meta:
+            metrics.record_generation(self.tenant, plan, self.outcome.meta)
+        if plan.namespace:  # anchors on: the request reserved slots for its snapshots
+            metrics.record_reservations(self.tenant, "aborted" if aborted else "confirmed",
+                                        aborted or "ok")
 
     def _record(self, delta: OutputDelta) -> OutputDelta:
         if delta.tool_call is None:

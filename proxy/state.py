@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -11,6 +11,9 @@ from .config import ProxyConfig
 from .planner import Planner
 from .splitter import Adapter
 from .worker_client import WorkerClient, WorkerInfo
+
+if TYPE_CHECKING:  # metrics.py reads STATE from here
+    from .metrics import ProxyMetrics
 
 
 @dataclass
@@ -21,6 +24,7 @@ class ProxyState:
     tokenizer: Any
     adapter: Adapter
     planner: Planner
+    metrics: ProxyMetrics  # the same object as app[METRICS]
 
     @property
     def anchors_on(self) -> bool:

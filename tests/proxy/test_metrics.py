@@ -69,9 +69,10 @@ def test_a_generation_is_recorded_from_plan_and_meta():
                         "restore_miss": [{"key": k3.hex(), "depth": 50, "reason": "not_resident"}],
                         "written": [{"slot": 5, "key": "ab" * 16, "depth": 59, "parent": k2.hex(),
                                      "nbytes": 777, "kind": "conversation"}]}}
-    m.record_generation("acme", plan, meta, ttft_s=0.05)
+    m.record_ttft("acme", 0.05)
+    m.record_generation("acme", plan, meta)
     m.record_generation("someone-else", Plan(b"", None), {"prompt_tokens": 8, "prefill_tokens": 8,
-                                                          "completion_tokens": 1}, ttft_s=None)
+                                                          "completion_tokens": 1})
     m.record_reservations("acme", "aborted", "client_gone")
     s = parse(generate_latest(m.registry).decode())
     assert value(s, "anchorcache_anchor_hits_total", tenant="acme", kind="instruction") == 1

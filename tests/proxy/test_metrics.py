@@ -204,7 +204,9 @@ def test_a_miss_is_counted_with_its_kind_and_reason(metered: Server, worker: Ser
 
     conv = short_conversations(2)[1]
     messages = turn_requests(conv, 2)[-1]
-    chat(metered, messages, conv["tools"])  # this prompt's anchors are committed (again)
+    chat(metered, messages, conv["tools"])  # its anchors committed (if no earlier test did)
+    primed = chat(metered, messages, conv["tools"])["usage"]["timings"]["anchor_hits"]
+    assert primed  # its history came from anchors: the chain the next request will plan
     # evict, behind the proxy's back, every anchor of this tenant that is a prefix of it
     ids = get_adapter("auto", load_tokenizer(str(default_model_dir))).split(
         messages, conv["tools"]).input_ids
@@ -217,7 +219,7 @@ def test_a_miss_is_counted_with_its_kind_and_reason(metered: Server, worker: Ser
     for e in mine:
         assert httpx.post(worker.url + "/anchor/evict", json={"key": e["key"]},
                           timeout=30).json()["evicted"]
-    root = min(mine, key=lambda e: e["depth"])
+    assert min(e["depth"] for e in mine) == primed[0]["depth"]
 
     before = scrape(metered)
     usage = chat(metered, messages, conv["tools"])["usage"]
@@ -225,7 +227,7 @@ def test_a_miss_is_counted_with_its_kind_and_reason(metered: Server, worker: Ser
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     # the planner asked for its chain; the worker missed at the root and restored nothing
     assert total(d, "anchorcache_anchor_misses_total") == 1
-    assert value(d, "anchorcache_anchor_misses_total", tenant=DEFAULT_TENANT, kind=root["kind"],
+    assert value(d, "anchorcache_anchor_misses_total", tenant=DEFAULT_TENANT, kind=primed[0]["kind"],
                  reason="not_resident") == 1
     assert value(d, "anchorcache_anchor_lookups_total", tenant=DEFAULT_TENANT, result="missed") == 1
     assert total(d, "anchorcache_anchor_hits_total") == 0

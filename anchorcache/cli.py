@@ -282,8 +282,11 @@ def bench(
     table = Table(*b.TABLE_COLUMNS, title=f"anchorcache bench: {model_id}")
     for row in b.table_rows(results):
         table.add_row(*row)
-    Console().print(table)
-    Console().print_json(data=data["summary"])
+    out_console = Console()
+    if not out_console.is_terminal:  # piped: do not squeeze the table into 80 columns
+        out_console = Console(width=160)
+    out_console.print(table)
+    out_console.print_json(data=data["summary"])
     stem = out.with_suffix("") if out.suffix in (".json", ".png") else out
     json_path, png_path = Path(f"{stem}.json"), Path(f"{stem}.png")
     b.write_json(data, json_path)

@@ -171,7 +171,7 @@ class ProxyMetrics:
                                          "HTTP request handling time, streaming included",
                                          ["route"], buckets=_TIME_BUCKETS, registry=r)
         self.ttft = Histogram("anchorcache_ttft_seconds",
-                              "request arrival to the first generated token",
+                              "the request entering the pipeline to its first generated token",
                               ["tenant"], buckets=_TIME_BUCKETS, registry=r)
         self.prefill_seconds = Histogram("anchorcache_prefill_seconds",
                                          "worker prefill time of the tokens not restored",

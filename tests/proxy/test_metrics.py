@@ -240,10 +240,15 @@ def test_errors_and_unknown_routes_are_counted_by_status(metered: Server):
     before = scrape(metered)
     assert httpx.get(metered.url + "/no/such/route", timeout=30).status_code == 404
     assert httpx.post(metered.url + CHAT, content=b"{not json", timeout=30).status_code == 400
+    bad_header = httpx.post(metered.url + CHAT, headers={"X-Anchorcache-Anchors": "maybe"},
+                            json={"model": "default", "messages": [{"role": "user", "content": "hi"}]},
+                            timeout=30)
+    assert bad_header.status_code == 400
+    assert "X-Anchorcache-Anchors" in bad_header.json()["error"]["message"]
     d = delta(scrape(metered), before)
     assert value(d, "anchorcache_http_requests_total", method="GET", route="unmatched",
                  status="404") == 1
-    assert value(d, "anchorcache_http_requests_total", method="POST", route=CHAT, status="400") == 1
+    assert value(d, "anchorcache_http_requests_total", method="POST", route=CHAT, status="400") == 2
     assert value(d, "anchorcache_http_requests_total", method="GET", route="/metrics",
                  status="200") == 1
     assert total(d, "anchorcache_prompt_tokens_total") == 0

@@ -252,3 +252,26 @@ def test_errors_and_unknown_routes_are_counted_by_status(metered: Server):
     assert value(d, "anchorcache_http_requests_total", method="GET", route="/metrics",
                  status="200") == 1
     assert total(d, "anchorcache_prompt_tokens_total") == 0
+
+
+@pytest.mark.slow
+def test_a_failed_request_aborts_its_reservation_with_the_reason(metered: Server, worker: Server):
+    messages = [{"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "Name a colour."}]
+    before = scrape(metered)
+    httpx.post(worker.url + "/debug/fault", json={"where": "decode"}, timeout=30).raise_for_status()
+    failed = httpx.post(metered.url + CHAT, timeout=120,
+                        json={"model": "default", "messages": messages, "max_tokens": 8})
+    assert failed.status_code == 502
+    ok = httpx.post(metered.url + CHAT, timeout=120, headers={"X-Anchorcache-Anchors": "off"},
+                    json={"model": "default", "messages": messages, "max_tokens": 2})
+    assert ok.status_code == 200
+    d = delta(scrape(metered), before)
+    assert value(d, "anchorcache_reservations_total", tenant=DEFAULT_TENANT, outcome="aborted",
+                 reason="worker_error") == 1
+    # the anchors-off request reserved nothing and planned no lookup; its tokens still count
+    assert total(d, "anchorcache_reservations_total") == 1
+    assert total(d, "anchorcache_anchor_lookups_total") == 0
+    assert value(d, "anchorcache_prompt_tokens_total", tenant=DEFAULT_TENANT, source="prefilled") == \
+        ok.json()["usage"]["prompt_tokens"]
+    assert value(d, "anchorcache_http_requests_total", method="POST", route=CHAT, status="502") == 1

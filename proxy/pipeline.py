@@ -170,7 +170,7 @@ class Completion:
         # not reach the client as content; with tool_choice "none" the parser only splits those.
         parser = state.adapter.output_parser(list(gen.tools) or None, tool_choice=choice)
         finished = settled = False
-        ended = "client_gone"  # why a request that is not settled ended; closed early: client gone
+        ended = "cancelled"  # why an unsettled request ended (the ledger's reservation reasons)
         emitted = 0  # characters of detok.text already passed on
         try:
             async for chunk in state.worker.generate(req):

@@ -73,7 +73,7 @@ def test_a_generation_is_recorded_from_plan_and_meta():
     m.record_generation("acme", plan, meta)
     m.record_generation("someone-else", Plan(b"", None), {"prompt_tokens": 8, "prefill_tokens": 8,
                                                           "completion_tokens": 1})
-    m.record_reservations("acme", "aborted", "client_gone")
+    m.record_reservations("acme", "aborted", "cancelled")
     s = parse(generate_latest(m.registry).decode())
     assert value(s, "anchorcache_anchor_hits_total", tenant="acme", kind="instruction") == 1
     assert value(s, "anchorcache_anchor_hits_total", tenant="acme", kind="conversation") == 1
@@ -92,7 +92,7 @@ def test_a_generation_is_recorded_from_plan_and_meta():
     assert value(s, "anchorcache_ttft_seconds_count", tenant=OTHER) == 0
     assert value(s, "anchorcache_snapshot_seconds_sum", tenant="acme") == pytest.approx(0.003)
     assert value(s, "anchorcache_reservations_total", tenant="acme", outcome="aborted",
-                 reason="client_gone") == 1
+                 reason="cancelled") == 1
 
 
 def _closed_port_url() -> str:

@@ -41,12 +41,13 @@ test-fast: setup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check anchorcache proxy ext state ops tests bench
-	$(VENV)/bin/mypy anchorcache proxy ext/embedded ext/ops.py ext/slots.py state ops
+	$(VENV)/bin/mypy anchorcache proxy ext/embedded ext/ops.py ext/slots.py ext/held_chain.py state ops
 
 bench: setup
 	$(PY) bench/ext_snapshot.py
 	$(PY) bench/split_incremental.py
 	$(PY) bench/replay_bench.py
+	$(PY) bench/health_under_load.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info ext/*.so

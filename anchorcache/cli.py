@@ -22,6 +22,8 @@ from typing import Annotated
 
 import typer
 
+from anchorcache.supervise import Supervisor, WorkerExited
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="anchorcache: prefix-cache sidecar for LLM agent traffic.")
 
@@ -34,6 +36,10 @@ Threads = Annotated[int | None, typer.Option(envvar="ANCHORCACHE_THREADS", min=1
                                              help="Torch CPU threads in the worker.")]
 Adapter = Annotated[str, typer.Option(envvar="ANCHORCACHE_ADAPTER",
                                       help="Chat-template adapter ('auto' picks).")]
+CanonicalTools = Annotated[bool, typer.Option(
+    "--canonical-tools/--client-tools", envvar="ANCHORCACHE_CANONICAL_TOOLS",
+    help="Sort tools and schema keys before rendering: more anchor sharing between clients, "
+         "but the prompt differs from the model's own template (default: client order).")]
 LogLevel = Annotated[str, typer.Option(envvar="ANCHORCACHE_LOG_LEVEL")]
 AnchorSlots = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_SLOTS", min=2,
                                           help="Anchor slots in the worker.")]
@@ -109,6 +115,7 @@ def proxy(
     port: Annotated[int, typer.Option(envvar="ANCHORCACHE_PORT")] = 8000,
     anchors: Anchors = True,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
     max_body_bytes: MaxBody = 32 << 20,
     tenant_salt: TenantSalt = "anchorcache-default-tenant",
     metrics_max_tenants: MetricsMaxTenants = 100,
@@ -121,8 +128,8 @@ def proxy(
     from anchorcache.proxy.config import ProxyConfig
 
     config = ProxyConfig(worker_url=worker, host=host, port=port, anchors=anchors, adapter=adapter,
-                         max_body_bytes=max_body_bytes, tenant_salt=tenant_salt,
-                         metrics_max_tenants=metrics_max_tenants,
+                         canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
+                         tenant_salt=tenant_salt, metrics_max_tenants=metrics_max_tenants,
                          metrics_worker_timeout_s=metrics_worker_timeout_s)
     asyncio.run(_serve_forever(create_app(config), host, port,
                                "anchorcache proxy listening on http://{host}:{port}/v1"))
@@ -154,6 +161,7 @@ def serve(
     model: Model = None,
     anchors: Anchors = True,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
     threads: Threads = None,
     anchor_slots: AnchorSlots = 256,
     anchor_bytes: AnchorBytes = 4 << 30,
@@ -163,7 +171,8 @@ def serve(
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     log_level: LogLevel = "info",
 ) -> None:
-    """Start the embedded worker and the proxy; Ctrl-C/SIGTERM stops both."""
+    """Start the embedded worker and the proxy; the worker is restarted if it dies, and
+    Ctrl-C/SIGTERM stops both."""
     _logging(log_level)
     if model is None:  # convert the default model once, in the foreground, with a message
         from anchorcache.ext.embedded.model_store import default_model_dir, prepare_default_model
@@ -176,24 +185,38 @@ def serve(
            "--anchor-bytes", str(anchor_bytes), "--log-level", log_level]
     if threads:
         cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    from anchorcache.proxy.config import ProxyConfig
 
-    def stop_worker(*_: object) -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
+    config = ProxyConfig(worker_url=f"http://127.0.0.1:{worker_port}", host=host, port=port,
+                         anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
+                         max_body_bytes=max_body_bytes, tenant_salt=tenant_salt,
+                         metrics_max_tenants=metrics_max_tenants,
+                         metrics_worker_timeout_s=metrics_worker_timeout_s)
     try:
-        wait_ready(f"http://127.0.0.1:{worker_port}/health", proc, timeout_s=600)
-        proxy(worker=f"http://127.0.0.1:{worker_port}", host=host, port=port, anchors=anchors,
-              adapter=adapter, max_body_bytes=max_body_bytes, tenant_salt=tenant_salt,
-              metrics_max_tenants=metrics_max_tenants,
-              metrics_worker_timeout_s=metrics_worker_timeout_s, log_level=log_level)
+        asyncio.run(_serve_supervised(cmd, config))
+    except WorkerExited as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+
+
+async def _serve_supervised(worker_cmd: list[str], config) -> None:
+    """The proxy in front of a supervised worker (anchorcache/supervise.py): the worker is
+    given by its command line only, whatever its backend."""
+    from anchorcache.proxy.app import create_app, refresh_worker_epoch
+
+    supervisor = Supervisor(worker_cmd, config.worker_url + "/health")
+    await supervisor.start()
+    try:
+        web_app = create_app(config, worker_status=supervisor.status)
+
+        async def on_ready() -> None:
+            await refresh_worker_epoch(web_app)
+
+        supervisor.on_ready = on_ready
+        await _serve_forever(web_app, config.host, config.port,
+                             "anchorcache proxy listening on http://{host}:{port}/v1")
     finally:
-        stop_worker()
+        await supervisor.stop()
 
 
 @app.command()
@@ -202,14 +225,16 @@ def split(
     model: Annotated[str | None, typer.Option(help="Tokenizer: model dir, or qwen3/llama3/"
                                                     "mistral/gpt-oss (default: the default model).")] = None,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
 ) -> None:
-    """Print the adapter, input_ids and every verified cut of a chat request, as JSON."""
+    """Print the adapter, where it deliberately deviates from the model's chat template
+    (`deviation`, null if nowhere), input_ids and every verified cut of a chat request."""
     import orjson
 
     from anchorcache.proxy.splitter.cli import run_split
 
     try:
-        result = run_split(model, adapter, request)
+        result = run_split(model, adapter, request, canonical_tools=canonical_tools)
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -13,6 +13,7 @@ prefix. Keys of several depths of one prompt are computed in one pass.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -22,6 +23,10 @@ import numpy as np
 
 KEY_BYTES = 16
 _PERSON = b"anchorcache.v1"
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32
+# (a 1e-37 temperature turns every logit into ±inf and the softmax into NaN).
+GREEDY_TEMPERATURE = 1e-5
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class AnchorKind(str, Enum):
@@ -75,7 +80,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def to_json(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -182,13 +187,22 @@ def _float(obj: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise WireError(f"'{name}' must be a number")
-    return float(value)
+    value = float(value)
+    if not math.isfinite(value):
+        raise WireError(f"'{name}' must be finite")
+    return value
 
 
-def _ids(value: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise WireError(f"'{name}' must be a list of integers")
+def parse_ids(value: Any, name: str) -> tuple[int, ...]:
+    """A JSON list of 64-bit integers (token ids, depths), else WireError."""
+    lo, hi = _INT64
+    if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and lo <= t <= hi for t in value):
+        raise WireError(f"'{name}' must be a list of 64-bit integers")
     return tuple(value)
+
+
+_ids = parse_ids
 
 
 def _hex(value: Any, name: str) -> bytes:
@@ -204,11 +218,14 @@ def parse_sampling(obj: Any) -> SamplingParams:
     if not isinstance(obj, dict):
         raise WireError("'sampling_params' must be an object")
     seed = obj.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise WireError("'seed' must be an integer")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not _INT64[0] <= seed <= _INT64[1]):
+        raise WireError("'seed' must be a 64-bit integer")
+    temperature = _float(obj, "temperature", 1.0)
     params = SamplingParams(
         max_new_tokens=_int(obj, "max_new_tokens", 128, lo=0),
-        temperature=_float(obj, "temperature", 1.0),
+        # normalised, so that the sampler never divides by a near-zero temperature
+        temperature=0.0 if 0 <= temperature < GREEDY_TEMPERATURE else temperature,
         top_p=_float(obj, "top_p", 1.0),
         top_k=_int(obj, "top_k", -1),
         stop_token_ids=_ids(obj.get("stop_token_ids") or [], "stop_token_ids"),

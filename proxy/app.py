@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -13,12 +14,21 @@ from .errors import ApiError, error_middleware, json_response
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
 from .planner import Planner
+from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
 from .state import STATE, ProxyState
 from .tokenizers import load_tokenizer
 from .worker_client import WorkerClient
 
 log = logging.getLogger("anchorcache.proxy")
+
+
+class HasStatus(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+# set by `anchorcache serve`, which supervises the worker process (anchorcache/supervise.py)
+WORKER_STATUS = web.AppKey[Callable[[], HasStatus] | None]("worker_status")
 
 
 async def models(request: web.Request) -> web.Response:
@@ -30,21 +40,38 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    status = request.app[WORKER_STATUS]
+    process = status().to_json() if status is not None else None
+    extra = {"worker_process": process} if process is not None else {}
+    if process is not None and process["state"] != "running":  # `serve` is restarting it
+        return json_response({"status": "degraded", "worker": None, **extra,
+                              "error": f"worker {process['state']}"}, 503)
     try:
         worker = await state.worker.health()
     except ApiError as e:
-        return json_response({"status": "degraded", "worker": None, "error": e.message}, 503)
+        return json_response({"status": "degraded", "worker": None, **extra,
+                              "error": e.message}, 503)
     state.planner.observe_epoch(worker.get("epoch"))
     return json_response({"status": "ok", "model": state.info.model_id,
-                          "anchors": state.config.anchors, "worker": worker})
+                          "anchors": state.config.anchors, "worker": worker, **extra})
 
 
-def create_app(config: ProxyConfig) -> web.Application:
+async def refresh_worker_epoch(app: web.Application) -> None:
+    """A (re)started worker is a new epoch: forget the old one's anchors now."""
+    state = app[STATE]
+    state.planner.observe_epoch((await state.worker.health()).get("epoch"))
+
+
+def create_app(config: ProxyConfig, *,
+               worker_status: Callable[[], HasStatus] | None = None) -> web.Application:
+    """`worker_status`: given when this process supervises the worker (`anchorcache serve`);
+    `/health` then reports the worker process's state, and `degraded` while it restarts."""
     # metrics outermost: it counts the status the error middleware made of a failure
     app = web.Application(middlewares=[metrics_middleware, error_middleware],
                           client_max_size=config.max_body_bytes)
     app[METRICS] = ProxyMetrics(max_tenants=config.metrics_max_tenants,
                                 worker_timeout_s=config.metrics_worker_timeout_s)
+    app[WORKER_STATUS] = worker_status
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.worker_timeout_s, sock_connect=5)
@@ -52,13 +79,23 @@ def create_app(config: ProxyConfig) -> web.Application:
             worker = WorkerClient(session, config.worker_url)
             info = await worker.model_info()
             tokenizer = load_tokenizer(info.tokenizer_path)
-            adapter = get_adapter(config.adapter, tokenizer)
+            adapter = get_adapter(config.adapter, tokenizer,
+                                  canonical_tools=config.canonical_tools)
             planner = Planner(info.model_id, info.epoch, salt=config.tenant_salt, worker=worker)
-            app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner,
-                                    app[METRICS])
-            log.info("proxy ready: model %s, adapter %s, anchors %s", info.model_id,
-                     adapter.name, "on" if config.anchors else "off")
-            yield
+            splits = SplitPool(adapter, max_pending=config.max_pending_splits)
+            budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
+            app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, splits,
+                                    budget, app[METRICS])
+            log.info("proxy ready: model %s, adapter %s, anchors %s, tools in %s order",
+                     info.model_id, adapter.name, "on" if config.anchors else "off",
+                     "canonical" if config.canonical_tools else "client")
+            if adapter.deviation:
+                log.info("adapter %s deviates from the chat template on purpose: %s",
+                         adapter.name, adapter.deviation)
+            try:
+                yield
+            finally:
+                splits.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)

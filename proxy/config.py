@@ -12,12 +12,17 @@ class ProxyConfig:
     port: int = 8000
     anchors: bool = True  # plan/restore/snapshot anchors; off: same chunking, no anchor traffic
     adapter: str = "auto"  # splitter adapter name (see `anchorcache split --help`)
+    # Sort tools and schema keys before rendering (more sharing between clients that send one
+    # toolset in different orders; the prompt then differs from the template's). Off: the
+    # client's order, byte-identical to the model's own template. See docs/splitter.md.
+    canonical_tools: bool = False
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 1024
     tenant_salt: str = "anchorcache-default-tenant"  # server-side secret mixed into anchor keys
     worker_timeout_s: float = 600.0
     metrics_max_tenants: int = 100  # distinct tenant label values; later tenants → "other"
     metrics_worker_timeout_s: float = 1.0  # /metrics waits this long for the worker's stats
+    max_pending_splits: int = 64  # requests waiting for the split thread; more get 503 overloaded
 
     def __post_init__(self) -> None:
         if not self.worker_url.startswith(("http://", "https://")):
@@ -26,6 +31,8 @@ class ProxyConfig:
             raise ValueError(f"port must be in 1..65535, not {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_pending_splits < 1:
+            raise ValueError("max_pending_splits must be positive")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be positive")
         if self.metrics_max_tenants < 1:

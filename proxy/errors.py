@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -25,6 +26,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "model_not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
+    "overloaded": (503, "server_error"),
     "worker_unavailable": (503, "server_error"),
     "worker_error": (502, "server_error"),
     "internal_error": (500, "server_error"),
@@ -72,6 +74,9 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return json_response({"error": {"message": e.reason if e.status != 413 else e.text,
                                         "type": KINDS[kind][1], "code": kind, "param": None}},
                              e.status)
+    except (HttpProcessingError, web.RequestPayloadError) as e:  # e.g. gzip that is not gzip
+        return error_response(ApiError("invalid_request",
+                                       f"the request body could not be read: {e}"))
     except asyncio.CancelledError:
         raise
     except Exception:

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from .errors import ApiError, json_response
 from .pipeline import Completion, FinishReason, Generation, Usage, check_model
-from .schema import ChatRequest, parse_chat_request
+from .schema import ChatRequest, parse_chat_request, read_json
 from .splitter.types import OutputDelta
 from .state import STATE
 
@@ -79,16 +79,13 @@ def usage_json(u: Usage) -> dict[str, Any]:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as e:
-        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
-    req = parse_chat_request(body, max_tokens_limit=state.info.max_context_tokens)
+    req = parse_chat_request(await read_json(request),
+                             max_tokens_limit=state.info.max_context_tokens)
     check_model(state, req.model)
     gen = generation(req)
     if not anchors_wanted(request):
         gen = dataclasses.replace(gen, anchors=False)
-    completion = Completion.create(state, gen)
+    completion = await Completion.create(state, gen)
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     outcome = completion.outcome

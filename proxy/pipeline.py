@@ -26,8 +26,8 @@ from anchorcache.wire import GenerateRequest, SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError
 from .planner import DEFAULT_TENANT, Plan
-from .schema import ToolChoice
-from .splitter.types import OutputDelta, SplitError, SplitResult, ToolCall
+from .schema import ToolChoice, rendered_chars
+from .splitter.types import OutputDelta, SplitResult, ToolCall
 from .state import ProxyState
 
 NO_TOOLS = ToolChoice("none")
@@ -116,18 +116,17 @@ class Completion:
         self.ttft_s: float | None = None  # pipeline start → first generated token
 
     @classmethod
-    def create(cls, state: ProxyState, gen: Generation, *,
-               tenant: str = DEFAULT_TENANT) -> Completion:
-        """Render and split the chat (a bad chat raises a 400 `ApiError`)."""
+    async def create(cls, state: ProxyState, gen: Generation, *,
+                     tenant: str = DEFAULT_TENANT) -> Completion:
+        """Render and split the chat (a bad chat raises a 400 `ApiError`, one that cannot
+        fit the context `context_length_exceeded` before anything is rendered).
+
+        The split runs on the split thread (split_pool.py), never on the event loop."""
         started = time.perf_counter()
-        # On the event loop: the splitter's prefix cache is single-threaded, and an
-        # incremental split of an agent prompt takes well under a millisecond.
-        try:
-            split = state.adapter.split([dict(m) for m in gen.messages],
-                                        [dict(t) for t in gen.tools] or None,
-                                        template_kwargs=gen.template_kwargs or None)
-        except SplitError as e:
-            raise ApiError("invalid_request", str(e), param=e.param) from None
+        state.budget.check(rendered_chars(gen.messages), gen.max_tokens)
+        split = await state.splits.split([dict(m) for m in gen.messages],
+                                         [dict(t) for t in gen.tools] or None,
+                                         gen.template_kwargs or None)
         return cls(state, gen, split, tenant=tenant, started=started)
 
     def _plan(self) -> Plan:

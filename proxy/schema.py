@@ -1,15 +1,156 @@
-"""Parse and validate OpenAI request bodies once, at the HTTP edge, into typed records."""
+"""Parse and validate request bodies once, at the HTTP edge, into typed records.
+
+Two layers, so that the Anthropic route can reuse the first:
+- protocol-neutral pieces: `read_json`; `check_shape` walks the decoded body once,
+  iteratively, against `BodyLimits` (nesting depth, node count), and `check_arguments` holds
+  tool-call arguments sent as JSON strings to the same limits; the typed field readers
+  (`number`, `optional_int`, `temperature`, `string`) raise `ApiError("invalid_request")` with the offending parameter;
+- `parse_chat_request`: an OpenAI chat body → `ChatRequest`.
+
+Nothing a client sends may reach the renderer, the tokenizer or the sampler in a shape that
+makes them raise: whatever is not refused here must be safe downstream (the fuzz test in
+tests/proxy/test_schema_fuzz.py holds this to zero 5xx).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+from aiohttp import web
+
+from anchorcache.wire import GREEDY_TEMPERATURE
+
 from .errors import ApiError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+ALWAYS_RENDERED_ROLES = frozenset({"system", "developer", "user", "tool"})
 MAX_STOP_STRINGS = 4
+# Names the renderer passes to chat templates itself: a client's template kwarg may not shadow them.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                      "eos_token", "unk_token", "pad_token"})
 
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """Bounds on a request body beyond its byte size (`ProxyConfig.max_body_bytes`)."""
+
+    max_depth: int = 64  # nested objects/arrays, counted from the body; agent tool schemas use < 15
+    max_nodes: int = 250_000  # objects, arrays and scalars in the body
+    max_messages: int = 10_000
+    max_tools: int = 1_024
+    max_name_chars: int = 256  # function names, tool-call ids
+    max_stop_chars: int = 1_024
+
+
+DEFAULT_LIMITS = BodyLimits()
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError("invalid_request", message, param=param)
+
+
+# ---- protocol-neutral pieces ---------------------------------------------------------------
+
+async def read_json(request: web.Request) -> Any:
+    """The decoded JSON body. Unreadable bodies (a gzip label on plain bytes) are turned into
+    400s by the error middleware, bodies over the size limit into 413s."""
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
+
+
+def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 1) -> None:
+    """One iterative walk over a decoded JSON value at nesting level `depth` of the body:
+    refuses nesting deeper than `limits.max_depth` and more than `limits.max_nodes` values.
+    Never recurses, so no body can exhaust the stack here (nor, once accepted, downstream)."""
+    stack: list[tuple[Any, int]] = [(body, depth)]
+    nodes = 0
+    while stack:
+        value, level = stack.pop()
+        nodes += 1
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if level > limits.max_depth:
+            raise bad(f"the request body is nested deeper than {limits.max_depth} levels")
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, level + 1))
+            else:
+                nodes += 1
+        if nodes > limits.max_nodes:
+            raise bad(f"the request body has more than {limits.max_nodes} JSON values")
+
+
+ARGUMENTS_DEPTH = 7  # body → messages → message → tool_calls → call → function → arguments
+
+
+def check_arguments(arguments: str, param: str, limits: BodyLimits = DEFAULT_LIMITS) -> None:
+    """Tool-call arguments sent as a JSON string are decoded and rendered as objects later:
+    they must be JSON, and are held to the same limits as if they had been sent inline."""
+    if len(arguments) <= 2 * (limits.max_depth - ARGUMENTS_DEPTH) or not arguments.strip():
+        return  # too short to nest too deep; invalid JSON is refused by the splitter
+    try:
+        decoded = orjson.loads(arguments)
+    except orjson.JSONDecodeError as e:
+        raise bad(f"tool-call arguments are not valid JSON: {e}", param) from None
+    check_shape(decoded, limits, depth=ARGUMENTS_DEPTH)
+
+
+def number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"'{name}' must be a number", name)
+    if not lo <= value <= hi:  # also refuses NaN (orjson never decodes one; callers may)
+        raise bad(f"'{name}' must be between {lo} and {hi}", name)
+    return float(value)
+
+
+def optional_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer", name)
+    if not lo <= value <= hi:
+        raise bad(f"'{name}' must be between {lo} and {hi}", name)
+    return value
+
+
+def temperature(body: dict[str, Any], name: str = "temperature", *, default: float = 1.0,
+                hi: float = 2.0) -> float:
+    """A sampling temperature in [0, hi]; one below `GREEDY_TEMPERATURE` is greedy (0.0),
+    as the worker would also treat it: dividing logits by it would overflow to NaN."""
+    value = number(body, name, default, 0.0, hi)
+    return 0.0 if value < GREEDY_TEMPERATURE else value
+
+
+def string(value: Any, param: str, *, max_chars: int, empty_ok: bool = False) -> str:
+    if not isinstance(value, str) or (not value and not empty_ok):
+        raise bad(f"'{param}' must be a {'' if empty_ok else 'non-empty '}string", param)
+    if len(value) > max_chars:
+        raise bad(f"'{param}' is longer than {max_chars} characters", param)
+    return value
+
+
+def rendered_chars(messages: tuple[dict[str, Any], ...]) -> int:
+    """Characters every chat template renders for these messages, at least: the content of
+    system/developer/user/tool messages without surrounding whitespace (templates may trim;
+    earlier assistant turns may be rewritten). A lower bound for the early token budget."""
+    return sum(len(m["content"].strip()) for m in messages
+               if m["role"] in ALWAYS_RENDERED_ROLES and isinstance(m.get("content"), str))
+
+
+# ---- OpenAI chat completions ---------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ToolChoice:
@@ -38,31 +179,9 @@ class ChatRequest:
     tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
 
-
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError("invalid_request", message, param=param)
-
-
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _bad(f"'{name}' must be a number", name)
-    if not lo <= value <= hi:
-        raise _bad(f"'{name}' must be between {lo} and {hi}", name)
-    return float(value)
-
-
-def _optional_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"'{name}' must be an integer", name)
-    if not lo <= value <= hi:
-        raise _bad(f"'{name}' must be between {lo} and {hi}", name)
-    return value
+    @property
+    def rendered_chars(self) -> int:
+        return rendered_chars(self.messages)
 
 
 def _content(value: Any, param: str) -> str | None:
@@ -72,52 +191,69 @@ def _content(value: Any, param: str) -> str | None:
         texts = []
         for i, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad("only text content parts ({'type': 'text', 'text': ...}) are supported",
-                           f"{param}[{i}]")
+                raise bad("only text content parts ({'type': 'text', 'text': ...}) are supported",
+                          f"{param}[{i}]")
             texts.append(part["text"])
         return "".join(texts)
-    raise _bad("'content' must be a string, null or a list of text parts", param)
+    raise bad("'content' must be a string, null or a list of text parts", param)
 
 
-def _message(i: int, msg: Any) -> dict[str, Any]:
+def _message(i: int, msg: Any, limits: BodyLimits) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(msg, dict):
-        raise _bad("each message must be an object", param)
+        raise bad("each message must be an object", param)
     role = msg.get("role")
-    if role not in ROLES:
-        raise _bad(f"unknown role {role!r}; expected one of {sorted(ROLES)}", f"{param}.role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise bad(f"unknown role {role!r}; expected one of {sorted(ROLES)}", f"{param}.role")
     out = dict(msg)
     out["content"] = _content(msg.get("content"), f"{param}.content")
-    if role == "tool" and not isinstance(msg.get("tool_call_id", ""), str):
-        raise _bad("'tool_call_id' must be a string", f"{param}.tool_call_id")
+    if role == "tool" and "tool_call_id" in msg:
+        string(msg["tool_call_id"], f"{param}.tool_call_id", max_chars=limits.max_name_chars,
+               empty_ok=True)
+    if "name" in msg and msg["name"] is not None:
+        string(msg["name"], f"{param}.name", max_chars=limits.max_name_chars)
     if role in ("system", "developer", "user", "tool") and out["content"] is None:
-        raise _bad(f"a {role} message needs 'content'", f"{param}.content")
+        raise bad(f"a {role} message needs 'content'", f"{param}.content")
     calls = msg.get("tool_calls")
     if calls is not None:
         if role != "assistant" or not isinstance(calls, list):
-            raise _bad("'tool_calls' must be a list on an assistant message", f"{param}.tool_calls")
+            raise bad("'tool_calls' must be a list on an assistant message", f"{param}.tool_calls")
         for j, call in enumerate(calls):
+            cparam = f"{param}.tool_calls[{j}]"
             fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise _bad("each tool call needs function.name", f"{param}.tool_calls[{j}]")
-            if not isinstance(fn.get("arguments", "{}"), (str, dict)):
-                raise _bad("function.arguments must be a JSON string", f"{param}.tool_calls[{j}]")
+            if not isinstance(fn, dict):
+                raise bad("each tool call needs function.name", cparam)
+            string(fn.get("name"), f"{cparam}.function.name", max_chars=limits.max_name_chars)
+            arguments = fn.get("arguments", "{}")
+            if not isinstance(arguments, (str, dict)):
+                raise bad("function.arguments must be a JSON string", f"{cparam}.function.arguments")
+            if isinstance(arguments, str):
+                check_arguments(arguments, f"{cparam}.function.arguments", limits)
+            if call.get("id") is not None:
+                string(call["id"], f"{cparam}.id", max_chars=limits.max_name_chars, empty_ok=True)
     return out
 
 
-def _tools(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+def _tools(body: dict[str, Any], limits: BodyLimits) -> tuple[dict[str, Any], ...]:
     tools = body.get("tools")
     if tools is None:
         return ()
     if not isinstance(tools, list):
-        raise _bad("'tools' must be a list", "tools")
+        raise bad("'tools' must be a list", "tools")
+    if len(tools) > limits.max_tools:
+        raise bad(f"at most {limits.max_tools} tools are supported", "tools")
+    names = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise _bad("each tool must be {'type': 'function', 'function': {'name': ...}}", f"tools[{i}]")
+                or not isinstance(fn, dict):
+            raise bad("each tool must be {'type': 'function', 'function': {'name': ...}}", f"tools[{i}]")
+        names.add(string(fn.get("name"), f"tools[{i}].function.name",
+                         max_chars=limits.max_name_chars))
         if not isinstance(fn.get("parameters", {}), dict):
-            raise _bad("function.parameters must be an object", f"tools[{i}].function.parameters")
+            raise bad("function.parameters must be an object", f"tools[{i}].function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad("function.description must be a string", f"tools[{i}].function.description")
     return tuple(tools)
 
 
@@ -125,65 +261,77 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> Too
     choice = body.get("tool_choice")
     if choice is None:
         return ToolChoice("auto" if tools else "none")
-    if choice in ("auto", "none", "required"):
+    if isinstance(choice, str) and choice in ("auto", "none", "required"):
         if choice == "required" and not tools:
-            raise _bad("tool_choice 'required' needs tools", "tool_choice")
+            raise bad("tool_choice 'required' needs tools", "tool_choice")
         return ToolChoice(choice)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in {t["function"]["name"] for t in tools}:
-            raise _bad(f"tool_choice names an unknown function {name!r}", "tool_choice")
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
+            raise bad(f"tool_choice names an unknown function {name!r}", "tool_choice")
         return ToolChoice("function", name)
-    raise _bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}",
-               "tool_choice")
+    raise bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}",
+              "tool_choice")
 
 
-def parse_chat_request(body: Any, *, max_tokens_limit: int) -> ChatRequest:
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required", "model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list", "messages")
-    n = body.get("n")
-    if n not in (None, 1):
-        raise _bad("only n=1 is supported", "n")
-    max_tokens = _optional_int(body, "max_completion_tokens", 1, max_tokens_limit)
-    if max_tokens is None:
-        max_tokens = _optional_int(body, "max_tokens", 1, max_tokens_limit)
+def _stop(body: dict[str, Any], limits: BodyLimits) -> tuple[str, ...]:
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is None:
         stop = []
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or \
-            not all(isinstance(s, str) and s for s in stop):
-        raise _bad(f"'stop' must be a string or up to {MAX_STOP_STRINGS} non-empty strings", "stop")
+            not all(isinstance(s, str) and 0 < len(s) <= limits.max_stop_chars for s in stop):
+        raise bad(f"'stop' must be a string or up to {MAX_STOP_STRINGS} non-empty strings of at "
+                  f"most {limits.max_stop_chars} characters", "stop")
+    return tuple(stop)
+
+
+def parse_chat_request(body: Any, *, max_tokens_limit: int,
+                       limits: BodyLimits = DEFAULT_LIMITS) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    check_shape(body, limits)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required", "model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    if len(messages) > limits.max_messages:
+        raise bad(f"at most {limits.max_messages} messages are supported", "messages")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad("only n=1 is supported", "n")
+    max_tokens = optional_int(body, "max_completion_tokens", 1, max_tokens_limit)
+    if max_tokens is None:
+        max_tokens = optional_int(body, "max_tokens", 1, max_tokens_limit)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
+        raise bad("'stream' must be a boolean", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", "stream_options")
+        raise bad("'stream_options' must be an object", "stream_options")
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
-        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for key in template_kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise bad(f"chat_template_kwargs may not set {key!r}", f"chat_template_kwargs.{key}")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("only response_format {'type': 'text'} is supported", "response_format")
-    tools = _tools(body)
-    top_k = _optional_int(body, "top_k", -1, 1 << 20)
+        raise bad("only response_format {'type': 'text'} is supported", "response_format")
+    tools = _tools(body, limits)
+    top_k = optional_int(body, "top_k", -1, 1 << 20)
     return ChatRequest(
         model=model,
-        messages=tuple(_message(i, m) for i, m in enumerate(messages)),
+        messages=tuple(_message(i, m, limits) for i, m in enumerate(messages)),
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        temperature=temperature(body),
+        top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=-1 if top_k in (None, 0) else top_k,
-        seed=_optional_int(body, "seed", -(1 << 63), (1 << 63) - 1),
-        stop=tuple(stop),
+        seed=optional_int(body, "seed", -(1 << 63), (1 << 63) - 1),
+        stop=_stop(body, limits),
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         tools=tools,

@@ -1,4 +1,5 @@
-"""What a running proxy holds: config, worker client and info, tokenizer, splitter, planner."""
+"""What a running proxy holds: config, worker client and info, tokenizer, splitter (and the
+thread it runs on), planner."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from aiohttp import web
 
 from .config import ProxyConfig
 from .planner import Planner
+from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
 from .worker_client import WorkerClient, WorkerInfo
 
@@ -24,6 +26,8 @@ class ProxyState:
     tokenizer: Any
     adapter: Adapter
     planner: Planner
+    splits: SplitPool  # render + tokenize, off the event loop
+    budget: TokenBudget  # early refusal of text that cannot fit the context
     metrics: ProxyMetrics  # the same object as app[METRICS]
 
     @property

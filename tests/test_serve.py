@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -39,3 +42,80 @@ def test_serve_answers_and_stops_both_processes_on_sigterm(default_model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# ---- supervision (issue 13) -----------------------------------------------------------------
+
+LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
+
+
+@pytest.fixture(scope="module")
+def serve_proc(default_model_dir):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", "serve", "--port", str(port),
+                             "--threads", "2", "--log-level", "warning"],
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc.url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc.url + "/health", proc, timeout_s=300)
+        yield proc
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            child.kill()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _health(url: str) -> httpx.Response:
+    return httpx.get(url + "/health", timeout=30)
+
+
+def test_a_killed_worker_is_restarted_and_its_anchors_forgotten(serve_proc):
+    client = openai.OpenAI(base_url=serve_proc.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    before = _health(serve_proc.url).json()
+    assert before["worker_process"] == {"state": "running", "pid": before["worker_process"]["pid"],
+                                        "restarts": 0, "last_exit_code": None}
+    worker = psutil.Process(before["worker_process"]["pid"])
+    stream = client.chat.completions.create(model="default", messages=LONG, max_tokens=400,
+                                            temperature=0, stream=True)
+    seen = 0
+    with pytest.raises(openai.APIError) as err:  # the request in flight: a clear error
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                seen += 1
+                if seen == 3:
+                    worker.kill()
+    assert "worker" in str(err.value).lower()
+    states = []
+    deadline = time.monotonic() + 300
+    while (resp := _health(serve_proc.url)).status_code != 200 and time.monotonic() < deadline:
+        body = resp.json()
+        assert resp.status_code == 503 and body["status"] == "degraded"
+        states.append(body["worker_process"]["state"])
+        time.sleep(0.2)
+    assert resp.status_code == 200
+    assert states and set(states) <= {"restarting"}  # seen degraded while it was down
+    after = resp.json()
+    assert after["worker_process"]["restarts"] == 1
+    assert after["worker_process"]["last_exit_code"] == -signal.SIGKILL
+    assert after["worker_process"]["pid"] != worker.pid
+    assert after["worker"]["epoch"] != before["worker"]["epoch"]
+    reply = client.chat.completions.create(model="default", temperature=0, max_tokens=20,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in reply.choices[0].message.content
+
+
+def test_sigkill_of_serve_leaves_no_process_and_frees_the_ports(serve_proc):
+    worker_pid = _health(serve_proc.url).json()["worker_process"]["pid"]
+    worker_port = next(c.laddr.port for c in psutil.Process(worker_pid).net_connections()
+                       if c.status == psutil.CONN_LISTEN)
+    family = psutil.Process(serve_proc.pid).children(recursive=True)
+    assert worker_pid in {p.pid for p in family}
+    serve_proc.send_signal(signal.SIGKILL)
+    serve_proc.wait(timeout=30)
+    _gone, alive = psutil.wait_procs(family, timeout=30)
+    assert alive == []
+    for port in (worker_port, int(serve_proc.url.rsplit(":", 1)[1])):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))  # free

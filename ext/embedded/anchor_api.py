@@ -6,7 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
-from anchorcache.wire import WireError, anchor_keys
+from anchorcache.wire import KEY_BYTES, WireError, anchor_keys, parse_ids
 
 from .anchors import AnchorStore
 from .server import ENGINE, EPOCH, _body, _json
@@ -34,9 +34,12 @@ async def _slots_arg(request: web.Request) -> list[int]:
 async def _key_arg(request: web.Request) -> bytes:
     body = await _body(request)
     try:
-        return bytes.fromhex(body["key"])
+        key = bytes.fromhex(body["key"])
     except (TypeError, KeyError, ValueError):
-        raise WireError("'key' must be a hex string") from None
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise WireError(f"'key' must be a hex string of {KEY_BYTES} bytes")
+    return key
 
 
 async def confirm(request: web.Request) -> web.Response:
@@ -56,9 +59,10 @@ async def lookup(request: web.Request) -> web.Response:
         raise WireError("body must be an object")
     try:
         ns = bytes.fromhex(body.get("namespace", ""))
-        ids, depths = body["input_ids"], body["depths"]
+        ids = parse_ids(body.get("input_ids"), "input_ids")
+        depths = parse_ids(body.get("depths"), "depths")
         keys = anchor_keys(ns, store.model_id, ids, depths)
-    except (KeyError, TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:
         raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
     return _reply(request, hits=[{"depth": d, "key": keys[d].hex(),
                                   "committed": store.table.contains(keys[d], d)} for d in depths])

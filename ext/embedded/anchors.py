@@ -12,6 +12,11 @@ link's key over the prompt it was actually given, the slot table checks the slot
 committed key and depth, and the slab's own (key, start, parent) must continue the chain.
 A failed link ends the chain there: the request still runs, it just prefills more.
 
+Late lookup (`restore`, with ext/held_chain.py): a request also restores the deepest chain
+the store holds at one of its own snapshot depths, keyed here over its prompt; a staged slab
+counts once its request finished well. A queued request thus restores what the request
+ahead of it just wrote, though the proxy planned both before either ran.
+
 Thread model: the engine thread snapshots and restores; HTTP handlers confirm, abort, pin
 and list. One lock guards the slab maps; the slot table is itself thread-safe.
 """
@@ -37,6 +42,7 @@ from anchorcache.wire import (
     anchor_keys,
 )
 
+from ..held_chain import deepest_held_chain
 from . import cache_io
 
 log = logging.getLogger("anchorcache.worker")
@@ -84,7 +90,8 @@ class AnchorStore:
     # ---- engine thread ------------------------------------------------------------------
     def restore(self, model: torch.nn.Module, rid: str, ids: tuple[int, ...],
                 plan: AnchorPlan) -> tuple[Any, int, dict[str, Any]]:
-        """Restore the verified prefix of `plan.restore`; (cache or None, depth, info)."""
+        """Restore the verified prefix of `plan.restore`, or the deepest held chain ending at
+        a snapshot depth of `plan` if that is deeper; (cache or None, depth, info)."""
         keys = anchor_keys(plan.namespace, self.model_id, ids, [r.depth for r in plan.restore])
         chain: list[Slab] = []
         misses: list[dict[str, Any]] = []
@@ -110,9 +117,20 @@ class AnchorStore:
                 assert slot is not None
                 chain.append(self._live[slot])
                 prev = _Tip(ref.key, ref.depth)
+            # Late lookup (ext/held_chain.py): a cut this request would snapshot may have
+            # been written since the proxy planned it, by the request ahead of it in the
+            # queue; restore it instead of prefilling it again.
+            late = deepest_held_chain(plan.namespace, self.model_id, ids,
+                                      [s.depth for s in plan.snapshot], self._held_locked)
+            if late and late[-1].depth > prev.depth:
+                for slab in late:
+                    if slab.key in self._slot_of:  # committed: LRU touch and a hit
+                        self.table.lookup(slab.key, slab.depth)
+                chain, prev = late, _Tip(late[-1].key, late[-1].depth)
         info: dict[str, Any] = {"restored": [{"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
                                              for s in chain],
-                                "restore_miss": misses}
+                                "restore_miss": misses,
+                                "late_lookup": bool(late) and chain is late}
         if not chain:
             return None, 0, info
         self.fault("restore")
@@ -133,6 +151,21 @@ class AnchorStore:
         cache = cache_io.cache_from_tensors(model, keys_t, values_t, states, spec=spec, adopt=True)
         self._tips[rid] = prev
         return cache, depth, info
+
+    def _held_locked(self, key: bytes, depth: int) -> Slab | None:
+        """The slab of `key` at `depth` if it may be restored: committed (slot-checked), or
+        staged by a request that finished well and awaits the proxy's confirm. Such a slab is
+        complete and was keyed by this worker over the prompt it prefilled; confirmation
+        decides what the proxy may plan on, not whether the data is right."""
+        slot = self._slot_of.get(key)
+        if slot is not None and self.table.contains(key, depth):
+            slab = self._live.get(slot)
+            if slab is not None and slab.key == key and slab.depth == depth:
+                return slab
+        for slot, (slab, _) in self._staged.items():
+            if slab.key == key and slab.depth == depth and slot in self._staged_deadline:
+                return slab
+        return None
 
     def snapshot(self, rid: str, cache: Any, ids: tuple[int, ...], depth: int,
                  spec: SnapshotSpec, plan: AnchorPlan) -> AnchorWritten | None:

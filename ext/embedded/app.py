@@ -53,6 +53,12 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _vocab_size(model: torch.nn.Module) -> int:
+    embeddings = model.get_input_embeddings()
+    assert isinstance(embeddings, torch.nn.Embedding), type(embeddings)
+    return int(embeddings.num_embeddings)
+
+
 def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -71,6 +77,7 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
         architecture=model.config.architectures[0] if model.config.architectures else type(model).__name__,
         max_context_tokens=max_ctx, eos_token_ids=_eos_ids(model, tokenizer),
         hybrid=bool(spec.state_layers),
+        vocab_size=_vocab_size(model),
     )
     anchors = None
     if config.anchors:

@@ -152,7 +152,7 @@ class Engine:
 
         t0 = time.perf_counter()
         cache, restored, anchor_info = None, 0, {}
-        if self.anchors is not None and plan is not None and plan.restore:
+        if self.anchors is not None and plan is not None and (plan.restore or plan.snapshot):
             cache, restored, anchor_info = self.anchors.restore(self.model, job.rid, ids, plan)
         if cache is None:
             cache, restored = cache_io.new_cache(self.model), 0

@@ -15,8 +15,9 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from anchorcache.wire import WireError, parse_generate
+from anchorcache.wire import GenerateRequest, WireError, parse_generate
 
 from .engine import Engine, ErrorEvent, FinishEvent, Job, TokenEvent
 
@@ -32,13 +33,14 @@ class ModelInfo:
     max_context_tokens: int
     eos_token_ids: tuple[int, ...]
     hybrid: bool
+    vocab_size: int  # rows of the input embedding: every input id must be below it
 
     def to_json(self, epoch: str) -> dict[str, Any]:
         return {"model_id": self.model_id, "model_path": self.model_path,
                 "tokenizer_path": self.tokenizer_path, "is_generation": True,
                 "architecture": self.architecture, "max_context_tokens": self.max_context_tokens,
                 "eos_token_ids": list(self.eos_token_ids), "hybrid": self.hybrid,
-                "backend": "embedded", "epoch": epoch}
+                "vocab_size": self.vocab_size, "backend": "embedded", "epoch": epoch}
 
 
 ENGINE = web.AppKey("engine", Engine)
@@ -65,6 +67,9 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
                                 str(e.status)), e.status)
     except (WireError, orjson.JSONDecodeError) as e:
         return _json(error_body(str(e), "invalid_request_error", "invalid_request"), 400)
+    except (HttpProcessingError, web.RequestPayloadError) as e:  # e.g. gzip that is not
+        return _json(error_body(f"unreadable request body: {e}", "invalid_request_error",
+                                "invalid_request"), 400)
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -76,11 +81,17 @@ async def _body(request: web.Request) -> Any:
     return orjson.loads(await request.read())
 
 
-def _check_context(request: web.Request, n_prompt: int, max_new: int) -> None:
-    limit = request.app[INFO].max_context_tokens
-    if n_prompt + max_new > limit:
+def _check_input(request: web.Request, req: GenerateRequest) -> None:
+    """What the parser cannot know: the model's vocabulary and context."""
+    info = request.app[INFO]
+    lo, hi = min(req.input_ids), max(req.input_ids)
+    if lo < 0 or hi >= info.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise WireError(f"'input_ids' holds {bad}, outside the vocabulary [0, {info.vocab_size})")
+    n_prompt, max_new = len(req.input_ids), req.sampling.max_new_tokens
+    if n_prompt + max_new > info.max_context_tokens:
         raise WireError(f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the "
-                        f"model's context of {limit} tokens")
+                        f"model's context of {info.max_context_tokens} tokens")
 
 
 async def _events(request: web.Request, job: Job) -> AsyncIterator[TokenEvent | FinishEvent]:
@@ -110,7 +121,7 @@ def _meta(request: web.Request, job: Job, event: FinishEvent) -> dict[str, Any]:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     req = parse_generate(await _body(request))
-    _check_context(request, len(req.input_ids), req.sampling.max_new_tokens)
+    _check_input(request, req)
     try:
         job = request.app[ENGINE].submit(req)
     except ValueError as e:

@@ -17,7 +17,9 @@ How a `TextAdapter` splits (the invariant that makes every cut exact):
    the running token count. The ids of a prefix already seen are taken from the
    `PrefixCache` (keyed by a digest of the prefix text), so a long agent prompt is not
    re-tokenized whole on every turn; only the text after the deepest cached prefix is encoded.
-4. Cut kinds: INSTRUCTION at the end of the leading system/developer messages and tools,
+4. Message text is tokenized as text (see specials.py): every string of the request is
+   defused before rendering, so special tokens in the render come from the markup only.
+5. Cut kinds: INSTRUCTION at the end of the leading system/developer messages and tools,
    CONVERSATION at the start of the trailing run of user/tool messages (when that is past
    the instruction cut), TURN at the candidates in between, MESSAGES at the end of the last
    message (before the generation prompt). Boundaries inside the newest messages are not
@@ -31,9 +33,10 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
-from .normalize import canonical_tools, leading_system_count, newest_start, normalize_messages
+from .normalize import leading_system_count, newest_start, normalize_messages, normalize_tools
 from .parsers import OutputParser
 from .prefix_cache import CachedPrefix, PrefixCache
+from .specials import SpecialGuard
 from .types import Cut, CutKind, SplitResult
 
 
@@ -42,14 +45,32 @@ class Adapter(ABC):
 
     `split` raises `SplitError` for bad request content (a 400) and never returns an
     unverified cut. Adapters hold per-model state (tokenizer, prefix cache) and are created
-    once per served model.
+    once per served model. `split`, `output_parser` and `forced_prefix` may be called from
+    several threads at once (caches are locked; everything else is read-only after
+    construction); a parser belongs to one response.
+
+    Tools render in the client's order unless `canonical_tools` (the adapter's default, or
+    per call): see normalize.py for the trade-off. `deviation` says, in one sentence, where
+    the render deliberately differs from the model's own chat template (None: it does not).
     """
 
     name: ClassVar[str]
     stop_token_ids: tuple[int, ...] = ()
+    deviation: str | None = None
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, canonical_tools: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.canonical_tools = canonical_tools
+
+    def _tools(self, tools: list[dict] | None, canonical: bool | None) -> list[dict] | None:
+        return normalize_tools(tools, canonical=self.canonical_tools if canonical is None
+                               else canonical)
+
+    def template_mismatch(self) -> str | None:
+        """Why this adapter does not reproduce the tokenizer's chat template on the probe
+        conversations (`auto` then falls back to `generic`), or None. Adapters that render
+        with the template or the model's own library never mismatch."""
+        return None
 
     @classmethod
     @abstractmethod
@@ -58,7 +79,8 @@ class Adapter(ABC):
 
     @abstractmethod
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None) -> SplitResult:
+              template_kwargs: dict | None = None,
+              canonical_tools: bool | None = None) -> SplitResult:
         """Render with the generation prompt and return the ids and verified cuts."""
 
     @abstractmethod
@@ -91,9 +113,11 @@ class TextAdapter(Adapter):
         {"role": "user", "content": "  again"},
     ]
 
-    def __init__(self, tokenizer: Any, cache: PrefixCache | None = None) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any, cache: PrefixCache | None = None, *,
+                 canonical_tools: bool = False) -> None:
+        super().__init__(tokenizer, canonical_tools=canonical_tools)
         self.cache = cache if cache is not None else PrefixCache()
+        self.guard = SpecialGuard(tokenizer)
         specials = sorted(tokenizer.atomic_specials, key=len, reverse=True)
         added = sorted(tokenizer.added_tokens, key=len, reverse=True)
         self._special_rx = re.compile("|".join(map(re.escape, specials))) if specials else None
@@ -108,17 +132,20 @@ class TextAdapter(Adapter):
         """Normalized request → text pieces (module docstring, step 1)."""
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *,
-                    template_kwargs: dict | None = None) -> str:
+                    template_kwargs: dict | None = None,
+                    canonical_tools: bool | None = None) -> str:
         """The full prompt text this adapter renders for a request."""
-        msgs, tls = normalize_messages(messages), canonical_tools(tools)
+        msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
         return "".join(p.text for p in self.render_pieces(msgs, tls, dict(template_kwargs or {})))
 
     # -- splitting ---------------------------------------------------------------------
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None, use_cache: bool = True) -> SplitResult:
-        msgs, tls = normalize_messages(messages), canonical_tools(tools)
-        pieces = self.render_pieces(msgs, tls, dict(template_kwargs or {}))
+              template_kwargs: dict | None = None, canonical_tools: bool | None = None,
+              use_cache: bool = True) -> SplitResult:
+        msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
+        pieces = self.render_pieces(self.guard.defuse(msgs), self.guard.defuse(tls),
+                                    dict(template_kwargs or {}))
         chunks, consumed = self._chunks(pieces)
         if self.chunking_ok:
             ids, ends = self._encode_chunks(chunks, use_cache, self._wanted(msgs, consumed))
@@ -179,7 +206,7 @@ class TextAdapter(Adapter):
         hit = self.cache.deepest(keys) if use_cache else None
         if hit is not None:
             start, ids, ends = hit[0] + 1, list(hit[1].ids), list(hit[1].chunk_ends)
-        for i, enc in enumerate(self.tokenizer.encode_batch(chunks[start:]), start):
+        for i, enc in enumerate(self.guard.encode_batch(chunks[start:]), start):
             ids.extend(enc)
             ends.append(len(ids))
             if use_cache and i in wanted and i < len(keys):
@@ -190,11 +217,11 @@ class TextAdapter(Adapter):
         """Slow path for tokenizers that fail the chunking probe: encode the whole text, and
         keep a boundary only if encoding its prefix alone gives exactly the leading ids."""
         text = "".join(chunks)
-        ids = self.tokenizer.encode(text)
+        ids = self.guard.encode(text)
         ends, offset = [], 0
         for chunk in chunks[:-1]:
             offset += len(chunk)
-            prefix = self.tokenizer.encode(text[:offset])
+            prefix = self.guard.encode(text[:offset])
             ends.append(len(prefix) if ids[: len(prefix)] == prefix else -1)
         ends.append(len(ids))
         return ids, ends
@@ -230,5 +257,5 @@ class TextAdapter(Adapter):
         except Exception:  # a template that rejects the probe: take the verified slow path
             return False
         chunks, _ = self._chunks(pieces)
-        chunked = [t for ids in self.tokenizer.encode_batch(chunks) for t in ids]
-        return chunked == self.tokenizer.encode("".join(chunks))
+        chunked = [t for ids in self.guard.encode_batch(chunks) for t in ids]
+        return chunked == self.guard.encode("".join(chunks))

@@ -14,24 +14,29 @@ LRU keyed by a digest of the messages before it (and the next message's role), a
 only if the current ids up to it hash to the ids verified then.
 
 A template that ignores tools (rendering with and without a probe tool gives the same text)
-gets them lowered into the messages Hermes-style (schemas appended to the system message,
-`<tool_call>` JSON in assistant content, results as `<tool_response>` user messages), so the
-model sees them instead of having them silently dropped.
+gets them lowered into the messages Hermes-style (`hermes.lower_tools`: schemas appended to
+the system message, `<tool_call>` JSON in assistant content, results as `<tool_response>`
+user messages), so the model sees them instead of having them silently dropped.
+
+Message text is tokenized as text (specials.py): the request is defused before the template
+renders it. The cache of verified cuts is locked (splits may run in executor threads).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from typing import Any
 
 import jinja2
 
 from .base import Adapter
-from .hermes import tool_call_text, tools_text
-from .normalize import canonical_tools, leading_system_count, newest_start, normalize_messages
+from .hermes import lower_tools
+from .normalize import leading_system_count, newest_start, normalize_messages
 from .parsers import OutputParser, TagParser
+from .specials import SpecialGuard
 from .types import Cut, CutKind, SplitError, SplitResult
 
 _PROBE = "\ue000\ue001probe"
@@ -42,10 +47,15 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_\ue000", "de
 class GenericAdapter(Adapter):
     name = "generic"
 
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any, **kwargs: Any) -> None:
+        super().__init__(tokenizer, **kwargs)
         self.supports_tools = self._detect_tool_support()
+        if not self.supports_tools:
+            self.deviation = ("the chat template ignores tools: tools, tool calls and tool "
+                              "results are rendered Hermes-style into the messages")
+        self.guard = SpecialGuard(tokenizer)
         self._known: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
         self.max_known = 4096
         eos = tokenizer.special_tokens.get("eos_token")
         eos_id = tokenizer.token_to_id(eos) if eos else None
@@ -66,29 +76,8 @@ class GenericAdapter(Adapter):
 
     @staticmethod
     def lower_tools(msgs: list[dict], tools: list[dict] | None) -> list[dict]:
-        """Tools, tool calls and tool results as plain Hermes-style text."""
-        out: list[dict] = []
-        lead = leading_system_count(msgs)
-        if tools:
-            if lead:
-                last = msgs[lead - 1]
-                body = last["content"] + ("\n\n" if last["content"] else "") + tools_text(tools)
-                out = [*msgs[: lead - 1], dict(last, content=body)]
-            else:
-                out = [{"role": "system", "content": tools_text(tools)}]
-        else:
-            out = list(msgs[:lead])
-        for m in msgs[lead:]:
-            if m["role"] == "assistant" and m.get("tool_calls"):
-                calls = "\n".join(tool_call_text(c) for c in m["tool_calls"])
-                text = m["content"] + ("\n" if m["content"] else "") + calls
-                out.append({"role": "assistant", "content": text})
-            elif m["role"] == "tool":
-                out.append({"role": "user",
-                            "content": "<tool_response>\n" + m["content"] + "\n</tool_response>"})
-            else:
-                out.append(m)
-        return out
+        """Tools, tool calls and tool results as plain Hermes-style text (`hermes.lower_tools`)."""
+        return lower_tools(msgs, tools)
 
     def _render(self, msgs: list[dict], tools: list[dict] | None, kwargs: dict,
                 add_generation_prompt: bool) -> str:
@@ -96,22 +85,20 @@ class GenericAdapter(Adapter):
                                      **kwargs)
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None) -> SplitResult:
-        msgs, tls = normalize_messages(messages), canonical_tools(tools)
-        lead, newest = leading_system_count(msgs), newest_start(msgs)
+              template_kwargs: dict | None = None,
+              canonical_tools: bool | None = None) -> SplitResult:
+        msgs = self.guard.defuse(normalize_messages(messages))
+        tls = self.guard.defuse(self._tools(tools, canonical_tools))
         if not self.supports_tools:
-            lowered = self.lower_tools(msgs, tls)
-            # lowering adds a system message when tools exist without one
-            shift = 1 if tls and not lead else 0
-            msgs, tls, lead, newest = lowered, None, lead + shift, newest + shift
+            msgs, tls = lower_tools(msgs, tls), None
+        lead, newest = leading_system_count(msgs), newest_start(msgs)
         kwargs = dict(template_kwargs or {})
         try:
             text = self._render(msgs, tls, kwargs, True)
         except jinja2.TemplateError as exc:
             raise SplitError(f"the chat template rejected the conversation: {exc}",
                              "messages") from None
-        enc = self.tokenizer.backend.encode(text, add_special_tokens=False)
-        ids, offsets = enc.ids, enc.offsets
+        ids, ends = self.guard.encode_with_ends(text)
         cuts: list[Cut] = []
         wanted = [(lead, CutKind.INSTRUCTION)] if (lead or tls) else []
         wanted += [(k, CutKind.TURN) for k in range(lead + 1, newest)
@@ -130,7 +117,7 @@ class GenericAdapter(Adapter):
             key.update(msgs[k]["role"].encode() if k < len(msgs) else b"")
             pos = self._cached_cut(key.digest(), ids)
             if pos is None:
-                pos = self._verified_cut(msgs, tls, kwargs, k, text, ids, offsets)
+                pos = self._verified_cut(msgs, tls, kwargs, k, text, ids, ends)
                 if pos is not None:
                     self._remember(key.digest(), pos, ids)
             if pos is not None and (not cuts or pos > cuts[-1].position):
@@ -143,19 +130,23 @@ class GenericAdapter(Adapter):
                                digest_size=16).digest()
 
     def _cached_cut(self, key: bytes, ids: list[int]) -> int | None:
-        hit = self._known.get(key)
+        with self._lock:
+            hit = self._known.get(key)
+            if hit is not None:
+                self._known.move_to_end(key)
         if hit is None or hit[0] > len(ids) or self._ids_digest(ids[: hit[0]]) != hit[1]:
             return None
-        self._known.move_to_end(key)
         return hit[0]
 
     def _remember(self, key: bytes, pos: int, ids: list[int]) -> None:
-        self._known[key] = (pos, self._ids_digest(ids[:pos]))
-        while len(self._known) > self.max_known:
-            self._known.popitem(last=False)
+        entry = (pos, self._ids_digest(ids[:pos]))
+        with self._lock:
+            self._known[key] = entry
+            while len(self._known) > self.max_known:
+                self._known.popitem(last=False)
 
     def _verified_cut(self, msgs: list[dict], tools: list[dict] | None, kwargs: dict, k: int,
-                      text: str, ids: list[int], offsets: list) -> int | None:
+                      text: str, ids: list[int], ends: list[int]) -> int | None:
         common = None
         for role in ("user", "assistant"):  # the shortest agreement over both probe roles
             try:
@@ -176,12 +167,12 @@ class GenericAdapter(Adapter):
                 common -= len(special)
                 break
         # the deepest token that ends inside the common text; back off while unverified
-        pos = sum(1 for _, end in offsets if end <= common)
+        pos = sum(1 for end in ends if end <= common)
         for _ in range(4):
             if pos <= 0:
                 return None
-            prefix_text = text[: offsets[pos - 1][1]]
-            if self.tokenizer.encode(prefix_text) == ids[:pos]:
+            prefix_text = text[: ends[pos - 1]]
+            if self.guard.encode(prefix_text) == ids[:pos]:
                 return pos
             pos -= 1
         return None

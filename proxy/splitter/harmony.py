@@ -33,7 +33,7 @@ import re
 from typing import Any
 
 from .base import Adapter
-from .normalize import canonical_tools, leading_system_count, newest_start, normalize_messages
+from .normalize import leading_system_count, newest_start, normalize_messages
 from .parsers import OutputParser, _partial_suffix, call_from_object
 from .types import Cut, CutKind, SplitError, SplitResult
 
@@ -113,8 +113,12 @@ def harmony_messages(msgs: list[dict], tools: list[dict] | None, template_kwargs
 class HarmonyAdapter(Adapter):
     name = "harmony"
 
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer)
+    deviation = ("rendered by openai-harmony: assistant text before tool calls is a "
+                 "commentary preamble and no reasoning is rendered, where gpt-oss's Jinja "
+                 "template turns such text into analysis and drops it later (rewriting history)")
+
+    def __init__(self, tokenizer: Any, **kwargs: Any) -> None:
+        super().__init__(tokenizer, **kwargs)
         self.stop_token_ids = tuple(tokenizer.encoding.stop_tokens_for_assistant_actions())
 
     @classmethod
@@ -122,11 +126,12 @@ class HarmonyAdapter(Adapter):
         return type(tokenizer).__name__ == "HarmonyTokenizerHandle"
 
     def render_ids(self, messages: list[dict], tools: list[dict] | None = None, *,
-                   template_kwargs: dict | None = None) -> list[int]:
+                   template_kwargs: dict | None = None,
+                   canonical_tools: bool | None = None) -> list[int]:
         """The whole prompt as openai-harmony renders it (generation prompt included)."""
         import openai_harmony as h
 
-        msgs, tls = normalize_messages(messages), canonical_tools(tools)
+        msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
         hmsgs, _ = harmony_messages(msgs, tls, dict(template_kwargs or {}))
         return self._render_whole(h, hmsgs)
 
@@ -136,10 +141,11 @@ class HarmonyAdapter(Adapter):
             h.RenderConversationConfig(auto_drop_analysis=False)))
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None) -> SplitResult:
+              template_kwargs: dict | None = None,
+              canonical_tools: bool | None = None) -> SplitResult:
         import openai_harmony as h
 
-        msgs, tls = normalize_messages(messages), canonical_tools(tools)
+        msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
         hmsgs, counts = harmony_messages(msgs, tls, dict(template_kwargs or {}))
         ids = self._render_whole(h, hmsgs)
         enc, head = self.tokenizer.encoding, counts[0]

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from .base import Piece, TextAdapter
 from .parsers import OutputParser, TagParser
+from .probes import first_mismatch, ignores_tools
 
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 "You are provided with function signatures within <tools></tools> XML tags:\n"
@@ -44,6 +45,40 @@ def tool_call_text(call: dict) -> str:
 def _as_system(messages: list[dict]) -> list[dict]:
     # Hermes templates know no "developer" role; it is an instruction like "system".
     return [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
+
+
+def lower_tools(msgs: list[dict], tools: list[dict] | None,
+                default_system: str | None = None) -> list[dict]:
+    """Tools, tool calls and tool results as plain Hermes-style messages, for templates that
+    ignore them: the schemas appended to the first system message (one is added, holding
+    `default_system` if given, when there is none), `<tool_call>` JSON after an assistant's
+    text, each run of tool results as one user message of `<tool_response>` blocks.
+    "developer" becomes "system". `ChatMLAdapter` renders exactly the template's render of
+    this (tests check it)."""
+    msgs = _as_system(msgs)
+    out: list[dict] = []
+    if tools:
+        if msgs and msgs[0]["role"] == "system":
+            first = msgs[0]["content"]
+            out.append(dict(msgs[0], content=first + ("\n\n" if first else "") + tools_text(tools)))
+            msgs = msgs[1:]
+        else:
+            head = default_system + "\n\n" if default_system else ""
+            out.append({"role": "system", "content": head + tools_text(tools)})
+    for m in msgs:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(tool_call_text(c) for c in m["tool_calls"])
+            out.append({"role": "assistant",
+                        "content": m["content"] + ("\n" if m["content"] else "") + calls})
+        elif m["role"] == "tool":
+            block = "<tool_response>\n" + m["content"] + "\n</tool_response>"
+            if out and out[-1].get("lowered_tool"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "lowered_tool": True})
+        else:
+            out.append(m)
+    return [{k: v for k, v in m.items() if k != "lowered_tool"} for m in out]
 
 
 class HermesAdapter(TextAdapter):
@@ -88,6 +123,14 @@ class HermesAdapter(TextAdapter):
 
 class Qwen3Adapter(HermesAdapter):
     name = "qwen3"
+
+    def _mirror(self, msgs: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+        return "".join(p.text for p in self.render_pieces(msgs, tools, kwargs))
+
+    def template_mismatch(self) -> str | None:
+        tok = self.tokenizer
+        return first_mismatch(self._mirror, lambda m, t, kw: tok.render(
+            m, t, add_generation_prompt=True, **kw))
 
     @classmethod
     def matches(cls, tokenizer: Any) -> bool:
@@ -144,6 +187,21 @@ class Qwen3Adapter(HermesAdapter):
 
 class ChatMLAdapter(HermesAdapter):
     name = "chatml"
+    deviation = ("the chat template ignores tools (SmolLM2's does): tools, tool calls and "
+                 "tool results are rendered Hermes-style, exactly as the template renders "
+                 "the conversation with them lowered into its messages (hermes.lower_tools)")
+
+    def _mirror(self, msgs: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+        return "".join(p.text for p in self.render_pieces(msgs, tools, kwargs))
+
+    def template_mismatch(self) -> str | None:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            return "the tokenizer has no chat template to prove the mirror against"
+        if not ignores_tools(tok):
+            return "the chat template renders tools itself"
+        return first_mismatch(self._mirror, lambda m, t, kw: tok.render(
+            lower_tools(m, t, self.default_system), None, add_generation_prompt=True, **kw))
 
     def __init__(self, tokenizer: Any, **kwargs: Any) -> None:
         self.default_system = self._detect_default_system(tokenizer)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from .base import Piece, TextAdapter
 from .parsers import OutputParser, call_from_object
+from .probes import first_mismatch
 
 TOOLS_PREAMBLE = ("You have access to the following functions. To call a function, please respond "
                   "with JSON for a function call.Respond in the format {\"name\": function name, "
@@ -37,6 +38,21 @@ class Llama3Adapter(TextAdapter):
         super().__init__(tokenizer, **kwargs)
         ids = (tokenizer.token_to_id(t) for t in self.stop_tokens)
         self.stop_token_ids = tuple(i for i in ids if i is not None)
+        if not getattr(tokenizer, "chat_template", None):
+            self.deviation = ("the tokenizer ships no chat template: rendered in the official "
+                              "Llama 3.1/3.2 layout, tools in the system turn, several calls "
+                              "joined by '; ', a fixed date_string")
+
+    def template_mismatch(self) -> str | None:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None  # nothing to be faithful to: the documented layout (`deviation`)
+        tok = self.tokenizer
+
+        def mirror(msgs: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+            return "".join(p.text for p in self.render_pieces(msgs, tools, kwargs))
+
+        return first_mismatch(mirror, lambda m, t, kw: tok.render(
+            m, t, add_generation_prompt=True, **kw), {"date_string": "26 Jul 2024"})
 
     @classmethod
     def matches(cls, tokenizer: Any) -> bool:

@@ -23,7 +23,7 @@ import string
 from typing import Any
 
 from .base import Adapter
-from .normalize import canonical_tools, normalize_messages
+from .normalize import normalize_messages
 from .parsers import OutputParser, call_from_object
 from .types import Cut, CutKind, SplitError, SplitResult
 
@@ -43,8 +43,8 @@ def mistral_call_id(call_id: str) -> str:
 class MistralAdapter(Adapter):
     name = "mistral"
 
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any, **kwargs: Any) -> None:
+        super().__init__(tokenizer, **kwargs)
         inner = tokenizer.tokenizer.instruct_tokenizer.tokenizer
         self._special = {name: inner.get_special_token(name)
                          for name in ("[AVAILABLE_TOOLS]", "[INST]", TOOL_CALLS)}
@@ -84,8 +84,9 @@ class MistralAdapter(Adapter):
                              "messages") from None
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None) -> SplitResult:
-        msgs, tls = normalize_messages(messages), canonical_tools(tools)
+              template_kwargs: dict | None = None,
+              canonical_tools: bool | None = None) -> SplitResult:
+        msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
         ids = self._encode(msgs, tls)
         return SplitResult(self.name, tuple(ids), self._cuts(msgs, tls, ids))
 

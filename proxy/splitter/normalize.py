@@ -1,9 +1,13 @@
 """Request normalization: the same logical request always renders to the same tokens.
 
-- Tools are canonicalized: sorted by function name (stable), fixed key order
-  (`type`, `function`; `name`, `description`, `parameters`, then the rest sorted) and every
-  JSON-schema object inside `parameters` key-sorted. Two clients sending one toolset in
-  different orders therefore share the instruction anchor.
+- Tools are validated and, by default, kept exactly as the client sent them (order of the
+  tools and of every key), because that is what the model's own template renders and what
+  the model reads. Canonical ordering is opt-in (`canonical=True`): sorted by function
+  name (stable), fixed key order (`type`, `function`; `name`, `description`, `parameters`,
+  then the rest sorted) and every JSON-schema object inside `parameters` key-sorted, so two
+  clients sending one toolset in different orders share the instruction anchor, at the
+  price of a prompt that differs from the template's (the model sees another tool order
+  and argument order than the client sent, which can change its output).
 - Message content becomes a plain string: `None` becomes "" and text parts are joined with
   "\\n" (what vLLM and SGLang do); non-text parts are rejected.
 - Tool-call `arguments` arriving as JSON strings are parsed into objects, so templates that
@@ -32,8 +36,34 @@ def _sorted_json(value: Any) -> Any:
     return value
 
 
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def normalize_tools(tools: list[dict] | None, *, canonical: bool = False) -> list[dict] | None:
+    """A validated copy of an OpenAI `tools` list, in the client's order (every key too)
+    unless `canonical`; `None` or `[]` gives `None`."""
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise SplitError("tools must be a list", "tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise SplitError("each tool needs a function with a non-empty name",
+                             f"tools[{i}].function.name")
+        if tool.get("type", "function") != "function":
+            raise SplitError(f"unsupported tool type {tool.get('type')!r}", f"tools[{i}].type")
+    return canonical_tools(tools) if canonical else [_copy(t) for t in tools]
+
+
 def canonical_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Canonical copy of an OpenAI `tools` list; `None` or `[]` gives `None`."""
+    """Canonical copy of an OpenAI `tools` list (see module docstring); `None` or `[]`
+    gives `None`. Validates like `normalize_tools`."""
     if not tools:
         return None
     if not isinstance(tools, list):

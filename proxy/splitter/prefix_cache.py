@@ -7,12 +7,13 @@ the text, so a hit can only return the ids a whole render would give; the digest
 character (a one-character change in the system prompt is a different key).
 
 Each entry holds the prefix ids and the token positions of the chunk ends inside it, so a
-hit restores the earlier cuts too. Bounded by entry count and by total tokens; not thread-safe (one per adapter, used from the
-proxy's event loop).
+hit restores the earlier cuts too. Bounded by entry count and by total tokens. One per
+adapter; every method takes a lock, so splits may run in an executor's threads.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -28,6 +29,7 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self._entries: OrderedDict[bytes, CachedPrefix] = OrderedDict()
         self._num_tokens = 0
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
@@ -39,6 +41,10 @@ class PrefixCache:
         return self._num_tokens
 
     def get(self, key: bytes) -> CachedPrefix | None:
+        with self._lock:
+            return self._get(key)
+
+    def _get(self, key: bytes) -> CachedPrefix | None:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
@@ -47,23 +53,26 @@ class PrefixCache:
     def deepest(self, keys: list[bytes]) -> tuple[int, CachedPrefix] | None:
         """The last of `keys` (prefix digests, shortest first) that is cached, with its
         index; counts one hit or one miss."""
-        for i in range(len(keys) - 1, -1, -1):
-            entry = self.get(keys[i])
-            if entry is not None:
-                self.hits += 1
-                return i, entry
-        self.misses += 1
-        return None
+        with self._lock:
+            for i in range(len(keys) - 1, -1, -1):
+                entry = self._get(keys[i])
+                if entry is not None:
+                    self.hits += 1
+                    return i, entry
+            self.misses += 1
+            return None
 
     def put(self, key: bytes, entry: CachedPrefix) -> None:
-        if len(entry.ids) > self.max_tokens or key in self._entries:
-            return
-        self._entries[key] = entry
-        self._num_tokens += len(entry.ids)
-        while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
-            _, old = self._entries.popitem(last=False)
-            self._num_tokens -= len(old.ids)
+        with self._lock:
+            if len(entry.ids) > self.max_tokens or key in self._entries:
+                return
+            self._entries[key] = entry
+            self._num_tokens += len(entry.ids)
+            while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
+                _, old = self._entries.popitem(last=False)
+                self._num_tokens -= len(old.ids)
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._num_tokens = 0
+        with self._lock:
+            self._entries.clear()
+            self._num_tokens = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 from functools import lru_cache
 from importlib.metadata import entry_points
@@ -21,6 +22,7 @@ from typing import Any
 
 from .base import Adapter
 
+log = logging.getLogger("anchorcache.splitter")
 ENTRY_POINT_GROUP = "anchorcache.splitter_adapters"
 PLUGIN_DIR_ENV = "ANCHORCACHE_SPLITTER_PLUGIN_DIR"
 BUILTINS = {  # in `auto` order: most specific first
@@ -85,8 +87,20 @@ class AdapterRegistry:
             return _load_builtin(name)
         raise ValueError(f"unknown adapter {name!r}; valid: auto, {', '.join(self.names())}")
 
-    def create(self, name: str, tokenizer: Any) -> Adapter:
-        return self.adapter_class(name, tokenizer)(tokenizer)
+    def create(self, name: str, tokenizer: Any, **kwargs: Any) -> Adapter:
+        """An adapter by name. `auto` proves a Python mirror against the tokenizer's chat
+        template on probe conversations (`Adapter.template_mismatch`) and falls back to
+        `generic` (the template itself), with a log line saying why, when they differ."""
+        adapter = self.adapter_class(name, tokenizer)(tokenizer, **kwargs)
+        if name != "auto" or adapter.name == "generic":
+            return adapter
+        reason = adapter.template_mismatch()
+        if reason is None:
+            return adapter
+        log.warning("adapter %s does not reproduce the chat template of %s (%s); using the "
+                    "generic adapter, which renders with the template itself", adapter.name,
+                    getattr(tokenizer, "name", "?"), reason)
+        return self.adapter_class("generic", tokenizer)(tokenizer, **kwargs)
 
 
 @lru_cache(maxsize=1)  # plugins are loaded once per process, like entry points themselves
@@ -99,11 +113,13 @@ def default_registry() -> AdapterRegistry:
     return registry
 
 
-def get_adapter(name: str, tokenizer: Any, *, registry: AdapterRegistry | None = None
-                ) -> Adapter:
-    """An adapter instance by name; "auto" picks by the tokenizer's template. Unknown names
-    raise ValueError listing the valid ones."""
-    return (registry or default_registry()).create(name, tokenizer)
+def get_adapter(name: str, tokenizer: Any, *, registry: AdapterRegistry | None = None,
+                canonical_tools: bool = False) -> Adapter:
+    """An adapter instance by name; "auto" picks by the tokenizer's template (and proves a
+    mirror against it). `canonical_tools`: the adapter's default tool ordering (see
+    normalize.py). Unknown names raise ValueError listing the valid ones."""
+    return (registry or default_registry()).create(name, tokenizer,
+                                                   canonical_tools=canonical_tools)
 
 
 def available_adapters(registry: AdapterRegistry | None = None) -> list[str]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from anchorcache.proxy.splitter import get_adapter
-from anchorcache.proxy.tokenizers import load_tokenizer
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="session")

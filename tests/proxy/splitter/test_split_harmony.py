@@ -13,11 +13,11 @@ import openai_harmony as h
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from anchorcache.proxy import tokenizers
+from anchorcache.proxy.splitter import tokenizers
 from anchorcache.proxy.splitter import CutKind, SplitError, get_adapter, run_split
 from anchorcache.proxy.splitter.harmony import HarmonyAdapter, harmony_messages
-from anchorcache.proxy.splitter.normalize import canonical_tools, normalize_messages
-from anchorcache.proxy.tokenizers import HarmonyTokenizerHandle, load_tokenizer, o200k_dir
+from anchorcache.proxy.splitter.normalize import normalize_messages, normalize_tools
+from anchorcache.proxy.splitter.tokenizers import HarmonyTokenizerHandle, load_tokenizer, o200k_dir
 from tests.proxy.splitter.split_strategies import conversation
 
 SETTINGS = settings(max_examples=20, deadline=None,
@@ -185,7 +185,7 @@ def test_cuts_are_library_prefixes_between_messages(adapter, conv):
     msgs, tools = conv
     result = adapter.split(msgs, tools)
     enc = adapter.tokenizer.encoding
-    hmsgs, _ = harmony_messages(normalize_messages(msgs), canonical_tools(tools), {})
+    hmsgs, _ = harmony_messages(normalize_messages(msgs), normalize_tools(tools), {})
     config = h.RenderConversationConfig(auto_drop_analysis=False)
     prefixes = {}
     for k in range(1, len(hmsgs) + 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from anchorcache.proxy.splitter.mistral import TOOL_CALLS
@@ -71,6 +71,9 @@ def test_round_trip(adapters, name, calls):
     lambda s: s.strip() and "<" not in s and "{" not in s and "[" not in s))
 def test_streaming_equals_whole_and_never_leaks_markers(adapters, name, calls, prose):
     adapter = adapters[name]
+    # the parser reads decoded text: a marker written inside the arguments is ambiguous there
+    # (Hypothesis draws such strings from the code's constants)
+    assume(name != "harmony" or "<|" not in json.dumps(calls, ensure_ascii=False))
     body = _assistant_text(adapter, calls)
     text = body if name == "llama3" else prose + body
     if name == "harmony":  # prose as the preamble message before the calls

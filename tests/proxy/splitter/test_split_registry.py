@@ -13,7 +13,7 @@ from anchorcache.proxy.splitter import (
     get_adapter,
     run_split,
 )
-from anchorcache.proxy.tokenizers import load_tokenizer
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 
 PLUGIN = '''
 from anchorcache.proxy.splitter.hermes import ChatMLAdapter

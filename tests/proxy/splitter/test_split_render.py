@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from anchorcache.proxy.splitter import SplitError, canonical_tools, get_adapter, normalize_messages
-from anchorcache.proxy.tokenizers import load_hf_dir
+from anchorcache.proxy.splitter import SplitError, get_adapter, normalize_messages, normalize_tools
+from anchorcache.proxy.splitter.tokenizers import load_hf_dir
 from tests.proxy.splitter.split_strategies import conversation
 
 SETTINGS = settings(max_examples=40, deadline=None,
@@ -23,7 +23,7 @@ SETTINGS = settings(max_examples=40, deadline=None,
 def test_qwen3_render_is_the_qwen3_template(adapters, tokenizers_by_name, conv):
     msgs, tools = conv
     ours = adapters["qwen3"].render_text(msgs, tools)
-    theirs = tokenizers_by_name["qwen3"].render(normalize_messages(msgs), canonical_tools(tools),
+    theirs = tokenizers_by_name["qwen3"].render(normalize_messages(msgs), normalize_tools(tools),
                                                 add_generation_prompt=True)
     assert ours == theirs
 
@@ -62,7 +62,9 @@ def test_chatml_renders_tools_calls_and_results(adapters):
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
-def test_same_toolset_in_any_order_renders_the_same(adapters):
+def test_toolset_order_is_the_clients_unless_canonical(adapters, tokenizers_by_name):
+    """By default the tools and their keys render in the client's order (as the template
+    does); with canonical ordering on, one toolset in any order renders the same."""
     tools = [{"type": "function", "function": {"name": n, "description": "d",
                                                "parameters": {"type": "object",
                                                               "properties": {"b": {}, "a": {}}}}}
@@ -72,10 +74,22 @@ def test_same_toolset_in_any_order_renders_the_same(adapters):
                                                "type": "object"},
                                 "description": "d", "name": "mid"}, "type": "function"}
     msgs = [{"role": "user", "content": "hi"}]
-    for name in ("qwen3", "chatml", "llama3", "mistral"):
-        a = adapters[name].split(msgs, tools)
-        b = adapters[name].split(msgs, shuffled)
-        assert a.input_ids == b.input_ids
+    for name in ("qwen3", "chatml", "llama3", "mistral", "harmony", "generic-qwen3",
+                 "generic-smollm2"):
+        adapter = adapters[name]
+        a, b = adapter.split(msgs, tools), adapter.split(msgs, shuffled)
+        assert a.input_ids != b.input_ids, name
+        a = adapter.split(msgs, tools, canonical_tools=True)
+        b = adapter.split(msgs, shuffled, canonical_tools=True)
+        assert a.input_ids == b.input_ids, name
+    qwen3 = tokenizers_by_name["qwen3"]
+    text = qwen3.decode(list(adapters["qwen3"].split(msgs, shuffled).input_ids))
+    assert text == qwen3.render(msgs, shuffled)
+    assert text.index('"mid"') < text.index('"zeta"') < text.index('"alpha"')
+    assert text.index('{"function": {"parameters": {"properties": {"a"') > 0
+    canonical = get_adapter("auto", qwen3, canonical_tools=True)
+    assert canonical.split(msgs, shuffled) == adapters["qwen3"].split(
+        msgs, tools, canonical_tools=True)
 
 
 def test_string_and_object_arguments_render_the_same(adapters):
@@ -144,7 +158,7 @@ def test_template_that_needs_a_user_turn_still_splits(tmp_path, tokenizers_by_na
 
 def test_proxy_side_never_imports_torch():
     code = ("import sys, json\n"
-            "from anchorcache.proxy.tokenizers import load_tokenizer\n"
+            "from anchorcache.proxy.splitter.tokenizers import load_tokenizer\n"
             "from anchorcache.proxy.splitter import get_adapter\n"
             "for n in ('qwen3', 'smollm2', 'llama3', 'mistral'):\n"
             "    a = get_adapter('auto', load_tokenizer(n))\n"

@@ -2,10 +2,11 @@
 
 Three sources feed it:
 - `metrics_middleware` (outermost): every request by method, route template and status.
-- the request pipeline, at its end: `record_generation` (TTFT, the worker's prefill, restore
-  and snapshot times, anchor hits by kind, misses by kind and reason, prompt tokens
-  prefilled vs restored, snapshot and restore bytes) and `record_reservations` (how a
-  request's staged anchors ended: confirmed, or aborted and why).
+- the request pipeline, once per request as it ends (`Completion._observe`): `record_ttft`,
+  `record_generation` (the worker's prefill, restore and snapshot times, anchor hits by
+  kind, misses by kind and reason, prompt tokens prefilled vs restored, snapshot and
+  restore bytes) and `record_reservations` (how the request's reserved snapshot slots
+  ended: confirmed, or aborted and why).
 - `WorkerCollector`, at scrape time: the worker's own `/anchor/stats` counters, fetched with
   a short timeout so a dead or hung worker costs one gauge (`anchorcache_worker_up` 0),
   never the whole `/metrics` reply.
@@ -130,18 +131,24 @@ class WorkerCollector:
         self._stats: dict[str, float] | None = None
 
     async def refresh(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> None:
-        self._stats = None
+        self._stats = await self._fetch(session, base_url, timeout_s)
+
+    @staticmethod
+    async def _fetch(session: aiohttp.ClientSession, base_url: str,
+                     timeout_s: float) -> dict[str, float] | None:
+        """The numbers of `/anchor/stats`, or None if the worker did not answer in time."""
         try:
             async with session.get(base_url.rstrip("/") + "/anchor/stats",
                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 if resp.status != 200:
-                    return
+                    return None
                 data = orjson.loads(await resp.read())
         except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
-            return
-        if isinstance(data, dict):
-            self._stats = {k: float(v) for k, v in data.items()
-                           if isinstance(v, int | float) and not isinstance(v, bool)}
+            return None
+        if not isinstance(data, dict):
+            return None
+        return {k: float(v) for k, v in data.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)}
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("anchorcache_worker_up",

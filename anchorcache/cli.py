@@ -260,6 +260,7 @@ def bench(
         help="Tokenizer for the ideal prefill: model dir or qwen3/llama3/mistral/gpt-oss "
              "(default: the default model).")] = None,
     adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
     out: Annotated[Path, typer.Option(help="Writes OUT.json (report) and OUT.png (plot).")]
     = Path("bench/results/anchorcache_bench"),
 ) -> None:
@@ -279,7 +280,8 @@ def bench(
     console = Console(stderr=True)
     try:
         convs = b.load_conversations(conversations)[:limit]
-        splitter = get_adapter(adapter, load_tokenizer(model))
+        # split as the proxy does (same adapter and tool order), to count the ideal in its tokens
+        splitter = get_adapter(adapter, load_tokenizer(model), canonical_tools=canonical_tools)
     except (b.BenchError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -14,6 +14,7 @@ the worker drops every anchor it staged for it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -29,6 +30,8 @@ from .planner import DEFAULT_TENANT, Plan
 from .schema import ToolChoice, rendered_chars
 from .splitter.types import OutputDelta, SplitResult, ToolCall
 from .state import ProxyState
+
+log = logging.getLogger("anchorcache.proxy")
 
 NO_TOOLS = ToolChoice("none")
 
@@ -214,21 +217,27 @@ class Completion:
             ended = "error"
             raise
         finally:
-            self._observe(plan, None if settled else ended)
-            if not settled:
-                # client gone, stop sequence, or worker failure: nothing may linger
-                await asyncio.shield(self._abort())
+            try:
+                if not settled:
+                    # client gone, stop sequence, or worker failure: nothing may linger
+                    await asyncio.shield(self._abort())
+            finally:
+                self._observe(plan, None if settled else ended)
 
     def _observe(self, plan: Plan, aborted: str | None) -> None:
-        """The one place the pipeline feeds the metrics (`aborted`: why it was not settled)."""
+        """The one place the pipeline feeds the metrics (`aborted`: why it was not settled).
+        Never raises: a metrics bug must not turn a served request into an error."""
         metrics = self.state.metrics
-        if self.ttft_s is not None:
-            metrics.record_ttft(self.tenant, self.ttft_s)
-        if self.outcome.meta:
-            metrics.record_generation(self.tenant, plan, self.outcome.meta)
-        if plan.namespace:  # anchors on: the request reserved slots for its snapshots
-            metrics.record_reservations(self.tenant, "aborted" if aborted else "confirmed",
-                                        aborted or "ok")
+        try:
+            if self.ttft_s is not None:
+                metrics.record_ttft(self.tenant, self.ttft_s)
+            if self.outcome.meta:
+                metrics.record_generation(self.tenant, plan, self.outcome.meta)
+            if plan.namespace:  # anchors on: the request reserved slots for its snapshots
+                metrics.record_reservations(self.tenant, "aborted" if aborted else "confirmed",
+                                            aborted or "ok")
+        except Exception:
+            log.exception("recording metrics of request %s failed", self.rid)
 
     def _record(self, delta: OutputDelta) -> OutputDelta:
         if delta.tool_call is None:

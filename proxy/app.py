@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from .anthropic_api import count_tokens, messages
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
@@ -99,6 +100,8 @@ def create_app(config: ProxyConfig, *,
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)

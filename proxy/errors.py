@@ -1,7 +1,9 @@
-"""OpenAI-style errors: one exception type, one table of kinds, one middleware.
+"""Errors: one exception type, one table of kinds, one middleware, two wire formats.
 
-Every failure a client can see becomes `{"error": {"message", "type", "code", "param"}}`
-with the status from `KINDS`; nothing else leaves the proxy as a 5xx traceback.
+Every failure a client can see becomes an error object with the status from `KINDS`:
+OpenAI's `{"error": {"message", "type", "code", "param"}}`, or on the Anthropic routes
+(`/v1/messages...`) Anthropic's `{"type": "error", "error": {"type", "message"}}`, its type
+following the status (`ANTHROPIC_TYPES`). Nothing else leaves the proxy as a 5xx traceback.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ KINDS: dict[str, tuple[int, str]] = {
 }
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+# HTTP status → Anthropic error type (https://docs.anthropic.com/en/api/errors); any other
+# 4xx is invalid_request_error, any other 5xx api_error
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error",
+                   529: "overloaded_error"}
+
+
+def anthropic_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """An Anthropic error object; the offending field leads the message, as Anthropic's do."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error",
+            "error": {"type": kind, "message": f"{param}: {message}" if param else message}}
+
+
 class ApiError(Exception):
     def __init__(self, kind: str, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -49,13 +67,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": KINDS[self.kind][1],
                           "code": self.kind, "param": self.param}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        return anthropic_body(self.status, self.message, self.param)
+
 
 def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def error_response(err: ApiError) -> web.Response:
-    return json_response(err.body(), err.status)
+def error_response(err: ApiError, *, anthropic: bool = False) -> web.Response:
+    return json_response(err.anthropic_body() if anthropic else err.body(), err.status)
 
 
 _HTTP_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
@@ -63,22 +84,27 @@ _HTTP_KINDS = {404: "not_found", 405: "method_not_allowed", 413: "request_too_la
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    anthropic = request.path.startswith(ANTHROPIC_PREFIX)
     try:
         return await handler(request)
     except ApiError as e:
-        return error_response(e)
+        return error_response(e, anthropic=anthropic)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         kind = _HTTP_KINDS.get(e.status, "invalid_request" if e.status < 500 else "internal_error")
-        return json_response({"error": {"message": e.reason if e.status != 413 else e.text,
-                                        "type": KINDS[kind][1], "code": kind, "param": None}},
-                             e.status)
+        message = e.reason if e.status != 413 else e.text
+        if anthropic:
+            return json_response(anthropic_body(e.status, message or ""), e.status)
+        return json_response({"error": {"message": message, "type": KINDS[kind][1],
+                                        "code": kind, "param": None}}, e.status)
     except (HttpProcessingError, web.RequestPayloadError) as e:  # e.g. gzip that is not gzip
         return error_response(ApiError("invalid_request",
-                                       f"the request body could not be read: {e}"))
+                                       f"the request body could not be read: {e}"),
+                              anthropic=anthropic)
     except asyncio.CancelledError:
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError("internal_error", "internal error in the proxy"))
+        return error_response(ApiError("internal_error", "internal error in the proxy"),
+                              anthropic=anthropic)

@@ -24,6 +24,7 @@ from typing import Any
 
 from anchorcache.wire import GenerateRequest, SamplingParams
 
+from .cut_hints import with_hint_cuts
 from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError
 from .planner import DEFAULT_TENANT, Plan
@@ -50,6 +51,9 @@ class Generation:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop sequences (text)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # anchor hints from the client (Anthropic cache_control): also cut after this many
+    # messages where that boundary verifies (cut_hints.py)
+    cut_after: tuple[int, ...] = ()
     anchors: bool = True  # False: restore and save nothing for this request (a baseline)
 
 
@@ -103,6 +107,18 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str]
     return min(hits) if hits else None
 
 
+def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that a stop sequence may still complete: held
+    back, so that a sequence spanning tokens or chunks never reaches the client in part."""
+    held = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
+
+
 class Completion:
     """One request's run through the pipeline. Build it with `Completion.create`, consume
     `deltas()` once (inside `contextlib.aclosing`), then read `outcome` and `usage()`."""
@@ -127,9 +143,11 @@ class Completion:
         The split runs on the split thread (split_pool.py), never on the event loop."""
         started = time.perf_counter()
         state.budget.check(rendered_chars(gen.messages), gen.max_tokens)
-        split = await state.splits.split([dict(m) for m in gen.messages],
-                                         [dict(t) for t in gen.tools] or None,
-                                         gen.template_kwargs or None)
+        messages, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
+        split = await state.splits.split(messages, tools, gen.template_kwargs or None)
+        if gen.cut_after:
+            split = await with_hint_cuts(state.splits.split, split, messages, tools,
+                                         gen.template_kwargs or None, gen.cut_after)
         return cls(state, gen, split, tenant=tenant, started=started)
 
     def _plan(self) -> Plan:
@@ -186,6 +204,8 @@ class Completion:
                 stop = _find_stop(text, gen.stop, emitted) if gen.stop else None
                 if stop is not None:
                     text = text[:stop[0]]
+                elif gen.stop and chunk.meta is None:
+                    text = text[:max(emitted, len(text) - _stop_prefix(text, gen.stop))]
                 new, emitted = text[emitted:], len(text)
                 for delta in parser.feed(new) if new else ():
                     yield self._record(delta)

@@ -70,7 +70,7 @@ class Planner:
                 continue
             if cut.kind == CutKind.INSTRUCTION:
                 out.append((cut.position, AnchorKind.INSTRUCTION))
-            elif cut.kind in (CutKind.CONVERSATION, CutKind.MESSAGES):
+            elif cut.kind in (CutKind.CONVERSATION, CutKind.MESSAGES, CutKind.HINT):
                 out.append((cut.position, AnchorKind.CONVERSATION))
         return out
 

@@ -68,10 +68,9 @@ def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 
     refuses nesting deeper than `limits.max_depth` and more than `limits.max_nodes` values.
     Never recurses, so no body can exhaust the stack here (nor, once accepted, downstream)."""
     stack: list[tuple[Any, int]] = [(body, depth)]
-    nodes = 0
+    nodes = 1
     while stack:
         value, level = stack.pop()
-        nodes += 1
         if isinstance(value, dict):
             children: Any = value.values()
         elif isinstance(value, list):
@@ -80,13 +79,10 @@ def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 
             continue
         if level > limits.max_depth:
             raise bad(f"the request body is nested deeper than {limits.max_depth} levels")
-        for child in children:
-            if isinstance(child, (dict, list)):
-                stack.append((child, level + 1))
-            else:
-                nodes += 1
+        nodes += len(value)  # counted before iterating: a flat array of millions stops here
         if nodes > limits.max_nodes:
             raise bad(f"the request body has more than {limits.max_nodes} JSON values")
+        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
 
 
 ARGUMENTS_DEPTH = 7  # body → messages → message → tool_calls → call → function → arguments

@@ -94,7 +94,8 @@ def test_a_killed_worker_is_restarted_and_its_anchors_forgotten(serve_proc):
         states.append(body["worker_process"]["state"])
         time.sleep(0.2)
     assert resp.status_code == 200
-    assert states and set(states) <= {"restarting"}  # seen degraded while it was down
+    # seen degraded while it was down ("running" only until the supervisor saw the exit)
+    assert "restarting" in states and set(states) <= {"running", "restarting"}
     after = resp.json()
     assert after["worker_process"]["restarts"] == 1
     assert after["worker_process"]["last_exit_code"] == -signal.SIGKILL

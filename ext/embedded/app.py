@@ -7,6 +7,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from aiohttp import web
@@ -53,7 +54,8 @@ def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _vocab_size(model: torch.nn.Module) -> int:
+def _vocab_size(model: Any) -> int:
+    """Rows of the input embedding (a transformers model): every input id must be below it."""
     embeddings = model.get_input_embeddings()
     assert isinstance(embeddings, torch.nn.Embedding), type(embeddings)
     return int(embeddings.num_embeddings)

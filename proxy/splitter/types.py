@@ -15,6 +15,8 @@ class CutKind(str, Enum):
     CONVERSATION = "conversation"  # end of the last completed turn before the newest messages
     MESSAGES = "messages"  # end of the last message, before the generation prompt: the
     #                        next turn's history ends here, so its anchor is the next hit
+    HINT = "hint"  # a message boundary the client asked to anchor (Anthropic cache_control),
+    #                added after splitting (proxy/cut_hints.py) and verified like the others
 
 
 @dataclass(frozen=True)

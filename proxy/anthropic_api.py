@@ -1,0 +1,192 @@
+"""`POST /v1/messages`: Anthropic's Messages API, a thin layer over the request pipeline.
+
+The request is parsed into the pipeline's `Generation` (`anthropic_schema`; the client's
+`cache_control` marks become `cut_after` hints), run by the same `Completion` as chat
+completions (same splitter, planner, anchors and worker), and the deltas are
+framed as Anthropic content blocks: one `text` block per run of text, one `tool_use` block
+per tool call. Errors are Anthropic error objects with the status of the error table
+(`errors.py`: the one error middleware formats them for these routes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .anthropic_schema import parse_messages_request
+from .errors import ApiError, json_response
+from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
+from .schema import read_json
+from .splitter.types import OutputDelta
+from .state import STATE
+
+STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
+                FinishReason.TOOL_CALLS: "tool_use", FinishReason.STOP_SEQUENCE: "stop_sequence"}
+
+
+def tool_use_id(call_id: str) -> str:
+    """The parser's call id in Anthropic's form (`toolu_…`)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A parsed call's arguments (JSON text of an object, checked by the parser)."""
+    value = orjson.loads(arguments) if arguments.strip() else {}
+    return value if isinstance(value, dict) else {}
+
+
+def usage_json(u: Usage) -> dict[str, int]:
+    """Anthropic usage: `cache_read_input_tokens` the worker did not prefill (restored
+    anchors), `cache_creation_input_tokens` the prompt tokens this request newly saved as
+    anchors, `input_tokens` the rest; the three add up to the prompt."""
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens - u.snapshot_tokens,
+            "output_tokens": u.completion_tokens,
+            "cache_creation_input_tokens": u.snapshot_tokens,
+            "cache_read_input_tokens": u.cached_tokens}
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class BlockFramer:
+    """Turns the pipeline's output deltas into Anthropic content-block events.
+
+    Text deltas go to an open text block (a new one after a tool call); each tool call
+    starts a `tool_use` block whose input streams as `input_json_delta`. `single_tool_use`
+    (`disable_parallel_tool_use`) drops calls after the first.
+    """
+
+    def __init__(self, *, single_tool_use: bool = False) -> None:
+        self.single_tool_use = single_tool_use
+        self.blocks: list[dict[str, Any]] = []  # the finished content, for the whole reply
+        self._open: str | None = None  # "text" | "tool_use"
+        self._call_index: int | None = None  # the parser's index of the open tool call
+        self._args: list[str] = []
+        self._dropped: set[int] = set()
+
+    def feed(self, delta: OutputDelta) -> Iterator[bytes]:
+        tc = delta.tool_call
+        if tc is None:
+            if not delta.content:
+                return
+            if self._open != "text":
+                yield from self.close()
+                yield from self._start({"type": "text", "text": ""})
+                self._open = "text"
+            self.blocks[-1]["text"] += delta.content
+            yield sse("content_block_delta", {
+                "type": "content_block_delta", "index": len(self.blocks) - 1,
+                "delta": {"type": "text_delta", "text": delta.content}})
+            return
+        if tc.index in self._dropped:
+            return
+        if self._open != "tool_use" or tc.index != self._call_index:
+            if self.single_tool_use and any(b["type"] == "tool_use" for b in self.blocks):
+                self._dropped.add(tc.index)
+                return
+            yield from self.close()
+            assert tc.id is not None and tc.name is not None, "a call's first delta names it"
+            yield from self._start({"type": "tool_use", "id": tool_use_id(tc.id),
+                                    "name": tc.name, "input": {}})
+            self._open, self._call_index = "tool_use", tc.index
+        if tc.arguments_delta:
+            self._args.append(tc.arguments_delta)
+            yield sse("content_block_delta", {
+                "type": "content_block_delta", "index": len(self.blocks) - 1,
+                "delta": {"type": "input_json_delta", "partial_json": tc.arguments_delta}})
+
+    def close(self) -> Iterator[bytes]:
+        """End the open block, if any."""
+        if self._open is None:
+            return
+        if self._open == "tool_use":
+            self.blocks[-1]["input"] = tool_input("".join(self._args))
+            self._args = []
+        self._open = self._call_index = None
+        yield sse("content_block_stop", {"type": "content_block_stop",
+                                         "index": len(self.blocks) - 1})
+
+    def _start(self, block: dict[str, Any]) -> Iterator[bytes]:
+        self.blocks.append(block)
+        yield sse("content_block_start", {"type": "content_block_start",
+                                          "index": len(self.blocks) - 1,
+                                          "content_block": dict(block)})
+
+
+def _stop(outcome: Outcome) -> dict[str, Any]:
+    reason = STOP_REASONS[outcome.finish_reason]
+    return {"stop_reason": reason,
+            "stop_sequence": outcome.stop_sequence if reason == "stop_sequence" else None}
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would send
+    them to the worker (rendered and split the same way, nothing generated)."""
+    state = request.app[STATE]
+    req = parse_messages_request(await read_json(request),
+                                 max_tokens_limit=state.info.max_context_tokens, count_only=True)
+    check_model(state, req.model)
+    completion = await Completion.create(state, req.generation)
+    return json_response({"input_tokens": len(completion.split.input_ids)})
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/messages`."""
+    state = request.app[STATE]
+    req = parse_messages_request(await read_json(request),
+                                 max_tokens_limit=state.info.max_context_tokens)
+    check_model(state, req.model)
+    completion = await Completion.create(state, req.generation)
+    framer = BlockFramer(single_tool_use=req.single_tool_use)
+    message: dict[str, Any] = {"id": "msg_" + uuid.uuid4().hex, "type": "message",
+                               "role": "assistant", "model": state.info.model_id}
+    if not req.stream:
+        async with contextlib.aclosing(completion.deltas()) as deltas:
+            async for delta in deltas:
+                for _ in framer.feed(delta):
+                    pass
+        for _ in framer.close():
+            pass
+        return json_response({**message, "content": framer.blocks,
+                              **_stop(completion.outcome),
+                              "usage": usage_json(completion.usage())})
+
+    # Wait for the first delta before sending headers, so that a worker that is down or
+    # rejects the request still gets a proper status code rather than a 200 stream.
+    async with contextlib.aclosing(completion.deltas()) as deltas:
+        first = await anext(deltas, None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        # the prompt's split into cached and new tokens is known at the end (message_delta)
+        start_usage = {"input_tokens": len(completion.split.input_ids), "output_tokens": 0,
+                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        await resp.write(sse("message_start", {"type": "message_start", "message": {
+            **message, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": start_usage}}))
+        await resp.write(sse("ping", {"type": "ping"}))
+        try:
+            if first is not None:
+                for event in framer.feed(first):
+                    await resp.write(event)
+            async for delta in deltas:
+                for event in framer.feed(delta):
+                    await resp.write(event)
+        except ApiError as e:  # the stream has started: report in-band, then end it
+            await resp.write(sse("error", e.anthropic_body()))
+            await resp.write_eof()
+            return resp
+    for event in framer.close():
+        await resp.write(event)
+    await resp.write(sse("message_delta", {"type": "message_delta",
+                                           "delta": _stop(completion.outcome),
+                                           "usage": usage_json(completion.usage())}))
+    await resp.write(sse("message_stop", {"type": "message_stop"}))
+    await resp.write_eof()
+    return resp

@@ -1,0 +1,104 @@
+"""Property: no body sent to `/v1/messages` makes the proxy answer a 5xx, every refusal is an
+Anthropic error object, and the proxy keeps answering.
+
+Hypothesis draws Anthropic bodies (mostly well-formed, fields sometimes replaced by any JSON:
+tests/proxy/test_anthropic_schema.py), deeply nested tool schemas and tool inputs, raw bytes
+and bodies labelled gzip that are not, derandomized. A real proxy runs in-process in front
+of the real default worker; valid bodies generate one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from anchorcache.proxy.app import create_app
+from anchorcache.proxy.config import ProxyConfig
+from tests.proxy.test_anthropic_schema import WEATHER, _body
+
+pytestmark = pytest.mark.slow
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _deep(levels: int) -> Any:
+    """An input schema / tool input nested `levels` deep (the body limit is 64)."""
+    value: Any = {"type": "string"}
+    for _ in range(levels):
+        value = {"type": "object", "properties": {"x": value}}
+    return value
+
+
+def _one_token(body: Any) -> Any:
+    return {**body, "max_tokens": 1} if isinstance(body, dict) and body.get("max_tokens") == 16 \
+        else body
+
+
+deep_body = st.integers(40, 400).map(lambda n: {
+    "model": "default", "max_tokens": 1,
+    "tools": [{**WEATHER, "input_schema": _deep(n)}],
+    "messages": [{"role": "user", "content": "q"},
+                 {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                                    "name": "get_weather", "input": _deep(n)}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]})
+encoded = st.one_of(
+    _body.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
+    _body.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
+    _body.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
+    _body.map(lambda b: (gzip.compress(json.dumps(_one_token(b)).encode()),
+                         {**JSON_HEADERS, "Content-Encoding": "gzip"})),
+    deep_body.map(lambda b: (json.dumps(b).encode(), JSON_HEADERS)),
+    st.binary(max_size=64).map(lambda b: (b, JSON_HEADERS)),
+    st.binary(max_size=64).map(lambda b: (b, {**JSON_HEADERS, "Content-Encoding": "gzip"})),
+)
+FUZZ = settings(max_examples=250, derandomize=True, database=None, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                       HealthCheck.data_too_large])
+
+
+@pytest.fixture()
+async def client(aiohttp_client, worker):
+    return await aiohttp_client(create_app(ProxyConfig(worker_url=worker.url)))
+
+
+async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client):
+    loop = asyncio.get_running_loop()
+    seen: dict[int, int] = {}
+
+    async def post(data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        resp = await client.post("/v1/messages", data=data, headers=headers)
+        return resp.status, await resp.read()
+
+    @FUZZ
+    @given(encoded)
+    def one(case: tuple[bytes, dict[str, str]]) -> None:
+        data, headers = case
+        status, raw = asyncio.run_coroutine_threadsafe(post(data, headers), loop).result(120)
+        seen[status] = seen.get(status, 0) + 1
+        assert status < 500, (status, raw[:500], data[:300])
+        if raw.startswith(b"event: "):  # a stream: whole, ending with message_stop
+            assert status == 200 and raw.endswith(b'data: {"type":"message_stop"}\n\n'), raw
+            return
+        body = orjson.loads(raw)
+        if status >= 400:
+            assert body["type"] == "error", raw[:300]
+            assert body["error"]["type"] in ("invalid_request_error", "not_found_error",
+                                             "request_too_large") and body["error"]["message"]
+        else:
+            assert body["type"] == "message" and body["usage"]["output_tokens"] == 1
+
+    await asyncio.to_thread(one)
+    assert seen.get(200, 0) >= 60, seen  # some bodies were valid and generated
+    assert sum(n for s, n in seen.items() if 400 <= s < 500) >= 120, seen
+    ok = await client.post("/v1/messages", json={
+        "model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status == 200
+    health = await (await client.get("/health")).json()
+    assert health["worker"]["running_requests"] == [] and health["worker"]["queued_requests"] == []

@@ -1,0 +1,344 @@
+"""Anthropic request parsing and reply framing, without a server: the mapping to the neutral
+chat form, the cache_control hints, the 400s (for any body: never another exception), and the
+content-block event sequence."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from anchorcache.proxy.anthropic_api import BlockFramer, usage_json
+from anchorcache.proxy.anthropic_schema import parse_messages_request
+from anchorcache.proxy.cut_hints import with_hint_cuts
+from anchorcache.proxy.errors import ApiError, anthropic_body
+from anchorcache.proxy.pipeline import Usage
+from anchorcache.proxy.splitter import get_adapter
+from anchorcache.proxy.splitter.types import OutputDelta, SplitError, ToolCallDelta
+from anchorcache.proxy.tokenizers import load_tokenizer
+
+CC = {"type": "ephemeral"}
+WEATHER = {"name": "get_weather", "description": "Current weather for a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def _parse(**body):
+    return parse_messages_request({"model": "default", "max_tokens": 16, **body},
+                                  max_tokens_limit=8192)
+
+
+def test_a_tool_conversation_maps_to_openai_messages_in_block_order():
+    req = _parse(
+        system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}],
+        tools=[WEATHER],
+        messages=[
+            {"role": "user", "content": "Weather in Rome and Oslo?"},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Rome"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather",
+                 "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                 "content": [{"type": "text", "text": "no"}, {"type": "text", "text": "data"}]},
+                {"type": "text", "text": "Thanks; and tomorrow?"}]},
+        ],
+        stop_sequences=["\n\nHuman:"], temperature=0, top_k=5, stream=True,
+        metadata={"user_id": "u-1"})
+    chat = req.generation
+    assert list(chat.messages) == [
+        {"role": "system", "content": "Be brief.\nBe kind."},
+        {"role": "user", "content": "Weather in Rome and Oslo?"},
+        {"role": "assistant", "content": "Checking.",
+         "tool_calls": [
+             {"id": "toolu_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+             {"id": "toolu_2", "type": "function",
+              "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "toolu_2", "name": "get_weather", "content": "no\ndata"},
+        {"role": "user", "content": "Thanks; and tomorrow?"},
+    ]
+    assert chat.tools == ({"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city.",
+        "parameters": WEATHER["input_schema"]}},)
+    assert chat.tool_choice.mode == "auto"
+    assert chat.stop == ("\n\nHuman:",) and chat.max_tokens == 16
+    assert (chat.temperature, chat.top_k, req.stream) == (0.0, 5, True)
+    assert req.user_id == "u-1" and req.generation.cut_after == () and not req.single_tool_use
+
+
+def test_cache_control_marks_the_end_of_the_rendered_message_holding_the_block():
+    msgs = [
+        {"role": "user", "content": [{"type": "text", "text": "a", "cache_control": CC}]},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {},
+             "cache_control": CC}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "x"},
+            {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+    ]
+    # system (1 message) + user + assistant + tool + user: hints after 2, 3 and 5
+    assert _parse(system="s", tools=[WEATHER], messages=msgs).generation.cut_after == (2, 3, 5)
+    # a marked tool hints at the end of the system part, as a marked system block does
+    assert _parse(system="s", tools=[{**WEATHER, "cache_control": CC}],
+                  messages=[{"role": "user", "content": "q"}]).generation.cut_after == (1,)
+    assert _parse(system=[{"type": "text", "text": "s", "cache_control": CC}],
+                  messages=[{"role": "user", "content": "q"}]).generation.cut_after == (1,)
+
+
+def test_consecutive_messages_of_one_role_are_one_turn():
+    req = _parse(messages=[
+        {"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                           "input": {}}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}])
+    assert [(m["role"], len(m.get("tool_calls", ()))) for m in req.generation.messages] == [
+        ("user", 0), ("assistant", 2), ("tool", 0), ("tool", 0)]
+    assert req.generation.messages[0]["content"] == "a\nb"
+
+
+def test_top_level_cache_control_is_validated_and_counted():
+    assert _parse(cache_control=CC, messages=USER).generation.cut_after == ()
+    with pytest.raises(ApiError, match="ephemeral"):
+        _parse(cache_control={"type": "x"}, messages=USER)
+    marked = [{"type": "text", "text": str(i), "cache_control": CC} for i in range(4)]
+    with pytest.raises(ApiError, match="at most 4"):
+        _parse(cache_control=CC, messages=[{"role": "user", "content": marked}])
+
+
+@pytest.mark.parametrize("choice,mode,function", [
+    ({"type": "auto"}, "auto", None), ({"type": "any"}, "required", None),
+    ({"type": "tool", "name": "get_weather"}, "function", "get_weather"),
+    ({"type": "none"}, "none", None)])
+def test_tool_choice(choice, mode, function):
+    req = _parse(tools=[WEATHER], tool_choice=choice, messages=[{"role": "user", "content": "q"}])
+    assert (req.generation.tool_choice.mode, req.generation.tool_choice.function) == (mode, function)
+
+
+USER = [{"role": "user", "content": "q"}]
+TOOL_TURN = [{"role": "user", "content": "q"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                                "input": {}}]}]
+BAD = [
+    ("missing max_tokens", {"max_tokens": None, "messages": USER}, "max_tokens"),
+    ("max_tokens zero", {"max_tokens": 0, "messages": USER}, "max_tokens"),
+    ("missing model", {"model": None, "messages": USER}, "model"),
+    ("no messages", {"messages": []}, "messages"),
+    ("role system in messages", {"messages": [{"role": "system", "content": "x"}]}, "role"),
+    ("empty content", {"messages": [{"role": "user", "content": []}]}, "content"),
+    ("image block", {"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]},
+     "image"),
+    ("tool_use in a user message", {"messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "assistant messages"),
+    ("tool_result in an assistant message", {"messages": [*USER, {"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}, *USER]}, "user messages"),
+    ("block without type", {"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "type"),
+    ("text block without text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "text"),
+    ("tool_result without tool_use", {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t9", "content": "x"}]}]}, "no matching tool_use"),
+    ("tool_result for another id", {"messages": [*TOOL_TURN, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t2", "content": "x"}]}]}, "no matching tool_use"),
+    ("tool_use left unanswered", {"messages": [*TOOL_TURN, *USER]}, "without tool_result"),
+    ("tool_use input not an object", {"messages": [*USER, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": "[]"}]}, *USER]}, "input"),
+    ("final assistant message", {"messages": [*USER, {"role": "assistant", "content": "a"}]},
+     "prefill"),
+    ("cache_control wrong type", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "persistent"}}]}]}, "ephemeral"),
+    ("cache_control not an object", {"system": [{"type": "text", "text": "s",
+                                                 "cache_control": "yes"}], "messages": USER},
+     "ephemeral"),
+    ("cache_control bad ttl", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "1d"}}]}]},
+     "ttl"),
+    ("five cache breakpoints", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": str(i), "cache_control": CC} for i in range(5)]}]}, "at most 4"),
+    ("temperature above 1", {"temperature": 1.5, "messages": USER}, "temperature"),
+    ("stop_sequences not a list", {"stop_sequences": "x", "messages": USER}, "stop_sequences"),
+    ("tool without input_schema", {"tools": [{"name": "f"}], "messages": USER}, "input_schema"),
+    ("server tool", {"tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                     "messages": USER}, "unsupported tool type"),
+    ("tool_choice any without tools", {"tool_choice": {"type": "any"}, "messages": USER},
+     "needs tools"),
+    ("tool_choice unknown tool", {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"},
+                                  "messages": USER}, "unknown tool"),
+    ("system image", {"system": [{"type": "image"}], "messages": USER}, "text blocks"),
+    ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": USER},
+     "thinking"),
+    ("metadata extra field", {"metadata": {"session": 1}, "messages": USER}, "metadata"),
+]
+
+
+@pytest.mark.parametrize("name,body,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_are_invalid_request_errors(name, body, needle):
+    with pytest.raises(ApiError) as e:
+        _parse(**body)
+    assert e.value.kind == "invalid_request" and e.value.status == 400
+    err = e.value.anthropic_body()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert needle in err["error"]["message"]
+
+
+@pytest.mark.parametrize("status,kind", [
+    (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+    (404, "not_found_error"), (405, "invalid_request_error"), (413, "request_too_large"),
+    (429, "rate_limit_error"), (500, "api_error"), (502, "api_error"),
+    (503, "overloaded_error"), (504, "timeout_error")])
+def test_anthropic_error_types_follow_the_status(status, kind):
+    assert anthropic_body(status, "m", "messages.0") == {
+        "type": "error", "error": {"type": kind, "message": "messages.0: m"}}
+
+
+def _events(chunks: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for chunk in chunks:
+        head, data = chunk.decode().strip().split("\n")
+        out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
+
+
+def test_framer_opens_a_block_per_text_run_and_per_tool_call():
+    framer = BlockFramer()
+    chunks: list[bytes] = []
+    for delta in [OutputDelta(content="Let me "), OutputDelta(content="check."),
+                  OutputDelta(tool_call=ToolCallDelta(0, "call_ab", "get_weather", '{"city": ')),
+                  OutputDelta(tool_call=ToolCallDelta(0, None, None, '"Rome"}')),
+                  OutputDelta(tool_call=ToolCallDelta(1, "call_cd", "get_weather", "{}"))]:
+        chunks += framer.feed(delta)
+    chunks += framer.close()
+    events = _events(chunks)
+    assert [(e, d.get("index"), d.get("delta", {}).get("type")) for e, d in events] == [
+        ("content_block_start", 0, None), ("content_block_delta", 0, "text_delta"),
+        ("content_block_delta", 0, "text_delta"), ("content_block_stop", 0, None),
+        ("content_block_start", 1, None), ("content_block_delta", 1, "input_json_delta"),
+        ("content_block_delta", 1, "input_json_delta"), ("content_block_stop", 1, None),
+        ("content_block_start", 2, None), ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None)]
+    assert events[4][1]["content_block"] == {"type": "tool_use", "id": "toolu_ab",
+                                             "name": "get_weather", "input": {}}
+    assert framer.blocks == [
+        {"type": "text", "text": "Let me check."},
+        {"type": "tool_use", "id": "toolu_ab", "name": "get_weather", "input": {"city": "Rome"}},
+        {"type": "tool_use", "id": "toolu_cd", "name": "get_weather", "input": {}}]
+
+
+def test_framer_keeps_one_tool_use_when_parallel_use_is_disabled():
+    framer = BlockFramer(single_tool_use=True)
+    for i in range(3):
+        list(framer.feed(OutputDelta(tool_call=ToolCallDelta(i, f"call_{i}", "f", "{}"))))
+    list(framer.close())
+    assert [b["id"] for b in framer.blocks] == ["toolu_0"]
+
+
+def test_usage_splits_the_prompt_into_read_created_and_uncached_tokens():
+    u = Usage(prompt_tokens=100, completion_tokens=30, cached_tokens=40, prefill_tokens=60,
+              snapshot_tokens=55, restore_ms=1.0, prefill_ms=2.0, decode_ms=3.0, anchor_hits=())
+    assert usage_json(u) == {"input_tokens": 5, "output_tokens": 30,
+                             "cache_creation_input_tokens": 55, "cache_read_input_tokens": 40}
+
+
+# ---- any body: a 400 or a chat the splitter renders, never another exception ----------
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=4),
+                  st.floats(allow_nan=False, allow_infinity=False))
+_json = st.recursive(_leaf, lambda c: st.lists(c, max_size=3)
+                     | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6)
+
+
+def _mostly(valid, bad=_json, one_in=8):
+    """Mostly well-formed, sometimes anything: so that many bodies get deep into parsing."""
+    return st.sampled_from(range(one_in)).flatmap(lambda i: bad if i == one_in - 1 else valid)
+
+
+_cc = _mostly(st.sampled_from([CC, {"type": "ephemeral", "ttl": "1h"}]), one_in=20)
+_text = st.fixed_dictionaries({"type": st.just("text"),
+                               "text": _mostly(st.text(min_size=1, max_size=6))},
+                              optional={"cache_control": _cc})
+_use = st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.sampled_from(["t1", "t2"]),
+                              "name": _mostly(st.just("get_weather")),
+                              "input": _mostly(st.just({"city": "Oslo"}))},
+                             optional={"cache_control": _cc})
+_result = st.fixed_dictionaries(
+    {"type": st.just("tool_result"), "tool_use_id": _mostly(st.sampled_from(["t1", "t2"]))},
+    optional={"content": _mostly(st.one_of(st.text(max_size=6), st.lists(_text, max_size=2))),
+              "is_error": _mostly(st.booleans()), "cache_control": _cc})
+_other = st.one_of(_json, st.fixed_dictionaries(
+    {"type": st.sampled_from(["image", "thinking", "document"])}))
+
+
+def _turn(role, blocks):
+    content = st.one_of(st.text(min_size=1, max_size=6), st.lists(blocks, min_size=1, max_size=3))
+    return st.fixed_dictionaries({"role": _mostly(st.just(role), st.just("system"), 40),
+                                  "content": _mostly(content, one_in=30)})
+
+
+_user = _turn("user", _mostly(st.one_of(_text, _result), _other, 30))
+_assistant = _turn("assistant", _mostly(st.one_of(_text, _use), _other, 30))
+_messages = st.tuples(st.lists(st.tuples(_user, _assistant), max_size=3), _user).map(
+    lambda t: [m for pair in t[0] for m in pair] + [t[1]])
+_body = st.fixed_dictionaries(
+    {"model": st.just("default"), "max_tokens": _mostly(st.just(16), one_in=30),
+     "messages": _mostly(_messages, one_in=30)},
+    optional={"system": _mostly(st.one_of(st.text(max_size=6), st.lists(_text, max_size=2))),
+              "tools": _mostly(st.sampled_from([[WEATHER], [{**WEATHER, "cache_control": CC}]])),
+              "tool_choice": _mostly(st.sampled_from([
+                  {"type": "any"}, {"type": "auto"}, {"type": "none"},
+                  {"type": "tool", "name": "get_weather"}])),
+              "stop_sequences": _mostly(st.lists(st.text(min_size=1, max_size=3), max_size=2)),
+              "temperature": _mostly(st.floats(0, 1)), "top_k": _mostly(st.integers(0, 50)),
+              "stream": _mostly(st.booleans()), "metadata": _mostly(st.just({"user_id": "u"})),
+              "cache_control": _cc, "thinking": _mostly(st.just({"type": "disabled"}))})
+
+
+def split_fn(adapter):
+    """The adapter's split as the proxy's split thread offers it (async, ApiError)."""
+    async def split(messages, tools, template_kwargs):
+        try:
+            return adapter.split(messages, tools, template_kwargs=template_kwargs)
+        except SplitError as e:
+            raise ApiError("invalid_request", str(e)) from None
+    return split
+
+
+@functools.cache
+def _chatml():
+    return get_adapter("auto", load_tokenizer("smollm2"))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=_body)
+def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
+    try:
+        req = parse_messages_request(body, max_tokens_limit=8192)
+    except ApiError as e:
+        assert e.status == 400 and e.message
+        return
+    gen = req.generation
+    answered = set()
+    for m in gen.messages:  # every tool result answers a call made before it
+        answered |= {c["id"] for c in m.get("tool_calls", ())}
+        assert m["role"] != "tool" or m["tool_call_id"] in answered
+    assert gen.messages[-1]["role"] in ("user", "tool")
+    msgs, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
+    try:
+        split = _chatml().split(msgs, tools)
+    except SplitError:
+        return
+    hinted = asyncio.run(with_hint_cuts(split_fn(_chatml()), split, msgs, tools, None,
+                                        req.generation.cut_after))
+    assert hinted.input_ids == split.input_ids
+    positions = [c.position for c in hinted.cuts]
+    assert positions == sorted(set(positions)) and all(0 < p < len(split.input_ids)
+                                                       for p in positions)

@@ -275,3 +275,24 @@ def test_a_failed_request_aborts_its_reservation_with_the_reason(metered: Server
     assert value(d, "anchorcache_prompt_tokens_total", tenant=DEFAULT_TENANT, source="prefilled") == \
         ok.json()["usage"]["prompt_tokens"]
     assert value(d, "anchorcache_http_requests_total", method="POST", route=CHAT, status="502") == 1
+
+
+@pytest.mark.slow
+def test_the_anthropic_route_feeds_the_same_metrics(metered: Server):
+    before = scrape(metered)
+    resp = httpx.post(metered.url + "/v1/messages", timeout=120,
+                      headers={"anthropic-version": "2023-06-01"},
+                      json={"model": "default", "max_tokens": 3, "temperature": 0,
+                            "messages": [{"role": "user", "content": "Name a fruit."}]})
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    d = delta(scrape(metered), before)
+    assert value(d, "anchorcache_http_requests_total", method="POST", route="/v1/messages",
+                 status="200") == 1
+    assert value(d, "anchorcache_ttft_seconds_count", tenant=DEFAULT_TENANT) == 1
+    assert value(d, "anchorcache_completion_tokens_total", tenant=DEFAULT_TENANT) == \
+        usage["output_tokens"]
+    assert total(d, "anchorcache_prompt_tokens_total", tenant=DEFAULT_TENANT) == \
+        usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"]
+    assert value(d, "anchorcache_reservations_total", tenant=DEFAULT_TENANT, outcome="confirmed",
+                 reason="ok") == 1

@@ -22,6 +22,7 @@ from typing import Annotated
 
 import typer
 
+from anchorcache.paths import default_state_dir
 from anchorcache.supervise import Supervisor, WorkerExited
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -47,8 +48,23 @@ AnchorBytes = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_BYTES", min
                                           help="Anchor memory budget in the worker (bytes).")]
 MaxBody = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_BODY_BYTES", min=1024,
                                       help="Largest request body the proxy accepts.")]
-TenantSalt = Annotated[str, typer.Option(envvar="ANCHORCACHE_TENANT_SALT", show_default=False,
-                                         help="Server-side secret mixed into every anchor key.")]
+StateDir = Annotated[str, typer.Option(envvar="ANCHORCACHE_STATE_DIR",
+                                       show_default="~/.local/state/anchorcache",
+                                       help="Directory of the proxy's ledger (SQLite: tenants, "
+                                            "keys, toolsets, anchors).")]
+AdminToken = Annotated[str | None, typer.Option(envvar="ANCHORCACHE_ADMIN_TOKEN", show_default=False,
+                                                help="Token of the /admin API (off if unset).")]
+Anonymous = Annotated[bool | None, typer.Option("--anonymous/--no-anonymous",
+                                                envvar="ANCHORCACHE_ANONYMOUS", show_default=False,
+                                                help="Serve requests without an API key as the "
+                                                     "anonymous tenant (default: on when "
+                                                     "listening on loopback).")]
+MaxInFlight = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_IN_FLIGHT", min=1,
+                                          help="Default per-tenant requests in flight (429 past it).")]
+MaxPinned = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_PINNED_TOOLSETS", min=0,
+                                        help="Default per-tenant pinned toolsets.")]
+PinBudget = Annotated[int, typer.Option(envvar="ANCHORCACHE_PIN_BUDGET_BYTES", min=0,
+                                        help="Anchor bytes all pinned toolsets may hold together.")]
 MetricsMaxTenants = Annotated[int, typer.Option(envvar="ANCHORCACHE_METRICS_MAX_TENANTS", min=1,
                                                 help="Distinct tenant labels in /metrics; "
                                                      "later tenants count as 'other'.")]
@@ -117,7 +133,12 @@ def proxy(
     adapter: Adapter = "auto",
     canonical_tools: CanonicalTools = False,
     max_body_bytes: MaxBody = 32 << 20,
-    tenant_salt: TenantSalt = "anchorcache-default-tenant",
+    state_dir: StateDir = str(default_state_dir()),
+    admin_token: AdminToken = None,
+    anonymous: Anonymous = None,
+    max_in_flight: MaxInFlight = 64,
+    max_pinned_toolsets: MaxPinned = 8,
+    pin_budget_bytes: PinBudget = 1 << 30,
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     log_level: LogLevel = "info",
@@ -126,10 +147,16 @@ def proxy(
     _logging(log_level)
     from anchorcache.proxy.app import create_app
     from anchorcache.proxy.config import ProxyConfig
+    from anchorcache.state.records import Quotas
 
     config = ProxyConfig(worker_url=worker, host=host, port=port, anchors=anchors, adapter=adapter,
                          canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
-                         tenant_salt=tenant_salt, metrics_max_tenants=metrics_max_tenants,
+                         state_dir=state_dir, admin_token=admin_token or None,
+                         anonymous=anonymous,
+                         default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
+                                               max_in_flight=max_in_flight),
+                         pin_budget_bytes=pin_budget_bytes,
+                         metrics_max_tenants=metrics_max_tenants,
                          metrics_worker_timeout_s=metrics_worker_timeout_s)
     asyncio.run(_serve_forever(create_app(config), host, port,
                                "anchorcache proxy listening on http://{host}:{port}/v1"))
@@ -166,7 +193,9 @@ def serve(
     anchor_slots: AnchorSlots = 256,
     anchor_bytes: AnchorBytes = 4 << 30,
     max_body_bytes: MaxBody = 32 << 20,
-    tenant_salt: TenantSalt = "anchorcache-default-tenant",
+    state_dir: StateDir = str(default_state_dir()),
+    admin_token: AdminToken = None,
+    anonymous: Anonymous = None,
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     log_level: LogLevel = "info",
@@ -189,7 +218,8 @@ def serve(
 
     config = ProxyConfig(worker_url=f"http://127.0.0.1:{worker_port}", host=host, port=port,
                          anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
-                         max_body_bytes=max_body_bytes, tenant_salt=tenant_salt,
+                         max_body_bytes=max_body_bytes, state_dir=state_dir,
+                         admin_token=admin_token or None, anonymous=anonymous,
                          metrics_max_tenants=metrics_max_tenants,
                          metrics_worker_timeout_s=metrics_worker_timeout_s)
     try:
@@ -328,6 +358,15 @@ def bench(
         typer.echo(f"{data['summary']['mismatches']} replies differed between anchors on and off",
                    err=True)
         raise typer.Exit(1)
+
+
+def _mount_ops() -> None:
+    from anchorcache.ops.cli import app as ops_app
+
+    app.add_typer(ops_app, name="ops")
+
+
+_mount_ops()
 
 
 def main() -> None:

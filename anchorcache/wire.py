@@ -95,9 +95,13 @@ class AnchorRef:
 
     key: bytes
     depth: int
+    namespace: bytes | None = None  # when not the plan's: a toolset an admin shared
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key.hex(), "depth": self.depth}
+        d: dict[str, Any] = {"key": self.key.hex(), "depth": self.depth}
+        if self.namespace is not None:
+            d["namespace"] = self.namespace.hex()
+        return d
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,18 @@ class AnchorWritten:
     parent: bytes | None
     nbytes: int
     kind: AnchorKind
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slot": self.slot, "key": self.key.hex(), "depth": self.depth,
+                "parent": self.parent.hex() if self.parent else None, "nbytes": self.nbytes,
+                "kind": self.kind.value}
+
+
+@dataclass(frozen=True)
+class AnchorHeld(AnchorWritten):
+    """A snapshot the worker skipped because it already holds that prefix committed: reported
+    (`meta_info.anchors.held`) so a proxy that forgot it (restart, lost confirm) learns it
+    again; it needs no confirm."""
 
 
 class WireError(ValueError):
@@ -250,7 +266,9 @@ def parse_anchor_plan(obj: Any) -> AnchorPlan | None:
     for link in obj.get("restore") or []:
         if not isinstance(link, dict):
             raise WireError("'anchor.restore' must be a list of {key, depth}")
-        restore.append(AnchorRef(_hex(link.get("key"), "key"), _int(link, "depth", lo=1)))
+        ns = link.get("namespace")
+        restore.append(AnchorRef(_hex(link.get("key"), "key"), _int(link, "depth", lo=1),
+                                 _hex(ns, "namespace") if ns is not None else None))
     snapshot = []
     for spec in obj.get("snapshot") or []:
         if not isinstance(spec, dict):
@@ -287,3 +305,206 @@ def parse_generate(obj: Any) -> GenerateRequest:
             raise WireError("an anchor depth exceeds the prompt length")
     return GenerateRequest(input_ids=ids, sampling=parse_sampling(obj.get("sampling_params")),
                            rid=rid, stream=bool(obj.get("stream", False)), anchor=plan)
+
+
+# ---- the reply half: parsed once at the proxy's edge (raises WireError) ------------------
+
+def _key(value: Any, name: str) -> bytes:
+    key = _hex(value, name)
+    if len(key) != KEY_BYTES:
+        raise WireError(f"'{name}' must be {KEY_BYTES} bytes of hex")
+    return key
+
+
+def _obj(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise WireError(f"'{name}' must be an object")
+    return value
+
+
+def _list(value: Any, name: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise WireError(f"'{name}' must be a list")
+    return value
+
+
+def _epoch(obj: dict[str, Any]) -> str:
+    epoch = obj.get("epoch")
+    if not isinstance(epoch, str) or not epoch:
+        raise WireError("'epoch' must be a non-empty string")
+    return epoch
+
+
+@dataclass(frozen=True)
+class AnchorHit:
+    """A link the worker restored."""
+
+    key: bytes
+    depth: int
+    kind: AnchorKind
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key.hex(), "depth": self.depth, "kind": self.kind.value}
+
+
+@dataclass(frozen=True)
+class RestoreMiss:
+    """A planned link the worker refused, and why (key_mismatch, not_resident, ...)."""
+
+    key: bytes
+    depth: int
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key.hex(), "depth": self.depth, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class AnchorReport:
+    """`meta_info.anchors`: what one generate request restored, missed, wrote and found held."""
+
+    restored: tuple[AnchorHit, ...] = ()
+    restore_miss: tuple[RestoreMiss, ...] = ()
+    written: tuple[AnchorWritten, ...] = ()
+    held: tuple[AnchorHeld, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"restored": [h.to_json() for h in self.restored],
+                "restore_miss": [m.to_json() for m in self.restore_miss],
+                "written": [w.to_json() for w in self.written],
+                "held": [h.to_json() for h in self.held]}
+
+
+def _kind(value: Any) -> AnchorKind:
+    try:
+        return AnchorKind(value)
+    except ValueError:
+        raise WireError(f"unknown anchor kind {value!r}") from None
+
+
+def _entry(obj: Any, name: str, cls: type[AnchorWritten]) -> AnchorWritten:
+    d = _obj(obj, name)
+    parent = d.get("parent")
+    return cls(slot=_int(d, "slot", lo=0), key=_key(d.get("key"), "key"), depth=_int(d, "depth", lo=1),
+               parent=_key(parent, "parent") if parent else None, nbytes=_int(d, "nbytes", lo=0),
+               kind=_kind(d.get("kind")))
+
+
+def parse_anchor_report(obj: Any) -> AnchorReport:
+    d = _obj(obj if obj is not None else {}, "anchors")
+    restored = tuple(AnchorHit(_key(_obj(h, "restored").get("key"), "key"), _int(h, "depth", lo=1),
+                               _kind(h.get("kind", "conversation")))
+                     for h in _list(d.get("restored"), "restored"))
+    misses = tuple(RestoreMiss(_key(_obj(m, "restore_miss").get("key"), "key"),
+                               _int(m, "depth", lo=1), str(m.get("reason", "")))
+                   for m in _list(d.get("restore_miss"), "restore_miss"))
+    written = tuple(_entry(w, "written", AnchorWritten) for w in _list(d.get("written"), "written"))
+    held = tuple(_entry(h, "held", AnchorHeld) for h in _list(d.get("held"), "held"))
+    return AnchorReport(restored, misses, written, held)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class GenerateMeta:
+    """`meta_info` of a finished generate request."""
+
+    epoch: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefill_tokens: int
+    finish_type: str  # stop | length | abort
+    anchors: AnchorReport = AnchorReport()
+    restore_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    snapshot_ms: float | None = None  # writing this request's anchors; absent: not timed
+
+
+def parse_generate_meta(obj: Any) -> GenerateMeta:
+    d = _obj(obj, "meta_info")
+    finish = d.get("finish_reason")
+    finish_type = finish.get("type") if isinstance(finish, dict) else None
+    if finish_type not in ("stop", "length", "abort"):
+        raise WireError(f"'finish_reason.type' must be stop, length or abort, not {finish_type!r}")
+    prompt = _int(d, "prompt_tokens", lo=0)
+    cached = _int(d, "cached_tokens", 0, lo=0)
+    return GenerateMeta(
+        epoch=_epoch(d), prompt_tokens=prompt, completion_tokens=_int(d, "completion_tokens", 0, lo=0),
+        cached_tokens=cached, prefill_tokens=_int(d, "prefill_tokens", prompt - cached, lo=0),
+        finish_type=finish_type, anchors=parse_anchor_report(d.get("anchors")),
+        restore_ms=_float(d, "restore_ms", 0.0), prefill_ms=_float(d, "prefill_ms", 0.0),
+        decode_ms=_float(d, "decode_ms", 0.0),
+        snapshot_ms=_float(d, "snapshot_ms", 0.0) if "snapshot_ms" in d else None)
+
+
+@dataclass(frozen=True)
+class ConfirmReply:
+    confirmed: tuple[int, ...]
+    evicted: tuple[bytes, ...]
+    epoch: str
+
+
+def parse_confirm(obj: Any) -> ConfirmReply:
+    d = _obj(obj, "confirm reply")
+    return ConfirmReply(_ids(d.get("confirmed", []), "confirmed"),
+                        tuple(_key(k, "evicted") for k in _list(d.get("evicted"), "evicted")),
+                        _epoch(d))
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    """One row of `/anchor/slots`: a committed anchor or a pending reservation."""
+
+    slot: int
+    key: bytes
+    depth: int
+    parent: bytes | None
+    nbytes: int
+    pinned: bool
+    hits: int
+    last_use: int
+    state: str  # committed | reserved
+
+
+@dataclass(frozen=True)
+class SlotsReply:
+    slots: tuple[SlotEntry, ...]
+    epoch: str
+
+
+def parse_slots(obj: Any) -> SlotsReply:
+    d = _obj(obj, "slots reply")
+    out = []
+    for s in _list(d.get("slots"), "slots"):
+        s = _obj(s, "slots[]")
+        parent = s.get("parent")
+        state = s.get("state")
+        if state not in ("committed", "reserved"):
+            raise WireError(f"slot state must be committed or reserved, not {state!r}")
+        out.append(SlotEntry(_int(s, "slot", lo=0), _key(s.get("key"), "key"), _int(s, "depth", lo=1),
+                             _key(parent, "parent") if parent else None, _int(s, "nbytes", lo=0),
+                             bool(s.get("pinned")), _int(s, "hits", 0, lo=0),
+                             _int(s, "last_use", 0), state))
+    return SlotsReply(tuple(out), _epoch(d))
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    status: str
+    epoch: str
+    running_requests: tuple[str, ...] = ()
+    queued_requests: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "epoch": self.epoch,
+                "running_requests": list(self.running_requests),
+                "queued_requests": list(self.queued_requests)}
+
+
+def parse_health(obj: Any) -> WorkerHealth:
+    d = _obj(obj, "health reply")
+    return WorkerHealth(str(d.get("status", "")), _epoch(d),
+                        tuple(str(r) for r in _list(d.get("running_requests"), "running_requests")),
+                        tuple(str(r) for r in _list(d.get("queued_requests"), "queued_requests")))

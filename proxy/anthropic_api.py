@@ -24,6 +24,7 @@ from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
 from .schema import read_json
 from .splitter.types import OutputDelta
 from .state import STATE
+from .tenants import TENANT
 
 STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",
                 FinishReason.TOOL_CALLS: "tool_use", FinishReason.STOP_SEQUENCE: "stop_sequence"}
@@ -132,7 +133,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     req = parse_messages_request(await read_json(request),
                                  max_tokens_limit=state.info.max_context_tokens, count_only=True)
     check_model(state, req.model)
-    completion = await Completion.create(state, req.generation)
+    completion = await Completion.create(state, req.generation, tenant=request[TENANT])
     return json_response({"input_tokens": len(completion.split.input_ids)})
 
 
@@ -142,7 +143,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req = parse_messages_request(await read_json(request),
                                  max_tokens_limit=state.info.max_context_tokens)
     check_model(state, req.model)
-    completion = await Completion.create(state, req.generation)
+    completion = await Completion.create(state, req.generation, tenant=request[TENANT])
     framer = BlockFramer(single_tool_use=req.single_tool_use)
     message: dict[str, Any] = {"id": "msg_" + uuid.uuid4().hex, "type": "message",
                                "role": "assistant", "model": state.info.model_id}

@@ -1,4 +1,4 @@
-"""The proxy's aiohttp application: routes, lifecycle, one error middleware."""
+"""The proxy's aiohttp application: routes, lifecycle, middlewares (errors, admin, tenants)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,20 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from anchorcache.state.ledger import Ledger
+
+from . import admin
 from .anthropic_api import count_tokens, messages
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
+from .lifecycle import SHARED_TENANT, AnchorLifecycle
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
-from .planner import Planner
+from .planner import Planner, tenant_namespace
 from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
 from .state import STATE, ProxyState
+from .tenants import TENANTS, Tenants, tenant_middleware
 from .tokenizers import load_tokenizer
 from .worker_client import WorkerClient
 
@@ -52,23 +57,25 @@ async def health(request: web.Request) -> web.Response:
     except ApiError as e:
         return json_response({"status": "degraded", "worker": None, **extra,
                               "error": e.message}, 503)
-    state.planner.observe_epoch(worker.get("epoch"))
+    state.lifecycle.observe_epoch(worker.epoch)
     return json_response({"status": "ok", "model": state.info.model_id,
-                          "anchors": state.config.anchors, "worker": worker, **extra})
+                          "anchors": state.config.anchors, "worker": worker.to_json(), **extra})
 
 
 async def refresh_worker_epoch(app: web.Application) -> None:
-    """A (re)started worker is a new epoch: forget the old one's anchors now."""
+    """A (re)started worker is a new epoch: forget the old one's anchors now (and reconcile,
+    re-warm pinned toolsets in the background)."""
     state = app[STATE]
-    state.planner.observe_epoch((await state.worker.health()).get("epoch"))
+    state.lifecycle.observe_epoch((await state.worker.health()).epoch)
 
 
 def create_app(config: ProxyConfig, *,
                worker_status: Callable[[], HasStatus] | None = None) -> web.Application:
     """`worker_status`: given when this process supervises the worker (`anchorcache serve`);
     `/health` then reports the worker process's state, and `degraded` while it restarts."""
-    # metrics outermost: it counts the status the error middleware made of a failure
-    app = web.Application(middlewares=[metrics_middleware, error_middleware],
+    # metrics outermost: it counts the status the other middlewares made of a request
+    app = web.Application(middlewares=[metrics_middleware, error_middleware,
+                                       admin.admin_middleware, tenant_middleware],
                           client_max_size=config.max_body_bytes)
     app[METRICS] = ProxyMetrics(max_tenants=config.metrics_max_tenants,
                                 worker_timeout_s=config.metrics_worker_timeout_s)
@@ -76,27 +83,42 @@ def create_app(config: ProxyConfig, *,
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.worker_timeout_s, sock_connect=5)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            worker = WorkerClient(session, config.worker_url)
-            info = await worker.model_info()
-            tokenizer = load_tokenizer(info.tokenizer_path)
-            adapter = get_adapter(config.adapter, tokenizer,
-                                  canonical_tools=config.canonical_tools)
-            planner = Planner(info.model_id, info.epoch, salt=config.tenant_salt, worker=worker)
-            splits = SplitPool(adapter, max_pending=config.max_pending_splits)
-            budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
-            app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, splits,
-                                    budget, app[METRICS])
-            log.info("proxy ready: model %s, adapter %s, anchors %s, tools in %s order",
-                     info.model_id, adapter.name, "on" if config.anchors else "off",
-                     "canonical" if config.canonical_tools else "client")
-            if adapter.deviation:
-                log.info("adapter %s deviates from the chat template on purpose: %s",
-                         adapter.name, adapter.deviation)
-            try:
-                yield
-            finally:
-                splits.close()
+        ledger = Ledger.open(config.state_dir)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                worker = WorkerClient(session, config.worker_url)
+                info = await worker.model_info()
+                tokenizer = load_tokenizer(info.tokenizer_path)
+                adapter = get_adapter(config.adapter, tokenizer,
+                                      canonical_tools=config.canonical_tools)
+                planner = Planner(info.model_id, info.epoch)
+                splits = SplitPool(adapter, max_pending=config.max_pending_splits)
+                budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
+                shared = ledger.ensure_tenant(SHARED_TENANT)
+                anchors = AnchorLifecycle(
+                    worker, ledger, planner, worker_id=config.worker_url.rstrip("/"),
+                    shared_namespace=tenant_namespace(shared.salt, shared.name),
+                    single_flight_wait_s=config.single_flight_wait_s)
+                app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, splits,
+                                        budget, ledger, anchors, app[METRICS])
+                app[TENANTS] = Tenants(ledger, anonymous=config.anonymous_access,
+                                       default_quotas=config.default_quotas)
+                if config.anchors:
+                    await anchors.start()
+                log.info("proxy ready: model %s, adapter %s, anchors %s, tools in %s order, "
+                         "ledger %s", info.model_id, adapter.name,
+                         "on" if config.anchors else "off",
+                         "canonical" if config.canonical_tools else "client", config.state_dir)
+                if adapter.deviation:
+                    log.info("adapter %s deviates from the chat template on purpose: %s",
+                             adapter.name, adapter.deviation)
+                try:
+                    yield
+                finally:
+                    await anchors.close()
+                    splits.close()
+        finally:
+            ledger.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -104,5 +126,6 @@ def create_app(config: ProxyConfig, *,
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    admin.add_routes(app)
     app.router.add_get("/metrics", metrics_endpoint)
     return app

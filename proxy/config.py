@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ipaddress
+from dataclasses import dataclass, field
+
+from anchorcache.paths import default_state_dir
+from anchorcache.state.records import Quotas
 
 
 @dataclass(frozen=True)
@@ -18,10 +22,16 @@ class ProxyConfig:
     canonical_tools: bool = False
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 1024
-    tenant_salt: str = "anchorcache-default-tenant"  # server-side secret mixed into anchor keys
     worker_timeout_s: float = 600.0
     metrics_max_tenants: int = 100  # distinct tenant label values; later tenants → "other"
     metrics_worker_timeout_s: float = 1.0  # /metrics waits this long for the worker's stats
+    state_dir: str = str(default_state_dir())  # the ledger's directory
+    admin_token: str | None = None  # None: the admin API is off
+    anonymous: bool | None = None  # None: on when listening on loopback, off otherwise
+    default_quotas: Quotas = field(default_factory=lambda: Quotas(
+        max_pinned_toolsets=8, max_anchor_bytes=None, max_in_flight=64))
+    pin_budget_bytes: int = 1 << 30  # all pinned toolsets' anchors together
+    single_flight_wait_s: float = 60.0  # how long a request waits for another one's new toolset
     max_pending_splits: int = 64  # requests waiting for the split thread; more get 503 overloaded
 
     def __post_init__(self) -> None:
@@ -39,3 +49,22 @@ class ProxyConfig:
             raise ValueError("metrics_max_tenants must be positive")
         if not 0 < self.metrics_worker_timeout_s <= 60:
             raise ValueError("metrics_worker_timeout_s must be in (0, 60]")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("the admin token must be at least 16 characters")
+        if self.pin_budget_bytes < 0:
+            raise ValueError("pin_budget_bytes must be >= 0")
+
+    @property
+    def anonymous_access(self) -> bool:
+        if self.anonymous is not None:
+            return self.anonymous
+        return is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

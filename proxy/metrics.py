@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -30,6 +29,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+
+from anchorcache.wire import GenerateMeta
 
 from .planner import Plan
 from .state import STATE
@@ -64,60 +65,6 @@ class TenantLabels:
             self._known.add(tenant)
             return tenant
         return OTHER
-
-
-@dataclass(frozen=True)
-class _Restored:
-    key: str
-    kind: str
-
-
-@dataclass(frozen=True)
-class _Miss:
-    key: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class _Written:
-    kind: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    """What the worker's final meta info of one generation says, parsed once."""
-
-    cached_tokens: int
-    prefill_tokens: int
-    completion_tokens: int
-    restore_ms: float
-    prefill_ms: float
-    snapshot_ms: float | None  # absent from workers that do not time snapshots
-    restored: tuple[_Restored, ...]
-    misses: tuple[_Miss, ...]
-    written: tuple[_Written, ...]
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> GenerationStats:
-        anchors = meta.get("anchors") or {}
-        prompt = int(meta.get("prompt_tokens", 0))
-        cached = int(meta.get("cached_tokens", 0))
-        snapshot_ms = meta.get("snapshot_ms")
-        return cls(
-            cached_tokens=cached,
-            prefill_tokens=int(meta.get("prefill_tokens", prompt - cached)),
-            completion_tokens=int(meta.get("completion_tokens", 0)),
-            restore_ms=float(meta.get("restore_ms", 0.0)),
-            prefill_ms=float(meta.get("prefill_ms", 0.0)),
-            snapshot_ms=float(snapshot_ms) if snapshot_ms is not None else None,
-            restored=tuple(_Restored(r["key"], r.get("kind") or "unknown")
-                           for r in anchors.get("restored", ())),
-            misses=tuple(_Miss(m["key"], m.get("reason") or "unknown")
-                         for m in anchors.get("restore_miss", ())),
-            written=tuple(_Written(w.get("kind") or "unknown", int(w.get("nbytes", 0)))
-                          for w in anchors.get("written", ())),
-        )
 
 
 class WorkerCollector:
@@ -217,34 +164,34 @@ class ProxyMetrics:
     def record_ttft(self, tenant: str, seconds: float) -> None:
         self.ttft.labels(self.tenant(tenant)).observe(seconds)
 
-    def record_generation(self, tenant: str, plan: Plan, meta: dict[str, Any]) -> None:
+    def record_generation(self, tenant: str, plan: Plan, meta: GenerateMeta) -> None:
         """One finished generation: its plan and the worker's final meta info."""
         t = self.tenant(tenant)
-        s = GenerationStats.from_meta(meta)
-        self.prefill_seconds.labels(t).observe(s.prefill_ms / 1e3)
-        self.prompt_tokens.labels(t, "prefilled").inc(s.prefill_tokens)
-        self.prompt_tokens.labels(t, "restored").inc(s.cached_tokens)
-        self.completion_tokens.labels(t).inc(s.completion_tokens)
+        self.prefill_seconds.labels(t).observe(meta.prefill_ms / 1e3)
+        self.prompt_tokens.labels(t, "prefilled").inc(meta.prefill_tokens)
+        self.prompt_tokens.labels(t, "restored").inc(meta.cached_tokens)
+        self.completion_tokens.labels(t).inc(meta.completion_tokens)
         if not plan.namespace:  # anchors off
             return
-        planned = {rec.key.hex(): rec for rec in plan.chain}
+        report = meta.anchors
+        planned = {rec.key: rec for rec in plan.chain}
         if plan.chain:
-            self.restore_seconds.labels(t).observe(s.restore_ms / 1e3)
-        self.lookups.labels(t, "restored" if s.restored else "missed" if plan.chain
+            self.restore_seconds.labels(t).observe(meta.restore_ms / 1e3)
+        self.lookups.labels(t, "restored" if report.restored else "missed" if plan.chain
                             else "cold").inc()
-        for r in s.restored:
-            self.hits.labels(t, r.kind).inc()
-            rec = planned.get(r.key)
+        for hit in report.restored:
+            self.hits.labels(t, hit.kind.value).inc()
+            rec = planned.get(hit.key)
             if rec is not None:
                 self.restore_bytes.labels(t).inc(rec.nbytes)
-        for m in s.misses:
-            rec = planned.get(m.key)
-            self.misses.labels(t, rec.kind.value if rec else "unknown", m.reason).inc()
-        for w in s.written:
-            self.snapshots.labels(t, w.kind).inc()
-            self.snapshot_bytes.labels(t, w.kind).inc(w.nbytes)
-        if s.written and s.snapshot_ms is not None:
-            self.snapshot_seconds.labels(t).observe(s.snapshot_ms / 1e3)
+        for miss in report.restore_miss:
+            rec = planned.get(miss.key)
+            self.misses.labels(t, rec.kind.value if rec else "unknown", miss.reason).inc()
+        for w in report.written:
+            self.snapshots.labels(t, w.kind.value).inc()
+            self.snapshot_bytes.labels(t, w.kind.value).inc(w.nbytes)
+        if report.written and meta.snapshot_ms is not None:
+            self.snapshot_seconds.labels(t).observe(meta.snapshot_ms / 1e3)
 
     def record_reservations(self, tenant: str, outcome: str, reason: str, count: int = 1) -> None:
         """`outcome` "confirmed" (reason "ok") or "aborted" (reason: why)."""

@@ -20,6 +20,7 @@ from .pipeline import Completion, FinishReason, Generation, Usage, check_model
 from .schema import ChatRequest, parse_chat_request, read_json
 from .splitter.types import OutputDelta
 from .state import STATE
+from .tenants import TENANT
 
 # stop sequences are OpenAI's "stop" too
 _FINISH = {FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop",
@@ -38,11 +39,11 @@ def anchors_wanted(request: web.Request) -> bool:
     return value == "on"
 
 
-def generation(req: ChatRequest) -> Generation:
+def generation(req: ChatRequest, cache_salt: str | None = None) -> Generation:
     return Generation(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
                       max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                       top_k=req.top_k, seed=req.seed, stop=req.stop,
-                      template_kwargs=req.template_kwargs)
+                      template_kwargs=req.template_kwargs, cache_salt=cache_salt)
 
 
 def delta_json(delta: OutputDelta) -> dict[str, Any]:
@@ -79,13 +80,13 @@ def usage_json(u: Usage) -> dict[str, Any]:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_chat_request(await read_json(request),
-                             max_tokens_limit=state.info.max_context_tokens)
+    body = await read_json(request)
+    req = parse_chat_request(body, max_tokens_limit=state.info.max_context_tokens)
     check_model(state, req.model)
-    gen = generation(req)
+    gen = generation(req, body.get("cache_salt"))
     if not anchors_wanted(request):
         gen = dataclasses.replace(gen, anchors=False)
-    completion = await Completion.create(state, gen)
+    completion = await Completion.create(state, gen, tenant=request[TENANT])
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     outcome = completion.outcome

@@ -22,15 +22,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from anchorcache.wire import GenerateRequest, SamplingParams
+from anchorcache.wire import AnchorKind, GenerateMeta, GenerateRequest, SamplingParams
 
 from .cut_hints import with_hint_cuts
 from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError
-from .planner import DEFAULT_TENANT, Plan
+from .lifecycle import Caller, Flight
+from .planner import Plan
 from .schema import ToolChoice, rendered_chars
 from .splitter.types import OutputDelta, SplitResult, ToolCall
 from .state import ProxyState
+from .tenants import TenantContext
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -54,6 +56,7 @@ class Generation:
     # anchor hints from the client (Anthropic cache_control): also cut after this many
     # messages where that boundary verifies (cut_hints.py)
     cut_after: tuple[int, ...] = ()
+    cache_salt: str | None = None  # narrows anchor sharing inside the tenant (never widens)
     anchors: bool = True  # False: restore and save nothing for this request (a baseline)
 
 
@@ -73,7 +76,7 @@ class Outcome:
     finish_reason: FinishReason = FinishReason.STOP
     stop_sequence: str | None = None  # which of `Generation.stop` ended the text
     completion_tokens: int = 0
-    meta: dict[str, Any] = field(default_factory=dict)  # the worker's final meta_info
+    meta: GenerateMeta | None = None  # the worker's final meta_info
 
 
 @dataclass(frozen=True)
@@ -124,11 +127,11 @@ class Completion:
     `deltas()` once (inside `contextlib.aclosing`), then read `outcome` and `usage()`."""
 
     def __init__(self, state: ProxyState, gen: Generation, split: SplitResult, *,
-                 tenant: str = DEFAULT_TENANT, started: float | None = None) -> None:
+                 caller: Caller, started: float | None = None) -> None:
         self.state = state
         self.gen = gen
         self.split = split
-        self.tenant = tenant
+        self.caller = caller
         self.rid = uuid.uuid4().hex
         self.outcome = Outcome()
         self.started = time.perf_counter() if started is None else started
@@ -136,25 +139,21 @@ class Completion:
 
     @classmethod
     async def create(cls, state: ProxyState, gen: Generation, *,
-                     tenant: str = DEFAULT_TENANT) -> Completion:
+                     tenant: TenantContext) -> Completion:
         """Render and split the chat (a bad chat raises a 400 `ApiError`, one that cannot
-        fit the context `context_length_exceeded` before anything is rendered).
+        fit the context `context_length_exceeded` before anything is rendered). `tenant`:
+        what the tenant middleware put on the request (`request[TENANT]`).
 
         The split runs on the split thread (split_pool.py), never on the event loop."""
         started = time.perf_counter()
+        caller = tenant.caller(gen.cache_salt)
         state.budget.check(rendered_chars(gen.messages), gen.max_tokens)
         messages, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
         split = await state.splits.split(messages, tools, gen.template_kwargs or None)
         if gen.cut_after:
             split = await with_hint_cuts(state.splits.split, split, messages, tools,
                                          gen.template_kwargs or None, gen.cut_after)
-        return cls(state, gen, split, tenant=tenant, started=started)
-
-    def _plan(self) -> Plan:
-        planner = self.state.planner
-        if self.state.anchors_on and self.gen.anchors:
-            return planner.plan(self.split, self.tenant)
-        return planner.chunk_only(self.split)
+        return cls(state, gen, split, caller=caller, started=started)
 
     def _sampling(self, prompt_ids: tuple[int, ...]) -> SamplingParams:
         gen, state = self.gen, self.state
@@ -177,22 +176,28 @@ class Completion:
         mid-generation. Cleans up the worker side on any exit.
         """
         state, gen, outcome = self.state, self.gen, self.outcome
-        plan = self._plan()
         choice = gen.tool_choice.openai()
         parse_tools = bool(gen.tools) and gen.tool_choice.mode != "none"
         forced = state.adapter.forced_prefix(choice) if parse_tools else None
         prompt_ids = self.split.input_ids + (tuple(state.tokenizer.encode(forced)) if forced else ())
-        req = GenerateRequest(input_ids=prompt_ids, sampling=self._sampling(prompt_ids),
-                              rid=self.rid, stream=True, anchor=plan.request)
-        stop_ids = set(req.sampling.stop_token_ids) | set(state.info.eos_token_ids)
-        detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
-        # Always parse: besides tool calls, some formats (harmony) carry channels that must
-        # not reach the client as content; with tool_choice "none" the parser only splits those.
-        parser = state.adapter.output_parser(list(gen.tools) or None, tool_choice=choice)
+        sampling = self._sampling(prompt_ids)
+        flight: Flight | None = None
+        if state.anchors_on and gen.anchors:  # opens the reservation: the `finally` closes it
+            flight = await state.lifecycle.begin(self.rid, self.caller, self.split)
         finished = settled = False
-        ended = "cancelled"  # why an unsettled request ended (the ledger's reservation reasons)
         emitted = 0  # characters of detok.text already passed on
+        reason = "cancelled"  # why the reservation is aborted, if it is
+        plan: Plan | None = None
         try:
+            plan = flight.plan if flight is not None else state.planner.chunk_only(self.split)
+            req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
+                                  stream=True, anchor=plan.request)
+            stop_ids = set(req.sampling.stop_token_ids) | set(state.info.eos_token_ids)
+            detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
+            # Always parse: besides tool calls, some formats (harmony) carry channels that
+            # must not reach the client as content; with tool_choice "none" the parser only
+            # splits those.
+            parser = state.adapter.output_parser(list(gen.tools) or None, tool_choice=choice)
             async for chunk in state.worker.generate(req):
                 if self.ttft_s is None and chunk.output_ids:
                     self.ttft_s = time.perf_counter() - self.started
@@ -212,13 +217,12 @@ class Completion:
                 if stop is not None:
                     outcome.finish_reason = FinishReason.STOP_SEQUENCE
                     outcome.stop_sequence = stop[1]
-                    ended = "stop_sequence"
+                    reason = "stop_sequence"
                     break
                 if chunk.meta is not None:
                     outcome.meta = chunk.meta
-                    reason = chunk.meta.get("finish_reason", {}).get("type")
-                    outcome.finish_reason = FinishReason.LENGTH if reason == "length" \
-                        else FinishReason.STOP
+                    outcome.finish_reason = FinishReason.LENGTH \
+                        if chunk.meta.finish_type == "length" else FinishReason.STOP
                     finished = True
             for delta in parser.flush():
                 yield self._record(delta)
@@ -227,34 +231,37 @@ class Completion:
             outcome.tool_calls = list(parsed.tool_calls)
             if outcome.tool_calls:
                 outcome.finish_reason = FinishReason.TOOL_CALLS
-            if finished:
-                await state.planner.settle(plan, outcome.meta)
+            if finished and outcome.meta is not None:
+                if flight is not None:
+                    await asyncio.shield(state.lifecycle.settle(flight, outcome.meta))
                 settled = True
         except ApiError as e:
-            ended = e.kind
+            reason = e.kind
             raise
         except Exception:
-            ended = "error"
+            reason = "error"
             raise
         finally:
             try:
                 if not settled:
                     # client gone, stop sequence, or worker failure: nothing may linger
+                    if flight is not None:
+                        state.lifecycle.fail(flight, reason)
                     await asyncio.shield(self._abort())
             finally:
-                self._observe(plan, None if settled else ended)
+                self._observe(plan, flight is not None, None if settled else reason)
 
-    def _observe(self, plan: Plan, aborted: str | None) -> None:
+    def _observe(self, plan: Plan | None, reserved: bool, aborted: str | None) -> None:
         """The one place the pipeline feeds the metrics (`aborted`: why it was not settled).
         Never raises: a metrics bug must not turn a served request into an error."""
-        metrics = self.state.metrics
+        metrics, tenant = self.state.metrics, self.caller.tenant
         try:
             if self.ttft_s is not None:
-                metrics.record_ttft(self.tenant, self.ttft_s)
-            if self.outcome.meta:
-                metrics.record_generation(self.tenant, plan, self.outcome.meta)
-            if plan.namespace:  # anchors on: the request reserved slots for its snapshots
-                metrics.record_reservations(self.tenant, "aborted" if aborted else "confirmed",
+                metrics.record_ttft(tenant, self.ttft_s)
+            if self.outcome.meta is not None and plan is not None:
+                metrics.record_generation(tenant, plan, self.outcome.meta)
+            if reserved:  # anchors on: the request held a reservation
+                metrics.record_reservations(tenant, "aborted" if aborted else "confirmed",
                                             aborted or "ok")
         except Exception:
             log.exception("recording metrics of request %s failed", self.rid)
@@ -273,19 +280,18 @@ class Completion:
 
     def usage(self) -> Usage:
         meta = self.outcome.meta
-        anchors = meta.get("anchors", {})
-        prompt_tokens = meta.get("prompt_tokens", len(self.split.input_ids))
-        cached = meta.get("cached_tokens", 0)
-        saved = [w["depth"] for w in anchors.get("written", []) if w.get("kind") != "response"]
+        if meta is None:
+            n = len(self.split.input_ids)
+            return Usage(n, self.outcome.completion_tokens, 0, n, 0, 0.0, 0.0, 0.0, ())
+        saved = [w.depth for w in meta.anchors.written if w.kind != AnchorKind.RESPONSE]
         return Usage(
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=meta.prompt_tokens,
             completion_tokens=self.outcome.completion_tokens,
-            cached_tokens=cached,
-            prefill_tokens=meta.get("prefill_tokens", prompt_tokens),
-            snapshot_tokens=max(0, min(max(saved, default=0), prompt_tokens) - cached),
-            restore_ms=meta.get("restore_ms", 0.0),
-            prefill_ms=meta.get("prefill_ms", 0.0),
-            decode_ms=meta.get("decode_ms", 0.0),
-            anchor_hits=tuple(AnchorHit(h.get("kind"), h["depth"])
-                              for h in anchors.get("restored", [])),
+            cached_tokens=meta.cached_tokens,
+            prefill_tokens=meta.prefill_tokens,
+            snapshot_tokens=max(0, min(max(saved, default=0), meta.prompt_tokens) - meta.cached_tokens),
+            restore_ms=meta.restore_ms,
+            prefill_ms=meta.prefill_ms,
+            decode_ms=meta.decode_ms,
+            anchor_hits=tuple(AnchorHit(h.kind.value, h.depth) for h in meta.anchors.restored),
         )

@@ -1,40 +1,47 @@
-"""Anchor planning: which chain to restore and which cuts to snapshot, per request.
+"""Anchor planning: which chain to restore and which cuts to snapshot, per request. Pure.
 
-`plan()` is pure: from the split's verified cuts and the index of committed anchors it picks
-the deepest anchor whose whole chain is known and that is an exact prefix of this prompt
-(keys cover every token, so equal key ⇒ equal prefix), and asks for snapshots at the
-instruction cut, the conversation cut, the end of the messages (where the next turn's
-history ends) and the end of the prompt, plus the response anchor. `settle()` is the one
-place with I/O: after a successful reply it confirms the snapshots the worker wrote (making
-them visible); evictions and misses it reports leave the index. A failed request is aborted
-by rid instead, and the worker drops what it staged for it.
+`plan()` picks, from the split's verified cuts and the index of committed anchors, the
+deepest anchor whose whole chain is known and that is an exact prefix of this prompt (keys
+cover every token, so equal key ⇒ equal prefix), and asks for snapshots at the instruction
+cut, the conversation cut, the end of the messages and the end of the prompt, plus the
+response anchor. `record()` folds a settled request's outcome into the index. No I/O: the
+anchor life cycle (`proxy/lifecycle.py`) calls the worker and the ledger around these.
 
-The key has a namespace from day one: a hash of the server-side tenant salt and tenant id,
-so tenants never share anchors unless an admin shares a toolset.
+Namespaces: every key is derived in a namespace, a hash of the tenant's server-side secret
+salt, its name and (optionally) the client's `cache_salt`, which can only narrow sharing
+inside the tenant. The one exception is a toolset an admin marked shared: its instruction
+anchor lives in the shared namespace, and any tenant's chain may start with it (its key
+still covers every token of the instruction prefix).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
-from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region, SnapshotSpec, anchor_keys
+from anchorcache.wire import (
+    AnchorKind,
+    AnchorPlan,
+    AnchorRef,
+    AnchorReport,
+    AnchorWritten,
+    Region,
+    SnapshotSpec,
+    anchor_keys,
+)
 
 from .anchor_index import AnchorIndex, AnchorRecord
-from .errors import ApiError
 from .splitter.types import CutKind, SplitResult
-from .worker_client import WorkerClient
-
-log = logging.getLogger("anchorcache.proxy")
-
-DEFAULT_TENANT = "default"
 
 
-def tenant_namespace(salt: str, tenant: str) -> bytes:
-    return hashlib.blake2b(f"{len(salt)}:{salt}|{tenant}".encode(), digest_size=16,
-                           person=b"acache.tenant").digest()
+def tenant_namespace(salt: bytes, tenant: str, cache_salt: str | None = None) -> bytes:
+    """The key namespace of `tenant` (narrowed by a client `cache_salt`, if any)."""
+    parts = [salt, tenant.encode()] + ([cache_salt.encode()] if cache_salt is not None else [])
+    h = hashlib.blake2b(digest_size=16, person=b"acache.tenant")
+    for part in parts:
+        h.update(len(part).to_bytes(4, "little") + part)
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -42,23 +49,26 @@ class Plan:
     namespace: bytes
     request: AnchorPlan | None  # what the worker gets; None: no anchor part at all
     chain: tuple[AnchorRecord, ...] = ()  # planned restore, root→leaf
+    instruction: tuple[int, bytes] | None = None  # (depth, key) of the instruction cut, if any
 
     @property
     def restore_depth(self) -> int:
         return self.chain[-1].depth if self.chain else 0
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What `record()` changed: for the ledger and the toolset registry."""
+
+    committed: tuple[AnchorRecord, ...]  # newly confirmed or reported held
+    removed: tuple[bytes, ...]  # restore misses and evictions
+
+
 class Planner:
-    def __init__(self, model_id: str, epoch: str, *, salt: str, worker: WorkerClient | None = None,
-                 index: AnchorIndex | None = None) -> None:
+    def __init__(self, model_id: str, epoch: str, index: AnchorIndex | None = None) -> None:
         self.model_id = model_id
         self.epoch = epoch
-        self.salt = salt
-        self.worker = worker
         self.index = index if index is not None else AnchorIndex()
-
-    def namespace(self, tenant: str = DEFAULT_TENANT) -> bytes:
-        return tenant_namespace(self.salt, tenant)
 
     @staticmethod
     def _cuts(split: SplitResult) -> list[tuple[int, AnchorKind]]:
@@ -79,81 +89,92 @@ class Planner:
         depths = tuple(sorted({d for d, _ in self._cuts(split)}))
         return Plan(b"", AnchorPlan(namespace=b"", chunk_at=depths) if depths else None)
 
-    def plan(self, split: SplitResult, tenant: str = DEFAULT_TENANT) -> Plan:
-        ns = self.namespace(tenant)
+    def _live(self, rec: AnchorRecord | None, depth: int) -> bool:
+        return rec is not None and rec.depth == depth and rec.epoch == self.epoch
+
+    def plan(self, split: SplitResult, namespace: bytes, *, shared: bytes | None = None,
+             skip_instruction: bool = False) -> Plan:
+        """Plan `split` in `namespace`; `shared`: the shared-toolset namespace, whose
+        instruction anchor may root the chain; `skip_instruction`: do not snapshot the
+        instruction cut (another request is writing it)."""
+        ns = namespace
         ids = split.input_ids
         n = len(ids)
         cuts = self._cuts(split)
+        instr_depth = next((d for d, k in cuts if k == AnchorKind.INSTRUCTION), None)
         known = [d for d in self.index.depths(ns) if d < n]
-        keys = anchor_keys(ns, self.model_id, ids, known)
+        keys = anchor_keys(ns, self.model_id, ids, known + ([instr_depth] if instr_depth else []))
+
+        shared_root = None
+        if shared is not None and instr_depth is not None:
+            skey = anchor_keys(shared, self.model_id, ids, [instr_depth])[instr_depth]
+            rec = self.index.get(skey)
+            if self._live(rec, instr_depth) and rec is not None and rec.namespace == shared:
+                shared_root = rec
 
         chain: list[AnchorRecord] = []
         for depth in sorted(known, reverse=True):
             rec = self.index.get(keys[depth])
-            if rec is None or rec.namespace != ns or rec.depth != depth or rec.epoch != self.epoch:
+            if rec is None or rec.namespace != ns or not self._live(rec, depth):
                 continue
             links = self.index.chain(rec.key)
-            if links is not None:
+            if links is not None and all(
+                    (r.namespace == ns and self._live(r, r.depth))
+                    or (shared_root is not None and r.key == shared_root.key) for r in links):
                 chain = links
                 break
+        if not chain and shared_root is not None:
+            chain = [shared_root]
         # Every cut is asked for: the worker saves those past what it actually restored and
-        # skips (chaining onto) those it already holds. The index cannot know either: a
+        # reports (and chains onto) those it already holds. The index cannot know either: a
         # planned link may be gone (eviction, worker restart), so the restore may end early.
         snapshots = {}
         for depth, kind in cuts:
+            if kind == AnchorKind.INSTRUCTION and skip_instruction:
+                continue
             region = Region.THIN if kind == AnchorKind.INSTRUCTION else Region.THICK
             snapshots[depth] = SnapshotSpec(depth, kind, region)
         # The whole prompt, generation prompt included: the next turn's prompt starts with it
-        # whenever the template renders the assistant reply right after it, so only the
-        # really new tokens are prefilled (the response anchor covers an echoed reply).
-        snapshots[n] = SnapshotSpec(n, AnchorKind.CONVERSATION, Region.THICK)
+        # whenever the template renders the assistant reply right after it.
+        snapshots.setdefault(n, SnapshotSpec(n, AnchorKind.CONVERSATION, Region.THICK))
         request = AnchorPlan(
             namespace=ns,
-            restore=tuple(AnchorRef(r.key, r.depth) for r in chain),
+            restore=tuple(AnchorRef(r.key, r.depth, r.namespace if r.namespace != ns else None)
+                          for r in chain),
             snapshot=tuple(snapshots[d] for d in sorted(snapshots)),
             snapshot_response=True,
             chunk_at=tuple(sorted({d for d, _ in cuts})),
         )
-        return Plan(ns, request, tuple(chain))
+        instruction = (instr_depth, keys[instr_depth]) if instr_depth else None
+        return Plan(ns, request, tuple(chain), instruction)
+
+    def warm(self, ids: tuple[int, ...], namespace: bytes) -> AnchorPlan:
+        """Snapshot the instruction prefix `ids` as an instruction anchor (thin region)."""
+        n = len(ids)
+        return AnchorPlan(namespace=namespace,
+                          snapshot=(SnapshotSpec(n, AnchorKind.INSTRUCTION, Region.THIN),))
 
     # ---- after the worker replied ------------------------------------------------------
-    def observe_epoch(self, epoch: str | None) -> None:
-        """A new worker epoch means its anchors are gone: forget them all."""
-        if epoch and epoch != self.epoch:
-            dropped = self.index.clear()
-            log.info("worker epoch %s → %s: %d anchors marked lost", self.epoch, epoch, dropped)
-            self.epoch = epoch
+    def reset(self, epoch: str) -> int:
+        """A new worker epoch: its anchors are gone; forget them all. Returns how many."""
+        self.epoch = epoch
+        return self.index.clear()
 
-    def record_result(self, plan: Plan, meta: dict[str, Any], confirmed: dict[str, Any]) -> None:
-        """Pure bookkeeping of a settled request: misses out, confirmed anchors in."""
-        anchors = meta.get("anchors", {})
-        for miss in anchors.get("restore_miss", []):
-            self.index.remove(bytes.fromhex(miss["key"]))
-        for key in confirmed.get("evicted", []):
-            self.index.remove(bytes.fromhex(key))
-        ok = set(confirmed.get("confirmed", []))
-        for w in anchors.get("written", []):
-            if w["slot"] in ok:
-                self.index.add(AnchorRecord(
-                    namespace=plan.namespace, key=bytes.fromhex(w["key"]), depth=w["depth"],
-                    parent=bytes.fromhex(w["parent"]) if w["parent"] else None,
-                    kind=AnchorKind(w["kind"]), slot=w["slot"], nbytes=w["nbytes"],
-                    epoch=self.epoch))
-
-    async def settle(self, plan: Plan, meta: dict[str, Any]) -> None:
-        """Confirm what the worker wrote for a request that succeeded (`meta`: its final meta
-        info). A failed request is never settled: aborting it by rid makes the worker drop its
-        staged snapshots."""
-        if plan.request is None or not plan.namespace or self.worker is None:
-            return
-        self.observe_epoch(meta.get("epoch"))
-        written = [w["slot"] for w in meta.get("anchors", {}).get("written", [])]
-        confirmed: dict[str, Any] = {}
-        if written:
-            try:
-                confirmed = await self.worker.post("/anchor/confirm", {"slots": written})
-            except ApiError as e:  # the request itself succeeded; only the anchors are lost
-                log.warning("anchor confirm failed: %s", e.message)
-                return
-            self.observe_epoch(confirmed.get("epoch"))
-        self.record_result(plan, meta, confirmed)
+    def record(self, namespace: bytes, report: AnchorReport, confirmed: Iterable[int],
+               evicted: Iterable[bytes]) -> Settled:
+        """Fold a settled request into the index: misses and evictions out, confirmed
+        written anchors and held ones in."""
+        removed = [m.key for m in report.restore_miss] + list(evicted)
+        for key in removed:
+            self.index.remove(key)
+        ok = set(confirmed)
+        added = []
+        entries: list[AnchorWritten] = [w for w in report.written if w.slot in ok]
+        entries += list(report.held)
+        for w in entries:
+            # held ones too: the worker derived their keys in this request's namespace
+            rec = AnchorRecord(namespace=namespace, key=w.key, depth=w.depth, parent=w.parent,
+                               kind=w.kind, slot=w.slot, nbytes=w.nbytes, epoch=self.epoch)
+            self.index.add(rec)
+            added.append(rec)
+        return Settled(tuple(added), tuple(removed))

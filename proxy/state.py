@@ -1,5 +1,5 @@
 """What a running proxy holds: config, worker client and info, tokenizer, splitter (and the
-thread it runs on), planner."""
+thread it runs on), planner, ledger and the anchor life cycle."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from anchorcache.state.ledger import Ledger
+
 from .config import ProxyConfig
+from .lifecycle import AnchorLifecycle
 from .planner import Planner
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
@@ -28,6 +31,8 @@ class ProxyState:
     planner: Planner
     splits: SplitPool  # render + tokenize, off the event loop
     budget: TokenBudget  # early refusal of text that cannot fit the context
+    ledger: Ledger
+    lifecycle: AnchorLifecycle  # the one owner of plan → generate → confirm/abort → record
     metrics: ProxyMetrics  # the same object as app[METRICS]
 
     @property

@@ -7,16 +7,29 @@ worker is passed on as the client's bad request.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 
-from anchorcache.wire import GenerateRequest
+from anchorcache.wire import (
+    ConfirmReply,
+    GenerateMeta,
+    GenerateRequest,
+    SlotsReply,
+    WireError,
+    WorkerHealth,
+    parse_confirm,
+    parse_generate_meta,
+    parse_health,
+    parse_slots,
+)
 
 from .errors import ApiError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,7 +54,7 @@ class Chunk:
     """A piece of a generate reply: new output ids, and on the last one the meta info."""
 
     output_ids: tuple[int, ...]
-    meta: dict[str, Any] | None = None
+    meta: GenerateMeta | None = None
 
 
 def _worker_error(status: int, body: bytes) -> ApiError:
@@ -79,17 +92,45 @@ class WorkerClient:
     async def model_info(self) -> WorkerInfo:
         return WorkerInfo.from_json(await self._call("GET", "/model_info"))
 
-    async def health(self) -> dict[str, Any]:
-        return await self._call("GET", "/health")
+    async def _typed(self, parse: Callable[[Any], T], method: str, path: str, body: Any = None) -> T:
+        data = await self._call(method, path, body)
+        try:
+            return parse(data)
+        except WireError as e:
+            raise ApiError("worker_error", f"malformed reply from {path}: {e}") from None
+
+    async def health(self) -> WorkerHealth:
+        return await self._typed(parse_health, "GET", "/health")
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})
 
-    async def post(self, path: str, body: Any = None) -> Any:
-        return await self._call("POST", path, body if body is not None else {})
+    async def confirm(self, slots: list[int]) -> ConfirmReply:
+        """Make staged anchors visible; the reply names those confirmed and the keys evicted."""
+        return await self._typed(parse_confirm, "POST", "/anchor/confirm", {"slots": slots})
 
-    async def get(self, path: str) -> Any:
-        return await self._call("GET", path)
+    async def abort_slots(self, slots: list[int]) -> list[int]:
+        reply = await self._call("POST", "/anchor/abort", {"slots": slots})
+        return [int(s) for s in reply.get("aborted", [])]
+
+    async def slots(self) -> SlotsReply:
+        return await self._typed(parse_slots, "GET", "/anchor/slots")
+
+    async def stats(self) -> dict[str, Any]:
+        """The worker's slot-table counters, passed on as they are (for display)."""
+        return dict(await self._call("GET", "/anchor/stats"))
+
+    async def _key_op(self, path: str, field: str, key: bytes) -> bool:
+        return bool((await self._call("POST", path, {"key": key.hex()})).get(field))
+
+    async def pin(self, key: bytes) -> bool:
+        return await self._key_op("/anchor/pin", "pinned", key)
+
+    async def unpin(self, key: bytes) -> bool:
+        return await self._key_op("/anchor/unpin", "unpinned", key)
+
+    async def evict(self, key: bytes) -> bool:
+        return await self._key_op("/anchor/evict", "evicted", key)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """Stream a generate request's chunks; the last one carries `meta`.
@@ -113,7 +154,11 @@ class WorkerClient:
                     if "error" in event:
                         raise ApiError("worker_error",
                                        f"worker error: {event['error'].get('message', '')}")
-                    meta = event.get("meta_info")
+                    raw = event.get("meta_info")
+                    try:
+                        meta = parse_generate_meta(raw) if raw is not None else None
+                    except WireError as e:
+                        raise ApiError("worker_error", f"malformed meta_info: {e}") from None
                     yield Chunk(tuple(event.get("output_ids", ())), meta)
                     if meta is not None:
                         finished = True

@@ -30,4 +30,4 @@ def proxy(worker: Server) -> Iterator[Server]:
 def openai_client(proxy: Server):
     import openai
 
-    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="", max_retries=0, timeout=120)  # no key: anonymous

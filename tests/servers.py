@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,10 +60,21 @@ def worker_process(*extra: str, model: str | None = None, env: dict[str, str] | 
         server.stop()
 
 
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
 @contextmanager
-def proxy_process(worker_url: str, *extra: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    server = _spawn(["proxy", "--worker", worker_url, *extra], free_port(), env)
-    try:
-        yield server
-    finally:
-        server.stop()
+def proxy_process(worker_url: str, *extra: str, env: dict[str, str] | None = None,
+                  state_dir: str | None = None, port: int | None = None) -> Iterator[Server]:
+    """A proxy with its own ledger (a fresh temporary one unless `state_dir` is given) and
+    the admin API on (token `ADMIN_TOKEN`)."""
+    with contextlib.ExitStack() as stack:
+        if state_dir is None:
+            state_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="anchorcache-state-"))
+        env = {"ANCHORCACHE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})}
+        server = _spawn(["proxy", "--worker", worker_url, "--state-dir", state_dir, *extra],
+                        port or free_port(), env)
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -19,15 +19,17 @@ from anchorcache.cli import free_port, wait_ready
 pytestmark = pytest.mark.slow
 
 
-def test_serve_answers_and_stops_both_processes_on_sigterm(default_model_dir):
+def test_serve_answers_and_stops_both_processes_on_sigterm(default_model_dir, tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", "serve", "--port", str(port),
                              "--threads", "2", "--log-level", "warning"],
                             stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                 "ANCHORCACHE_STATE_DIR": str(tmp_path)})
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout_s=300)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        # no key: the anonymous tenant (on by default on loopback)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="", max_retries=0)
         reply = client.chat.completions.create(
             model="default", temperature=0, max_tokens=20,
             messages=[{"role": "user", "content": "What is the capital of France?"}])
@@ -39,6 +41,7 @@ def test_serve_answers_and_stops_both_processes_on_sigterm(default_model_dir):
         _gone, alive = psutil.wait_procs(children, timeout=30)
         assert alive == []
         assert f"http://127.0.0.1:{port}/v1" in proc.stdout.read()
+        assert (tmp_path / "ledger.sqlite3").exists()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -50,11 +53,12 @@ LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}
 
 
 @pytest.fixture(scope="module")
-def serve_proc(default_model_dir):
+def serve_proc(default_model_dir, tmp_path_factory):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", "serve", "--port", str(port),
                              "--threads", "2", "--log-level", "warning"],
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                 "ANCHORCACHE_STATE_DIR": str(tmp_path_factory.mktemp("state"))})
     proc.url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc.url + "/health", proc, timeout_s=300)
@@ -71,7 +75,7 @@ def _health(url: str) -> httpx.Response:
 
 
 def test_a_killed_worker_is_restarted_and_its_anchors_forgotten(serve_proc):
-    client = openai.OpenAI(base_url=serve_proc.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=serve_proc.url + "/v1", api_key="", max_retries=0, timeout=120)
     before = _health(serve_proc.url).json()
     assert before["worker_process"] == {"state": "running", "pid": before["worker_process"]["pid"],
                                         "restarts": 0, "last_exit_code": None}

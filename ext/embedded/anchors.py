@@ -35,8 +35,10 @@ import torch
 from anchorcache.ext import ops
 from anchorcache.ext.slots import SlotTable
 from anchorcache.wire import (
+    AnchorHeld,
     AnchorKind,
     AnchorPlan,
+    AnchorRef,
     AnchorWritten,
     SnapshotSpec,
     anchor_keys,
@@ -92,7 +94,7 @@ class AnchorStore:
                 plan: AnchorPlan) -> tuple[Any, int, dict[str, Any]]:
         """Restore the verified prefix of `plan.restore`, or the deepest held chain ending at
         a snapshot depth of `plan` if that is deeper; (cache or None, depth, info)."""
-        keys = anchor_keys(plan.namespace, self.model_id, ids, [r.depth for r in plan.restore])
+        keys = _link_keys(plan, self.model_id, ids)
         chain: list[Slab] = []
         misses: list[dict[str, Any]] = []
         with self._lock:
@@ -102,7 +104,7 @@ class AnchorStore:
                 slot = None
                 if ref.depth >= len(ids):
                     reason = "covers_prompt"  # at least the last token must be prefilled
-                elif keys[ref.depth] != ref.key:
+                elif keys[ref] != ref.key:
                     reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
                 elif (slot := self.table.lookup(ref.key, ref.depth)) is None:
                     reason = "not_resident"
@@ -122,15 +124,21 @@ class AnchorStore:
             # queue; restore it instead of prefilling it again.
             late = deepest_held_chain(plan.namespace, self.model_id, ids,
                                       [s.depth for s in plan.snapshot], self._held_locked)
+            held: list[AnchorHeld] = []
             if late and late[-1].depth > prev.depth:
+                planned = {r.key for r in plan.restore}
                 for slab in late:
                     if slab.key in self._slot_of:  # committed: LRU touch and a hit
                         self.table.lookup(slab.key, slab.depth)
+                        if slab.key not in planned:  # the proxy may not know it: report it
+                            held.append(AnchorHeld(self._slot_of[slab.key], slab.key, slab.depth,
+                                                   slab.parent, slab.nbytes, slab.kind))
                 chain, prev = late, _Tip(late[-1].key, late[-1].depth)
         info: dict[str, Any] = {"restored": [{"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
                                              for s in chain],
                                 "restore_miss": misses,
-                                "late_lookup": bool(late) and chain is late}
+                                "late_lookup": bool(late) and chain is late,
+                                "held": held}
         if not chain:
             return None, 0, info
         self.fault("restore")
@@ -185,7 +193,11 @@ class AnchorStore:
         tip = self._tips.setdefault(rid, _Tip())
         if self.table.contains(key, depth):
             self._tips[rid] = _Tip(key, depth)  # already saved by an earlier request: chain on
-            return None
+            with self._lock:
+                held = self._live.get(self._slot_of.get(key, -1))
+            if held is None or held.key != key:
+                return None
+            return AnchorHeld(self._slot_of[key], key, depth, held.parent, held.nbytes, held.kind)
         cache_io.check_snapshot_depth(cache, depth)
         start = tip.depth
         nbytes = self.spec.kv_bytes_per_token * (depth - start) + self.spec.state_bytes
@@ -291,3 +303,14 @@ class AnchorStore:
     def staged_count(self) -> int:
         with self._lock:
             return len(self._staged)
+
+
+def _link_keys(plan: AnchorPlan, model_id: str, ids: tuple[int, ...]) -> dict[AnchorRef, bytes]:
+    """Each restore link's key recomputed over `ids`, in the link's own namespace (a shared
+    toolset's root) or the plan's."""
+    out: dict[AnchorRef, bytes] = {}
+    for ns in {r.namespace or plan.namespace for r in plan.restore}:
+        links = [r for r in plan.restore if (r.namespace or plan.namespace) == ns]
+        keys = anchor_keys(ns, model_id, ids, [r.depth for r in links if r.depth <= len(ids)])
+        out.update({r: keys[r.depth] for r in links if r.depth in keys})
+    return out

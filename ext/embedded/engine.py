@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from anchorcache.wire import AnchorWritten, GenerateRequest
+from anchorcache.wire import AnchorHeld, AnchorWritten, GenerateRequest
 
 from . import cache_io
 from .sampling import Sampler
@@ -233,12 +233,12 @@ class Engine:
             "prefill_ms": round((t_prefill - t_restore) * 1e3, 3),
             "decode_ms": round((t_decode - t_prefill) * 1e3, 3),
             "snapshot_ms": round(snapshot_s * 1e3, 3),
-            "anchors": {**anchor_info, "written": [_written_json(w) for w in written]},
+            "anchors": {**anchor_info,
+                        "written": [w.to_json() for w in written if not isinstance(w, AnchorHeld)],
+                        # held: committed prefixes it restored unasked (late lookup) or did
+                        # not write again because it holds them
+                        "held": [w.to_json() for w in [*anchor_info.get("held", ()), *written]
+                                 if isinstance(w, AnchorHeld)]},
         }
         job.emit(FinishEvent(finish, meta))
 
-
-def _written_json(w: AnchorWritten) -> dict[str, Any]:
-    return {"slot": w.slot, "key": w.key.hex(), "depth": w.depth,
-            "parent": w.parent.hex() if w.parent else None, "nbytes": w.nbytes,
-            "kind": w.kind.value}

@@ -20,7 +20,6 @@ from .types import (
     ToolCallDelta,
 )
 
-
 __all__ = [
     "Adapter", "AdapterRegistry", "Cut", "CutKind", "OutputDelta", "OutputParser",
     "ParsedOutput", "Piece", "PrefixCache", "SplitError", "SplitResult", "TextAdapter",

@@ -68,7 +68,7 @@ class SpecialGuard:
         if self._json_check and value is not None and not isinstance(value, str):
             text = json.dumps(value, ensure_ascii=False, check_circular=False)
             if not any(s in text for s in self._starts) or not (
-                    self._special_rx is not None and self._special_rx.search(text)
+                    (self._special_rx is not None and self._special_rx.search(text))
                     or ESC in text):
                 return value
         return self._defuse(value)

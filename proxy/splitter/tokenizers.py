@@ -33,6 +33,7 @@ from typing import Any
 import tokenizers
 
 from anchorcache.paths import cache_dir
+
 from .template import render_template
 
 DEFAULT_MODEL_DIR = "SmolLM2-135M-Instruct"

@@ -42,11 +42,10 @@ def stack_factory() -> Iterator:
     """Start (worker, anchors-on proxy, anchors-off proxy) for a model; stopped at module end."""
     started = []
 
-    def make(model: str, *worker_args: str, salt: str | None = None) -> Stack:
+    def make(model: str, *worker_args: str) -> Stack:
         ctx_w = worker_process(*worker_args, model=model)
         worker = ctx_w.__enter__()
-        env = {"ANCHORCACHE_TENANT_SALT": salt} if salt else None
-        ctx_on = proxy_process(worker.url, "--anchors", env=env)
+        ctx_on = proxy_process(worker.url, "--anchors")  # its own ledger: its own tenant salts
         ctx_off = proxy_process(worker.url, "--no-anchors")
         started.extend([ctx_w, ctx_on, ctx_off])
         return Stack(worker, ctx_on.__enter__(), ctx_off.__enter__())

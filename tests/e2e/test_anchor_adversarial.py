@@ -95,9 +95,10 @@ def test_branches_from_one_prefix(stack, conv):
     assert abs(cached(a) - cached(b)) <= 4  # both restore the shared history, not each other
 
 
-def test_another_salt_never_hits(stack, conv):
+def test_another_ledgers_salt_never_hits(stack, conv):
     reqs = warm(stack, conv, turns=2)
-    with proxy_process(stack.worker.url, "--anchors", env={"ANCHORCACHE_TENANT_SALT": "other"}) as other:
+    # a proxy with its own ledger: its anonymous tenant has another secret salt
+    with proxy_process(stack.worker.url, "--anchors") as other:
         reply = httpx.post(other.url + "/v1/chat/completions", timeout=600, json={
             "model": "default", "messages": reqs[-1], "tools": conv["tools"],
             "temperature": 0, "max_tokens": 8}).json()

@@ -50,7 +50,7 @@ def test_worker_down_is_503(own_worker):
 
 def test_worker_dying_mid_stream_ends_with_error_event(own_worker):
     with proxy_process(own_worker.url) as proxy:
-        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="", max_retries=0, timeout=60)
         stream = client.chat.completions.create(model="default", messages=LONG, max_tokens=400,
                                                 temperature=0, stream=True)
         seen = 0

@@ -5,11 +5,19 @@ from __future__ import annotations
 import random
 
 from anchorcache.proxy.anchor_index import AnchorIndex
-from anchorcache.proxy.planner import Planner
+from anchorcache.proxy.planner import Planner, tenant_namespace
 from anchorcache.proxy.splitter.types import Cut, CutKind, SplitResult
-from anchorcache.wire import AnchorKind, anchor_keys
+from anchorcache.wire import (
+    AnchorHeld,
+    AnchorKind,
+    AnchorReport,
+    AnchorWritten,
+    RestoreMiss,
+    anchor_keys,
+)
 
 MODEL = "m"
+NS = tenant_namespace(b"s" * 32, "t")
 
 
 def split(ids, instruction=None, conversation=None, turns=()):
@@ -22,17 +30,18 @@ def split(ids, instruction=None, conversation=None, turns=()):
     return SplitResult("test", tuple(ids), tuple(cuts))
 
 
-def commit_all(planner, plan, ids, slot0=0):
-    """Pretend the worker wrote and confirmed every requested snapshot, chained."""
+def commit_all(planner, plan, ids, slot0=0, *, held=False):
+    """Pretend the worker wrote (or already held) every requested snapshot, chained, and
+    confirmed it."""
     written, parent = [], plan.chain[-1].key if plan.chain else None
-    keys = anchor_keys(plan.namespace, MODEL, ids, [s.depth for s in plan.request.snapshot])
-    for i, s in enumerate(plan.request.snapshot):
-        written.append({"slot": slot0 + i, "key": keys[s.depth].hex(), "depth": s.depth,
-                        "parent": parent.hex() if parent else None, "nbytes": 1,
-                        "kind": s.kind.value})
+    specs = [s for s in plan.request.snapshot if s.depth > plan.restore_depth]  # as the worker
+    keys = anchor_keys(plan.namespace, MODEL, ids, [s.depth for s in specs])
+    cls = AnchorHeld if held else AnchorWritten
+    for i, s in enumerate(specs):
+        written.append(cls(slot0 + i, keys[s.depth], s.depth, parent, 1, s.kind))
         parent = keys[s.depth]
-    meta = {"anchors": {"written": written, "restore_miss": []}}
-    planner.record_result(plan, meta, {"confirmed": [w["slot"] for w in written], "evicted": []})
+    report = AnchorReport(held=tuple(written)) if held else AnchorReport(written=tuple(written))
+    planner.record(plan.namespace, report, [w.slot for w in written], [])
     return written
 
 
@@ -42,9 +51,9 @@ def ids_of(n, seed=0):
 
 
 def test_cold_plan_snapshots_instruction_and_conversation():
-    p = Planner(MODEL, "e1", salt="s")
+    p = Planner(MODEL, "e1")
     ids = ids_of(100)
-    plan = p.plan(split(ids, instruction=30, conversation=70, turns=(50,)))
+    plan = p.plan(split(ids, instruction=30, conversation=70, turns=(50,)), NS)
     assert plan.chain == ()
     assert [(s.depth, s.kind) for s in plan.request.snapshot] == [
         (30, AnchorKind.INSTRUCTION), (70, AnchorKind.CONVERSATION), (100, AnchorKind.CONVERSATION)]
@@ -54,81 +63,134 @@ def test_cold_plan_snapshots_instruction_and_conversation():
 
 
 def test_next_turn_restores_the_deepest_chain():
-    p = Planner(MODEL, "e1", salt="s")
+    p = Planner(MODEL, "e1")
     ids = ids_of(100)
-    commit_all(p, p.plan(split(ids, instruction=30, conversation=70)), ids)
+    commit_all(p, p.plan(split(ids, instruction=30, conversation=70), NS), ids)
     longer = ids + ids_of(40, seed=1)
-    plan = p.plan(split(longer, instruction=30, conversation=120))
+    plan = p.plan(split(longer, instruction=30, conversation=120), NS)
     assert [r.depth for r in plan.request.restore] == [30, 70, 100]  # the old prompt's end
     assert plan.restore_depth == 100
     assert [s.depth for s in plan.request.snapshot] == [30, 120, 140]  # the worker skips held ones
 
 
 def test_an_edited_early_token_restores_nothing_past_it():
-    p = Planner(MODEL, "e1", salt="s")
+    p = Planner(MODEL, "e1")
     ids = ids_of(100)
-    commit_all(p, p.plan(split(ids, instruction=30, conversation=70)), ids)
+    commit_all(p, p.plan(split(ids, instruction=30, conversation=70), NS), ids)
     edited = list(ids)
     edited[40] += 1  # inside the conversation, after the instruction anchor
-    plan = p.plan(split(edited + [7], instruction=30, conversation=100))
+    plan = p.plan(split(edited + [7], instruction=30, conversation=100), NS)
     assert [r.depth for r in plan.request.restore] == [30]
     edited[3] += 1  # inside the instruction anchor
-    assert p.plan(split(edited + [7], instruction=30, conversation=100)).request.restore == ()
+    assert p.plan(split(edited + [7], instruction=30, conversation=100), NS).request.restore == ()
 
 
 def test_tenants_and_salts_never_share():
     index = AnchorIndex()
-    a = Planner(MODEL, "e1", salt="s", index=index)
+    a = Planner(MODEL, "e1", index=index)
     ids = ids_of(100)
-    commit_all(a, a.plan(split(ids, instruction=30, conversation=70)), ids)
+    commit_all(a, a.plan(split(ids, instruction=30, conversation=70), NS), ids)
     again = split(ids + [1, 2], instruction=30, conversation=100)
-    assert a.plan(again).chain != ()
-    assert a.plan(again, tenant="other").chain == ()
-    assert Planner(MODEL, "e1", salt="s2", index=index).plan(again).chain == ()
-    assert Planner("other-model", "e1", salt="s", index=index).plan(again).chain == ()
+    assert a.plan(again, NS).chain != ()
+    assert a.plan(again, tenant_namespace(b"s" * 32, "other")).chain == ()
+    assert a.plan(again, tenant_namespace(b"x" * 32, "t")).chain == ()
+    assert a.plan(again, tenant_namespace(b"s" * 32, "t", "narrower")).chain == ()
+    assert Planner("other-model", "e1", index=index).plan(again, NS).chain == ()
+
+
+def test_a_shared_toolset_roots_other_tenants_chains_and_nothing_else():
+    p = Planner(MODEL, "e1")
+    shared, other = tenant_namespace(b"z" * 32, "@shared"), tenant_namespace(b"o" * 32, "o")
+    ids = ids_of(100)
+    # the admin warmed the instruction prefix in the shared namespace
+    warm = p.plan(split(ids[:30]), shared)
+    commit_all(p, warm, ids[:30])
+    plan = p.plan(split(ids, instruction=30, conversation=70), other, shared=shared)
+    assert [(r.depth, r.namespace) for r in plan.request.restore] == [(30, shared)]
+    # without the shared namespace offered, or past a different instruction prefix: nothing
+    assert p.plan(split(ids, instruction=30, conversation=70), other).chain == ()
+    edited = list(ids)
+    edited[5] += 1
+    assert p.plan(split(edited, instruction=30, conversation=70), other, shared=shared).chain == ()
+    # the tenant's own chain on top of the shared root is planned whole; another tenant's
+    # conversation anchors on the same root are not
+    commit_all(p, plan, ids)
+    longer = split(ids + ids_of(10, seed=3), instruction=30, conversation=100)
+    mine = p.plan(longer, other, shared=shared)
+    assert [r.depth for r in mine.request.restore] == [30, 70, 100]
+    assert mine.request.restore[1].namespace is None  # the plan's own namespace
+    theirs = p.plan(longer, NS, shared=shared)
+    assert [r.depth for r in theirs.request.restore] == [30]
 
 
 def test_a_broken_chain_is_not_planned():
-    p = Planner(MODEL, "e1", salt="s")
+    p = Planner(MODEL, "e1")
     ids = ids_of(100)
-    written = commit_all(p, p.plan(split(ids, instruction=30, conversation=70)), ids)
-    p.index.remove(bytes.fromhex(written[0]["key"]))  # the instruction anchor is gone
-    plan = p.plan(split(ids + [5], instruction=30, conversation=100))
+    written = commit_all(p, p.plan(split(ids, instruction=30, conversation=70), NS), ids)
+    p.index.remove(written[0].key)  # the instruction anchor is gone
+    plan = p.plan(split(ids + [5], instruction=30, conversation=100), NS)
     assert plan.chain == ()
     assert [s.depth for s in plan.request.snapshot] == [30, 100, 101]
 
 
 def test_misses_and_evictions_leave_the_index_and_epochs_reset_it():
-    p = Planner(MODEL, "e1", salt="s")
+    p = Planner(MODEL, "e1")
     ids = ids_of(100)
-    written = commit_all(p, p.plan(split(ids, instruction=30, conversation=70)), ids)
-    assert [w["depth"] for w in written] == [30, 70, 100]
+    written = commit_all(p, p.plan(split(ids, instruction=30, conversation=70), NS), ids)
+    assert [w.depth for w in written] == [30, 70, 100]
     assert len(p.index) == 3
-    p.record_result(p.plan(split(ids, instruction=30)),
-                    {"anchors": {"restore_miss": [{"key": written[1]["key"], "depth": 70}]}}, {})
+    p.record(NS, AnchorReport(restore_miss=(RestoreMiss(written[1].key, 70, "not_resident"),)), [], [])
     assert len(p.index) == 2
-    p.record_result(p.plan(split(ids)), {"anchors": {}}, {"evicted": [written[0]["key"]]})
+    p.record(NS, AnchorReport(), [], [written[0].key])
     assert len(p.index) == 1
     # the survivor's chain is broken: it is never planned
-    assert p.plan(split([*ids, 1, 2], instruction=30, conversation=101)).chain == ()
-    commit_all(p, p.plan(split(ids, instruction=30, conversation=70)), ids)
-    p.observe_epoch("e2")
+    assert p.plan(split([*ids, 1, 2], instruction=30, conversation=101), NS).chain == ()
+    commit_all(p, p.plan(split(ids, instruction=30, conversation=70), NS), ids)
+    assert p.reset("e2") == 3
+    assert p.plan(split([*ids, 1], instruction=30, conversation=100), NS).chain == ()
+
+
+def test_held_anchors_are_learned_without_a_confirm():
+    """The restart bug: a proxy that forgot its anchors learns them from the worker's
+    `held` report, so the next request restores them."""
+    p = Planner(MODEL, "e1")
+    ids = ids_of(100)
+    cold = p.plan(split(ids, instruction=30, conversation=70), NS)
+    commit_all(p, cold, ids, held=True)
+    plan = p.plan(split(ids + [4, 5], instruction=30, conversation=100), NS)
+    assert [r.depth for r in plan.request.restore] == [30, 70, 100]
+
+
+def test_unconfirmed_writes_are_not_learned():
+    p = Planner(MODEL, "e1")
+    ids = ids_of(100)
+    plan = p.plan(split(ids, instruction=30, conversation=70), NS)
+    keys = anchor_keys(NS, MODEL, ids, [30])
+    p.record(NS, AnchorReport(written=(AnchorWritten(0, keys[30], 30, None, 1, AnchorKind.INSTRUCTION),)),
+             [], [])
     assert len(p.index) == 0
-    assert p.plan(split([*ids, 1], instruction=30, conversation=100)).chain == ()
+    assert plan.instruction == (30, keys[30])
+
+
+def test_skip_instruction_leaves_the_instruction_cut_to_another_request():
+    p = Planner(MODEL, "e1")
+    plan = p.plan(split(ids_of(100), instruction=30, conversation=70), NS, skip_instruction=True)
+    assert [s.depth for s in plan.request.snapshot] == [70, 100]
+    assert plan.request.chunk_at == (30, 70)
 
 
 def test_the_prompt_end_is_snapshot_but_never_a_chunk_boundary_or_restored():
-    p = Planner(MODEL, "e1", salt="s")
+    p = Planner(MODEL, "e1")
     ids = ids_of(50)
-    plan = p.plan(split(ids, instruction=50))
+    plan = p.plan(split(ids, instruction=50), NS)
     assert [s.depth for s in plan.request.snapshot] == [50]
     assert plan.request.chunk_at == ()
     commit_all(p, plan, ids)
-    assert p.plan(split(ids)).chain == ()  # the same prompt again: its last token is prefilled
+    assert p.plan(split(ids), NS).chain == ()  # the same prompt again: its last token is prefilled
 
 
 def test_chunk_only_keeps_the_chunking_and_nothing_else():
-    p = Planner(MODEL, "e1", salt="s")
+    p = Planner(MODEL, "e1")
     plan = p.chunk_only(split(ids_of(100), instruction=30, conversation=70))
     assert plan.request.chunk_at == (30, 70)
     assert plan.request.restore == () and plan.request.snapshot == ()

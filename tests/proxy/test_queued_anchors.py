@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 async def test_sixteen_identical_new_requests_prefill_once(proxy):
-    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0,
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="", max_retries=0,
                                 timeout=300)
     messages = [{"role": "system", "content": f"You are a terse assistant. Session {uuid.uuid4()}."},
                 {"role": "user", "content": "Name the largest planet of the solar system."}]

@@ -157,3 +157,49 @@ def test_bad_anchor_bodies_are_400(worker):
         resp = httpx.post(worker.url + path, json=body, timeout=30)
         assert resp.status_code == 400, (path, resp.text)
         assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_prefix_already_held_is_reported_not_skipped_silently(worker):
+    ids = prompt(11)
+    keys = save(worker, ids[:200], [100, 200])
+    # a proxy that forgot these anchors asks for them again: the worker reports them held
+    again = generate(worker, ids, AnchorPlan(NS, snapshot=(
+        SnapshotSpec(100, AnchorKind.INSTRUCTION, Region.THIN),
+        SnapshotSpec(200, AnchorKind.CONVERSATION, Region.THICK)), chunk_at=(100, 200)))
+    report = again["meta_info"]["anchors"]
+    assert report["written"] == []
+    held = {h["depth"]: h for h in report["held"]}
+    assert sorted(held) == [100, 200]
+    assert held[100]["key"] == keys[100].hex() and held[100]["parent"] is None
+    assert held[200]["key"] == keys[200].hex() and held[200]["parent"] == keys[100].hex()
+    assert held[100]["kind"] == "conversation"  # the slab's own kind, as it was written
+    slots = {s["slot"]: s for s in httpx.get(worker.url + "/anchor/slots").json()["slots"]}
+    assert slots[held[200]["slot"]]["key"] == keys[200].hex()
+    # (restored by the late lookup there; a snapshot at the prompt's end is never restored,
+    # and is reported held instead of being written twice)
+    assert [r["depth"] for r in report["restored"]] == [100, 200]
+    same = generate(worker, ids[:200], AnchorPlan(NS, snapshot=(
+        SnapshotSpec(200, AnchorKind.CONVERSATION, Region.THICK),)))
+    assert same["meta_info"]["anchors"]["written"] == []
+    assert [(h["depth"], h["key"]) for h in same["meta_info"]["anchors"]["held"]] == [(200, keys[200].hex())]
+
+
+def test_a_link_in_its_own_namespace(worker):
+    """A shared toolset's root lives in another namespace than the rest of the chain."""
+    shared = bytes(range(16, 32))
+    ids = prompt(12)
+    root = anchor_keys(shared, worker.model_id, ids, [100])[100]
+    gen = generate(worker, ids[:100], AnchorPlan(shared, snapshot=(
+        SnapshotSpec(100, AnchorKind.INSTRUCTION, Region.THIN),)))
+    post(worker, "/anchor/confirm", {"slots": [w["slot"] for w in gen["meta_info"]["anchors"]["written"]]})
+    cold = generate(worker, ids, AnchorPlan(NS, chunk_at=(100,)))
+    plan = AnchorPlan(NS, restore=(AnchorRef(root, 100, shared),),
+                      snapshot=(SnapshotSpec(200, AnchorKind.CONVERSATION, Region.THICK),))
+    warm = generate(worker, ids, plan)
+    assert warm["meta_info"]["cached_tokens"] == 100
+    assert warm["output_ids"] == cold["output_ids"]
+    [w] = warm["meta_info"]["anchors"]["written"]
+    assert w["parent"] == root.hex() and w["key"] == anchor_keys(NS, worker.model_id, ids, [200])[200].hex()
+    # without the link's namespace the worker computes the plan's key and refuses it
+    refused = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(root, 100),)))
+    assert refused["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "key_mismatch"

@@ -1,0 +1,331 @@
+"""The admin API (`/admin/*`): tenants and keys, toolsets and pinning, anchors, slots, stats.
+
+Guarded by its own token (`ANCHORCACHE_ADMIN_TOKEN`, compared in constant time); a tenant
+key gets 403, anything else 401, and with no admin token configured the API is off (403).
+Everything goes through the ledger and the anchor life cycle; `ops/` is its client.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from anchorcache.state.ledger import LedgerError
+from anchorcache.state.records import AnchorStatus, Quotas, Toolset
+
+from .errors import ApiError, json_response
+from .lifecycle import SHARED_TENANT
+from .splitter.types import CutKind, SplitError
+from .state import STATE, ProxyState
+from .tenants import TENANTS, TenantContext, bearer
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+LEADING_ROLES = ("system", "developer")
+
+
+@web.middleware
+async def admin_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    if not request.path.startswith("/admin"):
+        return await handler(request)
+    token = request.app[STATE].config.admin_token
+    if not token:
+        raise ApiError("permission_denied", "the admin API is off: start the proxy with "
+                       "ANCHORCACHE_ADMIN_TOKEN set")
+    given = bearer(request)
+    if given is None:
+        raise ApiError("unauthorized", "the admin API needs 'Authorization: Bearer ADMIN_TOKEN'")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        if request.app[TENANTS].ledger.lookup_key(given) is not None:
+            raise ApiError("permission_denied", "a tenant API key cannot use the admin API")
+        raise ApiError("invalid_api_key", "incorrect admin token")
+    return await handler(request)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.read() or b"{}")
+    except orjson.JSONDecodeError as e:
+        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError("invalid_request", "the request body must be a JSON object")
+    return body
+
+
+def _state(request: web.Request) -> ProxyState:
+    return request.app[STATE]
+
+
+def _tenant_name(request: web.Request) -> str:
+    name = request.match_info["name"]
+    if _state(request).ledger.tenant(name) is None or name == SHARED_TENANT:
+        raise ApiError("not_found", f"no tenant {name!r}")
+    return name
+
+
+def _quotas(body: dict[str, Any], base: Quotas) -> Quotas:
+    values = {}
+    for field in ("max_pinned_toolsets", "max_anchor_bytes", "max_in_flight"):
+        v = body.get(field, getattr(base, field))
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ApiError("invalid_request", f"'{field}' must be a non-negative integer or null",
+                           param=field)
+        values[field] = v
+    return Quotas(**values)
+
+
+# ---- tenants and keys ---------------------------------------------------------------------
+async def create_tenant(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    name = body.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise ApiError("invalid_request", "'name' must be 1-64 letters, digits, '_', '.' or '-'",
+                       param="name")
+    state = _state(request)
+    try:
+        tenant, key_id, api_key = state.ledger.create_tenant(
+            name, _quotas(body.get("quotas") or {}, state.config.default_quotas))
+    except LedgerError as e:
+        raise ApiError("conflict", str(e), param="name") from None
+    return json_response({"name": tenant.name, "api_key": api_key, "key_id": key_id,
+                          "quotas": tenant.quotas.to_json()})
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    state = _state(request)
+    led, tenants = state.ledger, request.app[TENANTS]
+    out = []
+    for t in led.tenants():
+        if t.name == SHARED_TENANT:
+            continue
+        out.append({**t.to_json(), "keys": [k.to_json() for k in led.keys(t.name)],
+                    "in_flight": tenants.in_flight.get(t.name, 0),
+                    "anchor_bytes": led.anchor_bytes(t.name, state.lifecycle.worker_id,
+                                                     state.lifecycle.epoch),
+                    "toolsets": len(led.toolsets(t.name)),
+                    "pinned_toolsets": len(led.toolsets(t.name, pinned=True))})
+    return json_response({"data": out})
+
+
+async def set_quotas(request: web.Request) -> web.Response:
+    name = _tenant_name(request)
+    led = _state(request).ledger
+    tenant = led.tenant(name)
+    assert tenant is not None
+    return json_response(led.set_quotas(name, _quotas(await _json_body(request), tenant.quotas)).to_json())
+
+
+async def add_key(request: web.Request) -> web.Response:
+    key_id, api_key = _state(request).ledger.add_key(_tenant_name(request))
+    return json_response({"api_key": api_key, "key_id": key_id})
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    name, key_id = _tenant_name(request), request.match_info["key_id"]
+    if not _state(request).ledger.revoke_key(name, key_id):
+        raise ApiError("not_found", f"tenant {name!r} has no key {key_id!r}")
+    return json_response({"key_id": key_id, "revoked": True})
+
+
+# ---- toolsets and pinning -----------------------------------------------------------------
+def _instruction_ids(state: ProxyState, body: dict[str, Any]) -> tuple[int, ...]:
+    messages, tools = body.get("messages"), body.get("tools") or []
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and m.get("role") in LEADING_ROLES for m in messages):
+        raise ApiError("invalid_request", "'messages' must be a list of the leading system/"
+                       "developer messages", param="messages")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ApiError("invalid_request", "'tools' must be a list of tool objects", param="tools")
+    if not messages and not tools:
+        raise ApiError("invalid_request", "a toolset needs leading messages or tools",
+                       param="messages")
+    # Render with a user turn after them (some templates refuse to render without one) and
+    # keep what comes before the instruction cut: exactly the prefix real requests start with.
+    probe = [dict(m) for m in messages] + [{"role": "user", "content": "."}]
+    try:
+        split = state.adapter.split(probe, [dict(t) for t in tools] or None)
+    except SplitError as e:
+        raise ApiError("invalid_request", str(e)) from None
+    cut = next((c.position for c in split.cuts if c.kind == CutKind.INSTRUCTION), None)
+    if cut is None or cut < 1:
+        raise ApiError("invalid_request", "these messages and tools give no instruction cut "
+                       "with this model's template", param="messages")
+    return split.input_ids[:cut]
+
+
+def _flag(body: dict[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise ApiError("invalid_request", f"'{name}' must be a boolean", param=name)
+    return v
+
+
+def _check_pin(state: ProxyState, ts: Toolset) -> None:
+    """Per-tenant pinned-toolset quota and the global pin budget (429 past them)."""
+    led = state.ledger
+    tenant = led.tenant(ts.tenant)
+    assert tenant is not None
+    pinned = [t for t in led.toolsets(ts.tenant, pinned=True) if t.toolset != ts.toolset]
+    limit = tenant.quotas.max_pinned_toolsets
+    if limit is not None and len(pinned) >= limit:
+        raise ApiError("quota_exceeded", f"tenant {ts.tenant!r} may pin {limit} toolsets "
+                       "(its quota); unpin one first")
+    lc = state.lifecycle
+    used = sum(rec.nbytes for t in led.toolsets(pinned=True) if t.toolset != ts.toolset
+               for _, _, key in lc.toolset_keys(t) if (rec := lc.live(key)) is not None)
+    mine = sum(rec.nbytes for _, _, key in lc.toolset_keys(ts) if (rec := lc.live(key)) is not None)
+    if used + mine > state.config.pin_budget_bytes:
+        raise ApiError("quota_exceeded", f"pinning this toolset ({mine} bytes) would exceed the "
+                       f"global pin budget ({used} of {state.config.pin_budget_bytes} bytes used)")
+
+
+async def _apply(state: ProxyState, ts: Toolset, pin: bool | None, shared: bool | None) -> Toolset:
+    led, lc = state.ledger, state.lifecycle
+    if shared is not None and shared != ts.shared:
+        ts = led.set_toolset(ts.toolset, shared=shared)
+    await lc.ensure_toolset(ts)  # warm (shared copy too) before pinning: the pin needs the bytes
+    if pin:
+        _check_pin(state, ts)
+        ts = led.set_toolset(ts.toolset, pinned=True)
+        await lc.ensure_toolset(ts)
+    elif pin is False and ts.pinned:
+        ts = led.set_toolset(ts.toolset, pinned=False)
+        await lc.unpin_toolset(ts)
+    led.event("toolset", ts.tenant, toolset=ts.toolset, pinned=ts.pinned, shared=ts.shared)
+    return ts
+
+
+def _toolset_json(ts: Toolset) -> dict[str, Any]:
+    return {**ts.to_json(), "anchor": {"key": ts.toolset, "depth": ts.depth}}
+
+
+async def create_toolset(request: web.Request) -> web.Response:
+    name = _tenant_name(request)
+    state = _state(request)
+    body = await _json_body(request)
+    pin, shared = _flag(body, "pin"), _flag(body, "shared")
+    ids = _instruction_ids(state, body)
+    tenant = state.ledger.tenant(name)
+    assert tenant is not None
+    ns = TenantContext(tenant).caller().namespace
+    rec = await state.lifecycle.warm(name, ns, ids)
+    ts = state.ledger.put_toolset(name, ns, rec.key, ids)
+    ts = await _apply(state, ts, pin, shared)
+    return json_response(_toolset_json(ts))
+
+
+async def list_toolsets(request: web.Request) -> web.Response:
+    tenant = request.query.get("tenant")
+    lc = _state(request).lifecycle
+    return json_response({"data": [{**_toolset_json(ts), "warm": lc.live(ts.key) is not None}
+                                   for ts in _state(request).ledger.toolsets(tenant)]})
+
+
+async def _toolset_arg(request: web.Request) -> tuple[Toolset, dict[str, Any]]:
+    body = await _json_body(request)
+    tid = body.get("toolset")
+    ts = _state(request).ledger.toolset(tid) if isinstance(tid, str) else None
+    if ts is None:
+        raise ApiError("not_found", f"no toolset {tid!r}", param="toolset")
+    return ts, body
+
+
+async def pin(request: web.Request) -> web.Response:
+    ts, _ = await _toolset_arg(request)
+    return json_response(_toolset_json(await _apply(_state(request), ts, True, None)))
+
+
+async def unpin(request: web.Request) -> web.Response:
+    ts, _ = await _toolset_arg(request)
+    return json_response(_toolset_json(await _apply(_state(request), ts, False, None)))
+
+
+async def share(request: web.Request) -> web.Response:
+    ts, body = await _toolset_arg(request)
+    shared = _flag(body, "shared")
+    return json_response(_toolset_json(await _apply(_state(request), ts, None,
+                                                    True if shared is None else shared)))
+
+
+# ---- anchors, slots, stats ----------------------------------------------------------------
+async def anchors(request: web.Request) -> web.Response:
+    state = _state(request)
+    status = request.query.get("status", "committed")
+    try:
+        st = None if status == "all" else AnchorStatus(status)
+    except ValueError:
+        raise ApiError("invalid_request", f"unknown status {status!r}", param="status") from None
+    everywhere = request.query.get("epoch") == "all"
+    rows = state.ledger.anchors(tenant=request.query.get("tenant") or None, status=st,
+                                worker=None if everywhere else state.lifecycle.worker_id,
+                                epoch=None if everywhere else state.lifecycle.epoch)
+    return json_response({"data": [r.to_json() for r in rows if r.tenant != SHARED_TENANT
+                                   or request.query.get("tenant") in (None, SHARED_TENANT)]})
+
+
+async def slots(request: web.Request) -> web.Response:
+    state = _state(request)
+    listing = await state.worker.slots()
+    state.lifecycle.observe_epoch(listing.epoch)
+    rows = {r.key: r for r in state.ledger.anchors(worker=state.lifecycle.worker_id,
+                                                   epoch=listing.epoch)}
+    out = []
+    for s in listing.slots:
+        r = rows.get(s.key)
+        out.append({"slot": s.slot, "key": s.key.hex(), "depth": s.depth,
+                    "parent": s.parent.hex() if s.parent else None, "bytes": s.nbytes,
+                    "state": s.state, "pinned": s.pinned, "hits": s.hits, "last_use": s.last_use,
+                    "kind": r.kind if r else None, "tenant": r.tenant if r else None,
+                    "ledger_hits": r.hits if r else None, "last_hit": r.last_hit if r else None,
+                    "epoch": listing.epoch})
+    return json_response({"data": out, "epoch": listing.epoch})
+
+
+async def evict(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    try:
+        key = bytes.fromhex(body["key"])
+    except (KeyError, TypeError, ValueError):
+        raise ApiError("invalid_request", "'key' must be a hex anchor key", param="key") from None
+    return json_response({"key": key.hex(), "evicted": await _state(request).lifecycle.evict(key)})
+
+
+async def stats(request: web.Request) -> web.Response:
+    state = _state(request)
+    try:
+        worker: dict[str, Any] | None = await state.worker.stats()
+    except ApiError:
+        worker = None
+    lc = state.lifecycle
+    return json_response({"ledger": state.ledger.stats(), "worker": worker,
+                          "requests": dict(lc.counters),
+                          "epoch": lc.epoch, "worker_url": lc.worker_id,
+                          "in_flight": dict(request.app[TENANTS].in_flight),
+                          "last_reconcile": lc.last_reconcile.to_json() if lc.last_reconcile else None})
+
+
+async def reconcile(request: web.Request) -> web.Response:
+    report = await _state(request).lifecycle.reconcile("admin")
+    return json_response(report.to_json() if report else {"error": "no slot listing"})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/admin/tenants", create_tenant)
+    r.add_get("/admin/tenants", list_tenants)
+    r.add_post("/admin/tenants/{name}/quotas", set_quotas)
+    r.add_post("/admin/tenants/{name}/keys", add_key)
+    r.add_delete("/admin/tenants/{name}/keys/{key_id}", revoke_key)
+    r.add_post("/admin/tenants/{name}/toolsets", create_toolset)
+    r.add_get("/admin/toolsets", list_toolsets)
+    r.add_get("/admin/anchors", anchors)
+    r.add_get("/admin/slots", slots)
+    r.add_post("/admin/evict", evict)
+    r.add_post("/admin/pin", pin)
+    r.add_post("/admin/unpin", unpin)
+    r.add_post("/admin/share", share)
+    r.add_get("/admin/stats", stats)
+    r.add_post("/admin/reconcile", reconcile)

@@ -1,0 +1,373 @@
+"""The one owner of the proxy's anchor life cycle: plan → generate → confirm/abort → record.
+
+`AnchorLifecycle` holds the pure planner (and its in-memory index), the ledger and the
+worker client, and is the only code that changes any of them for anchors:
+
+- `begin()` plans a request and opens its reservation in the ledger. A request whose
+  instruction cut is new and already being written by another request waits for that one
+  (bounded), so a burst of one new toolset writes one instruction anchor, not one each.
+- `settle()` (success) records what the worker wrote as reserved, confirms it, commits what
+  the worker acknowledged, learns the anchors the worker reported already held, and closes
+  the reservation; `fail()` closes it aborted, with a reason (the pipeline aborts the
+  worker request by rid, which drops its staged snapshots).
+- It watches the worker's epoch on every reply: a new epoch forgets the index, reconciles
+  the ledger against the worker's slot listing and re-warms pinned toolsets, in the
+  background. `start()` reconciles once at proxy start, then loads the committed anchors
+  the worker still holds, so they are offered again after a proxy restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from anchorcache.state.ledger import Ledger
+from anchorcache.state.records import (
+    AnchorStatus,
+    HeldSlot,
+    NewAnchor,
+    ReconcileReport,
+    ReservationOutcome,
+    Toolset,
+)
+from anchorcache.wire import (
+    AnchorKind,
+    AnchorWritten,
+    GenerateMeta,
+    GenerateRequest,
+    SamplingParams,
+    anchor_keys,
+)
+
+from .anchor_index import AnchorRecord
+from .errors import ApiError
+from .planner import Plan, Planner
+from .splitter.types import SplitResult
+from .worker_client import WorkerClient
+
+log = logging.getLogger("anchorcache.proxy")
+
+SHARED_TENANT = "@shared"  # holds the shared-toolset namespace's secret salt; not a real tenant
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a request runs for: the tenant and the namespace its keys are derived in."""
+
+    tenant: str
+    namespace: bytes
+    own_namespace: bool = True  # False when a client cache_salt narrowed it (no toolsets then)
+    max_anchor_bytes: int | None = None  # past it, the tenant's least recently hit anchors go
+
+
+@dataclass
+class Flight:
+    """One request's anchor state between `begin` and `settle`/`fail`."""
+
+    rid: str
+    caller: Caller
+    plan: Plan
+    input_ids: tuple[int, ...]
+    leads: bytes | None = None  # the instruction key this request writes for everyone
+    closed: bool = False
+
+
+def _new(entries: Iterable[AnchorWritten]) -> list[NewAnchor]:
+    return [NewAnchor(w.key, w.depth, w.parent, w.slot, w.nbytes, w.kind.value) for w in entries]
+
+
+class AnchorLifecycle:
+    def __init__(self, worker: WorkerClient, ledger: Ledger, planner: Planner, *, worker_id: str,
+                 shared_namespace: bytes, single_flight_wait_s: float = 60.0) -> None:
+        self.worker = worker
+        self.ledger = ledger
+        self.planner = planner
+        self.worker_id = worker_id
+        self.shared_namespace = shared_namespace
+        self.single_flight_wait_s = single_flight_wait_s
+        self._flights: dict[bytes, asyncio.Future[None]] = {}
+        self._in_flight: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.last_reconcile: ReconcileReport | None = None
+        # settled requests since start: count, hits (restored anything), prompt/cached tokens
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def epoch(self) -> str:
+        return self.planner.epoch
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def idle(self) -> None:
+        """Wait for background work (reconcile, re-warm) to finish (tests, admin)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # ---- start and epochs ---------------------------------------------------------------
+    async def start(self) -> ReconcileReport | None:
+        """Reconcile with the worker, load what it still holds, re-warm pinned toolsets."""
+        report = await self.reconcile("proxy_start")
+        self._spawn(self.rewarm_pinned())
+        return report
+
+    async def reconcile(self, reason: str) -> ReconcileReport | None:
+        try:
+            listing = await self.worker.slots()
+        except ApiError as e:
+            log.warning("reconcile skipped, no slot listing: %s", e.message)
+            return None
+        if listing.epoch != self.epoch:
+            self.planner.reset(listing.epoch)
+        held = [HeldSlot(s.slot, s.key, s.depth, s.parent, s.nbytes)
+                for s in listing.slots if s.state == "committed"]
+        staged = [(s.slot, s.key) for s in listing.slots if s.state == "reserved"]
+        report = self.ledger.reconcile(self.worker_id, listing.epoch, held, staged=staged,
+                                       in_flight=self._in_flight, reason=reason)
+        if report.stale_reserved_slots:
+            try:
+                await self.worker.abort_slots(list(report.stale_reserved_slots))
+            except ApiError as e:
+                log.warning("could not abort orphaned reservations: %s", e.message)
+        for row in self.ledger.anchors(worker=self.worker_id, epoch=listing.epoch,
+                                       status=AnchorStatus.COMMITTED):
+            if self.planner.index.get(row.key) is None:
+                self.planner.index.add(AnchorRecord(row.namespace, row.key, row.depth, row.parent,
+                                                    AnchorKind(row.kind), row.slot, row.nbytes,
+                                                    row.epoch))
+        self.last_reconcile = report
+        log.info("reconcile (%s): %s", reason, report.to_json())
+        return report
+
+    def observe_epoch(self, epoch: str | None) -> None:
+        """Every worker reply passes its epoch here; a new one means the worker restarted."""
+        if not epoch or epoch == self.epoch:
+            return
+        old = self.epoch
+        dropped = self.planner.reset(epoch)
+        log.info("worker epoch %s → %s: %d anchors lost", old, epoch, dropped)
+        self.ledger.event("epoch_changed", None, old=old, new=epoch, dropped=dropped)
+
+        async def after() -> None:
+            await self.reconcile("epoch_changed")
+            await self.rewarm_pinned()
+
+        self._spawn(after())
+
+    # ---- requests ----------------------------------------------------------------------
+    async def begin(self, rid: str, caller: Caller, split: SplitResult) -> Flight:
+        plan = self.planner.plan(split, caller.namespace, shared=self.shared_namespace)
+        leads = None
+        inst = plan.instruction
+        if inst is not None and plan.restore_depth < inst[0]:
+            other = self._flights.get(inst[1])
+            if other is not None:  # someone writes this instruction anchor now: wait for it
+                try:
+                    await asyncio.wait_for(asyncio.shield(other), self.single_flight_wait_s)
+                except TimeoutError:
+                    pass
+                plan = self.planner.plan(split, caller.namespace, shared=self.shared_namespace)
+            if plan.restore_depth < inst[0]:
+                if inst[1] in self._flights:
+                    plan = self.planner.plan(split, caller.namespace, shared=self.shared_namespace,
+                                             skip_instruction=True)
+                else:
+                    self._flights[inst[1]] = asyncio.get_running_loop().create_future()
+                    leads = inst[1]
+        self.ledger.open_reservation(rid, caller.tenant, self.worker_id, self.epoch)
+        self._in_flight.add(rid)
+        return Flight(rid, caller, plan, split.input_ids, leads)
+
+    def _release(self, flight: Flight) -> None:
+        flight.closed = True
+        self._in_flight.discard(flight.rid)
+        if flight.leads is not None:
+            fut = self._flights.pop(flight.leads, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    def fail(self, flight: Flight, reason: str) -> None:
+        """The request ended without success; the caller aborts it on the worker by rid."""
+        if flight.closed:
+            return
+        try:
+            self.ledger.close_reservation(flight.rid, ReservationOutcome.ABORTED, reason)
+        finally:
+            self._release(flight)
+
+    async def settle(self, flight: Flight, meta: GenerateMeta) -> None:
+        """The request succeeded: confirm what the worker wrote and record it all."""
+        if flight.closed:
+            return
+        try:
+            await self._settle(flight, meta)
+        finally:
+            self._release(flight)
+        try:
+            await self._enforce_bytes(flight.caller)
+        except ApiError as e:
+            log.warning("could not enforce the anchor-bytes quota of %s: %s",
+                        flight.caller.tenant, e.message)
+
+    async def _enforce_bytes(self, caller: Caller) -> None:
+        """Keep a tenant under its anchor-bytes quota: evict its least recently hit anchors
+        (never a pinned toolset's) until it fits."""
+        limit = caller.max_anchor_bytes
+        if limit is None:
+            return
+        used = self.ledger.anchor_bytes(caller.tenant, self.worker_id, self.epoch)
+        if used <= limit:
+            return
+        pinned = {key for ts in self.ledger.toolsets(caller.tenant, pinned=True)
+                  for _, _, key in self.toolset_keys(ts)}
+        rows = self.ledger.anchors(worker=self.worker_id, epoch=self.epoch, tenant=caller.tenant,
+                                   status=AnchorStatus.COMMITTED)
+        rows.sort(key=lambda r: (r.last_hit or r.created_at, -r.depth))
+        for row in rows:
+            if used <= limit:
+                break
+            if row.key not in pinned:
+                await self.evict(row.key)
+                used -= row.nbytes
+
+    async def _settle(self, flight: Flight, meta: GenerateMeta) -> None:
+        caller, report, led = flight.caller, meta.anchors, self.ledger
+        if not flight.rid.startswith("warm-"):
+            self.counters.update(count=1, hits=int(meta.cached_tokens > 0),
+                                 prompt_tokens=meta.prompt_tokens, cached_tokens=meta.cached_tokens)
+        self.observe_epoch(meta.epoch)
+        if meta.epoch != self.epoch:
+            led.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
+            return
+        epoch = meta.epoch
+        if report.written:
+            led.record_written(flight.rid, self.worker_id, epoch, caller.namespace, caller.tenant,
+                               _new(report.written))
+        confirmed: tuple[int, ...] = ()
+        evicted: tuple[bytes, ...] = ()
+        if report.written:
+            try:
+                reply = await self.worker.confirm([w.slot for w in report.written])
+            except ApiError as e:  # the request succeeded; only these anchors are lost
+                log.warning("anchor confirm failed: %s", e.message)
+                led.close_reservation(flight.rid, ReservationOutcome.ABORTED, "confirm_failed")
+                return
+            self.observe_epoch(reply.epoch)
+            if reply.epoch != epoch:
+                led.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
+                return
+            confirmed, evicted = reply.confirmed, reply.evicted
+        settled = self.planner.record(caller.namespace, report, confirmed, evicted)
+        ok = set(confirmed)
+        led.commit(self.worker_id, epoch, [w.key for w in report.written if w.slot in ok])
+        if report.held:
+            led.record_held(self.worker_id, epoch, caller.namespace, caller.tenant, _new(report.held))
+        if settled.removed:
+            led.mark(self.worker_id, epoch, settled.removed, AnchorStatus.EVICTED)
+        if report.restored:
+            led.record_hits(self.worker_id, epoch, [h.key for h in report.restored])
+        led.close_reservation(flight.rid, ReservationOutcome.CONFIRMED,
+                              None if ok == {w.slot for w in report.written} else "confirm_refused")
+        if caller.own_namespace and caller.tenant != SHARED_TENANT:
+            for rec in settled.committed:
+                if rec.kind == AnchorKind.INSTRUCTION and rec.namespace == caller.namespace:
+                    led.put_toolset(caller.tenant, rec.namespace, rec.key,
+                                    flight.input_ids[:rec.depth])
+
+    # ---- warming, pinning, evicting -----------------------------------------------------
+    def live(self, key: bytes) -> AnchorRecord | None:
+        rec = self.planner.index.get(key)
+        return rec if rec is not None and rec.epoch == self.epoch else None
+
+    async def warm(self, tenant: str, namespace: bytes, ids: tuple[int, ...]) -> AnchorRecord:
+        """Make the instruction prefix `ids` a committed anchor in `namespace` (no-op if it
+        is one). Raises ApiError if the worker fails or could not store it."""
+        key = anchor_keys(namespace, self.planner.model_id, ids, [len(ids)])[len(ids)]
+        if (rec := self.live(key)) is not None:
+            return rec
+        other = self._flights.get(key)
+        if other is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(other), self.single_flight_wait_s)
+            except TimeoutError:
+                pass
+            if (rec := self.live(key)) is not None:
+                return rec
+        rid = "warm-" + uuid.uuid4().hex
+        plan = Plan(namespace, self.planner.warm(ids, namespace))
+        flight = Flight(rid, Caller(tenant, namespace, own_namespace=tenant != SHARED_TENANT),
+                        plan, ids)
+        if key not in self._flights:
+            self._flights[key] = asyncio.get_running_loop().create_future()
+            flight.leads = key
+        self.ledger.open_reservation(rid, tenant, self.worker_id, self.epoch)
+        self._in_flight.add(rid)
+        req = GenerateRequest(input_ids=ids, sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+                              rid=rid, stream=True, anchor=plan.request)
+        meta = None
+        try:
+            async for chunk in self.worker.generate(req):
+                meta = chunk.meta or meta
+        except BaseException:
+            self.fail(flight, "warm_failed")
+            raise
+        if meta is None:
+            self.fail(flight, "warm_failed")
+            raise ApiError("worker_error", "the worker ended the warm-up without a reply")
+        await self.settle(flight, meta)
+        rec = self.live(key)
+        if rec is None:
+            raise ApiError("worker_error", "the worker could not store the toolset anchor "
+                                           "(no free slot or memory)")
+        return rec
+
+    def toolset_keys(self, ts: Toolset) -> list[tuple[str, bytes, bytes]]:
+        """(tenant, namespace, key) of a toolset's anchors: its own, and the shared one."""
+        out = [(ts.tenant, ts.namespace, ts.key)]
+        if ts.shared:
+            n = len(ts.input_ids)
+            out.append((SHARED_TENANT, self.shared_namespace,
+                        anchor_keys(self.shared_namespace, self.planner.model_id, ts.input_ids, [n])[n]))
+        return out
+
+    async def ensure_toolset(self, ts: Toolset) -> AnchorRecord:
+        """Warm a toolset's anchors (the shared copy too), pinning them if it is pinned."""
+        first: AnchorRecord | None = None
+        for tenant, ns, key in self.toolset_keys(ts):
+            rec = await self.warm(tenant, ns, ts.input_ids)
+            if ts.pinned and not await self.worker.pin(key):
+                raise ApiError("worker_error", "the worker refused to pin the toolset anchor")
+            first = first or rec
+        assert first is not None
+        return first
+
+    async def unpin_toolset(self, ts: Toolset) -> None:
+        for _, _, key in self.toolset_keys(ts):
+            await self.worker.unpin(key)
+
+    async def rewarm_pinned(self) -> None:
+        for ts in self.ledger.toolsets(pinned=True):
+            try:
+                await self.ensure_toolset(ts)
+            except ApiError as e:
+                log.warning("re-warming pinned toolset %s failed: %s", ts.toolset, e.message)
+                return
+
+    async def evict(self, key: bytes) -> bool:
+        """Evict an anchor from the worker now (pinned or not)."""
+        ok = await self.worker.evict(key)
+        rec = self.planner.index.remove(key)
+        self.ledger.mark(self.worker_id, self.epoch, [key], AnchorStatus.EVICTED)
+        return ok or rec is not None

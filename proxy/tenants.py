@@ -1,0 +1,103 @@
+"""Tenants: `Authorization: Bearer KEY` → tenant, anonymous access, in-flight quotas.
+
+One middleware for every API route (`/v1/...`, OpenAI and Anthropic alike): it resolves the
+caller before any handler runs and puts a `TenantContext` on the request. Unknown or
+revoked keys get 401; no key gets the anonymous tenant only when anonymous access is on
+(by default when the proxy listens on loopback). Each tenant has its own secret salt in
+the ledger, so its anchor keys live in its own namespace; a client `cache_salt` can only
+narrow that further (`TenantContext.caller`). `/health`, `/metrics` and `/admin` are not
+tenant routes (the admin API has its own token, proxy/admin.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from anchorcache.state.ledger import Ledger
+from anchorcache.state.records import Quotas, Tenant
+
+from .errors import ApiError
+from .lifecycle import Caller
+from .planner import tenant_namespace
+
+ANONYMOUS = "anonymous"
+TENANT_PREFIXES = ("/v1/",)
+MAX_CACHE_SALT = 256
+
+
+def bearer(request: web.Request) -> str | None:
+    """The bearer token of a request (also `x-api-key`, as Anthropic clients send it)."""
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+@dataclass(frozen=True)
+class TenantContext:
+    tenant: Tenant
+
+    def caller(self, cache_salt: str | None = None) -> Caller:
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
+                                       or len(cache_salt) > MAX_CACHE_SALT):
+            raise ApiError("invalid_request", f"'cache_salt' must be a non-empty string of at "
+                           f"most {MAX_CACHE_SALT} characters", param="cache_salt")
+        ns = tenant_namespace(self.tenant.salt, self.tenant.name, cache_salt)
+        return Caller(self.tenant.name, ns, own_namespace=cache_salt is None,
+                      max_anchor_bytes=self.tenant.quotas.max_anchor_bytes)
+
+
+TENANT = web.RequestKey("tenant", TenantContext)
+
+
+class Tenants:
+    """Resolves keys to tenants and counts requests in flight per tenant."""
+
+    def __init__(self, ledger: Ledger, *, anonymous: bool, default_quotas: Quotas) -> None:
+        self.ledger = ledger
+        self.anonymous = anonymous
+        self.default_quotas = default_quotas
+        self.in_flight: Counter[str] = Counter()
+
+    def resolve(self, api_key: str | None) -> Tenant:
+        if api_key is None:
+            if not self.anonymous:
+                raise ApiError("unauthorized", "no API key: send 'Authorization: Bearer KEY' "
+                               "(anonymous access is off on this proxy)")
+            return self.ledger.ensure_tenant(ANONYMOUS, self.default_quotas)
+        key = self.ledger.lookup_key(api_key)
+        if key is None:
+            raise ApiError("invalid_api_key", "incorrect API key provided")
+        if key.revoked_at is not None:
+            raise ApiError("invalid_api_key", "this API key has been revoked")
+        tenant = self.ledger.tenant(key.tenant)
+        if tenant is None:  # the tenant row is gone; the key cannot be honoured
+            raise ApiError("invalid_api_key", "incorrect API key provided")
+        return tenant
+
+
+TENANTS = web.AppKey("tenants", Tenants)
+
+
+@web.middleware
+async def tenant_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    if not request.path.startswith(TENANT_PREFIXES) or request.method == "OPTIONS":
+        return await handler(request)
+    tenants = request.app[TENANTS]
+    tenant = tenants.resolve(bearer(request))
+    limit = tenant.quotas.max_in_flight
+    if limit is not None and tenants.in_flight[tenant.name] >= limit:
+        raise ApiError("rate_limit_exceeded", f"tenant {tenant.name!r} already has {limit} "
+                       "requests in flight (its quota); retry when one finishes")
+    request[TENANT] = TenantContext(tenant)
+    tenants.in_flight[tenant.name] += 1
+    try:
+        return await handler(request)
+    finally:
+        tenants.in_flight[tenant.name] -= 1
+        if tenants.in_flight[tenant.name] <= 0:
+            del tenants.in_flight[tenant.name]

@@ -1,0 +1,409 @@
+"""The SQLite ledger: tenants, API keys, toolsets, anchors, reservations, events.
+
+Pure bookkeeping over one SQLite file (sqlite-utils, WAL): no network, no clock but the one
+it is given, so it is tested in milliseconds on a real file. The proxy is its only writer
+(one process, one event loop); every method is one short transaction, so a proxy killed at
+any point leaves a ledger that opens cleanly and that `reconcile` brings back in line with
+the worker.
+
+Invariant: an anchor is `committed` only after its worker acknowledged it (a confirm reply
+naming its slot, or the worker reporting it already held), and it stays committed only
+while that worker epoch lists it. API keys are stored as SHA-256 digests (they are 256-bit
+random secrets, so a slow hash would add nothing); tenant salts are server-side secrets
+that never leave the ledger, which is why the file is created mode 0600.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import sqlite_utils
+
+from .records import (
+    AnchorRow,
+    AnchorStatus,
+    ApiKey,
+    HeldSlot,
+    NewAnchor,
+    Quotas,
+    ReconcileReport,
+    ReservationOutcome,
+    Tenant,
+    Toolset,
+)
+from .schema import migrate
+
+LEDGER_FILE = "ledger.sqlite3"
+KEY_PREFIX = "ac-"
+
+
+class LedgerError(ValueError):
+    """A request the ledger refuses (unknown tenant, duplicate name, ...)."""
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def _hex(b: bytes | None) -> str | None:
+    return b.hex() if b is not None else None
+
+
+def _unhex(s: str | None) -> bytes | None:
+    return bytes.fromhex(s) if s else None
+
+
+class Ledger:
+    def __init__(self, db: sqlite_utils.Database, *, clock: Callable[[], float] = time.time) -> None:
+        self.db = db
+        self.clock = clock
+
+    @classmethod
+    def open(cls, path: Path | str, *, clock: Callable[[], float] = time.time) -> Ledger:
+        """Open (creating if needed) the ledger at `path`: a file, or a directory that gets
+        `ledger.sqlite3`. Runs pending migrations."""
+        path = Path(path)
+        if path.is_dir() or not path.suffix:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path = path / LEDGER_FILE
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not path.exists():
+            path.touch(mode=0o600)
+        db = sqlite_utils.Database(path)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA busy_timeout=5000")
+        migrate(db)
+        return cls(db, clock=clock)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def event(self, kind: str, tenant: str | None = None, **detail: Any) -> None:
+        self.db.table("events").insert({"at": self.clock(), "kind": kind, "tenant": tenant,
+                                  "detail": orjson.dumps(detail).decode()})
+
+    def events(self, limit: int = 100) -> list[dict[str, Any]]:
+        return [{**r, "detail": orjson.loads(r["detail"])} for r in self.db.table("events").rows_where(
+            order_by="id desc", limit=limit)]
+
+    # ---- tenants and keys ---------------------------------------------------------------
+    @staticmethod
+    def _tenant(r: dict[str, Any]) -> Tenant:
+        return Tenant(r["name"], bytes.fromhex(r["salt"]),
+                      Quotas(r["max_pinned_toolsets"], r["max_anchor_bytes"], r["max_in_flight"]),
+                      r["created_at"])
+
+    def tenant(self, name: str) -> Tenant | None:
+        rows = list(self.db.table("tenants").rows_where("name = ?", [name]))
+        return self._tenant(rows[0]) if rows else None
+
+    def tenants(self) -> list[Tenant]:
+        return [self._tenant(r) for r in self.db.table("tenants").rows_where(order_by="created_at")]
+
+    def create_tenant(self, name: str, quotas: Quotas = Quotas()) -> tuple[Tenant, str, str]:
+        """A new tenant with a fresh secret salt and a first API key: (tenant, key_id, key).
+        Raises LedgerError if the name is taken."""
+        with self.db.conn:
+            if self.tenant(name) is not None:
+                raise LedgerError(f"tenant {name!r} already exists")
+            tenant = self._insert_tenant(name, quotas)
+            key_id, api_key = self._insert_key(name)
+        self.event("tenant_created", name)
+        return tenant, key_id, api_key
+
+    def ensure_tenant(self, name: str, quotas: Quotas = Quotas()) -> Tenant:
+        """The tenant `name`, created (without a key) if it does not exist yet."""
+        with self.db.conn:
+            return self.tenant(name) or self._insert_tenant(name, quotas)
+
+    def _insert_tenant(self, name: str, quotas: Quotas) -> Tenant:
+        row = {"name": name, "salt": secrets.token_hex(32), "created_at": self.clock(),
+               **quotas.to_json()}
+        self.db.table("tenants").insert(row)
+        return self._tenant(row)
+
+    def set_quotas(self, name: str, quotas: Quotas) -> Tenant:
+        if self.tenant(name) is None:
+            raise LedgerError(f"no tenant {name!r}")
+        self.db.table("tenants").update(name, quotas.to_json())
+        tenant = self.tenant(name)
+        assert tenant is not None
+        return tenant
+
+    def add_key(self, tenant: str) -> tuple[str, str]:
+        """A new API key for `tenant`: (key_id, key). The key is shown once, stored hashed."""
+        if self.tenant(tenant) is None:
+            raise LedgerError(f"no tenant {tenant!r}")
+        with self.db.conn:
+            out = self._insert_key(tenant)
+        self.event("key_created", tenant, key_id=out[0])
+        return out
+
+    def _insert_key(self, tenant: str) -> tuple[str, str]:
+        key_id = "key_" + secrets.token_hex(6)
+        api_key = KEY_PREFIX + secrets.token_urlsafe(32)
+        self.db.table("api_keys").insert({"key_id": key_id, "tenant": tenant,
+                                    "key_hash": hash_key(api_key), "created_at": self.clock(),
+                                    "revoked_at": None})
+        return key_id, api_key
+
+    def revoke_key(self, tenant: str, key_id: str) -> bool:
+        """Revoke a key of `tenant`; False if it has no such key. Revoking twice is a no-op."""
+        cur = self.db.execute(
+            "UPDATE api_keys SET revoked_at = coalesce(revoked_at, ?) WHERE key_id = ? AND tenant = ?",
+            [self.clock(), key_id, tenant])
+        self.db.conn.commit()
+        if cur.rowcount:
+            self.event("key_revoked", tenant, key_id=key_id)
+        return bool(cur.rowcount)
+
+    def keys(self, tenant: str) -> list[ApiKey]:
+        return [ApiKey(r["key_id"], r["tenant"], r["created_at"], r["revoked_at"])
+                for r in self.db.table("api_keys").rows_where("tenant = ?", [tenant], order_by="created_at")]
+
+    def lookup_key(self, api_key: str) -> ApiKey | None:
+        """The key record for a presented API key (revoked ones too), or None."""
+        rows = list(self.db.table("api_keys").rows_where("key_hash = ?", [hash_key(api_key)]))
+        if not rows:
+            return None
+        r = rows[0]
+        return ApiKey(r["key_id"], r["tenant"], r["created_at"], r["revoked_at"])
+
+    # ---- toolsets -----------------------------------------------------------------------
+    @staticmethod
+    def _toolset(r: dict[str, Any]) -> Toolset:
+        ids = tuple(int(t) for t in np.frombuffer(r["input_ids"], dtype="<i4"))
+        return Toolset(r["toolset"], r["tenant"], bytes.fromhex(r["namespace"]), r["depth"], ids,
+                       bool(r["pinned"]), bool(r["shared"]), r["created_at"])
+
+    def put_toolset(self, tenant: str, namespace: bytes, key: bytes, input_ids: Iterable[int], *,
+                    pinned: bool | None = None, shared: bool | None = None) -> Toolset:
+        """Record (or update) the toolset whose instruction anchor is `key`; flags left None
+        keep their stored value (False for a new toolset)."""
+        ids = np.asarray(list(input_ids), dtype="<i4")
+        old = self.toolset(key.hex())
+        if old is not None and old.tenant != tenant:
+            raise LedgerError("toolset key collision across tenants")  # keys carry the tenant
+        row = {"toolset": key.hex(), "tenant": tenant, "namespace": namespace.hex(),
+               "depth": len(ids), "input_ids": ids.tobytes(),
+               "pinned": int(pinned if pinned is not None else (old.pinned if old else False)),
+               "shared": int(shared if shared is not None else (old.shared if old else False)),
+               "created_at": old.created_at if old else self.clock()}
+        self.db.table("toolsets").upsert(row, pk="toolset")
+        ts = self.toolset(key.hex())
+        assert ts is not None
+        return ts
+
+    def toolset(self, toolset: str) -> Toolset | None:
+        rows = list(self.db.table("toolsets").rows_where("toolset = ?", [toolset]))
+        return self._toolset(rows[0]) if rows else None
+
+    def toolsets(self, tenant: str | None = None, *, pinned: bool | None = None,
+                 shared: bool | None = None) -> list[Toolset]:
+        where, args = self._where(tenant=tenant, pinned=None if pinned is None else int(pinned),
+                                  shared=None if shared is None else int(shared))
+        return [self._toolset(r) for r in self.db.table("toolsets").rows_where(where, args, order_by="created_at")]
+
+    def set_toolset(self, toolset: str, *, pinned: bool | None = None,
+                    shared: bool | None = None) -> Toolset:
+        if self.toolset(toolset) is None:
+            raise LedgerError(f"no toolset {toolset!r}")
+        changes = {k: int(v) for k, v in (("pinned", pinned), ("shared", shared)) if v is not None}
+        if changes:
+            self.db.table("toolsets").update(toolset, changes)
+        ts = self.toolset(toolset)
+        assert ts is not None
+        return ts
+
+    # ---- reservations and anchors -------------------------------------------------------
+    @staticmethod
+    def _where(**eq: Any) -> tuple[str | None, list[Any]]:
+        parts, args = [], []
+        for col, value in eq.items():
+            if value is not None:
+                parts.append(f"{col} = ?")
+                args.append(value)
+        return (" AND ".join(parts) or None), args
+
+    def open_reservation(self, rid: str, tenant: str, worker: str, epoch: str) -> None:
+        self.db.table("reservations").insert({"rid": rid, "tenant": tenant, "worker": worker,
+                                        "epoch": epoch, "opened_at": self.clock(),
+                                        "closed_at": None, "outcome": ReservationOutcome.OPEN.value,
+                                        "reason": None})
+
+    def close_reservation(self, rid: str, outcome: ReservationOutcome, reason: str | None = None) -> bool:
+        """Close an open reservation; anchors of it still reserved become aborted. False if it
+        was not open (closed already, e.g. by reconcile)."""
+        now = self.clock()
+        with self.db.conn:
+            cur = self.db.execute(
+                "UPDATE reservations SET outcome = ?, reason = ?, closed_at = ? "
+                "WHERE rid = ? AND outcome = 'open'", [outcome.value, reason, now, rid])
+            self.db.execute("UPDATE anchors SET status = 'aborted', updated_at = ? "
+                            "WHERE rid = ? AND status = 'reserved'", [now, rid])
+        return bool(cur.rowcount)
+
+    def reservations(self, outcome: ReservationOutcome | None = None) -> list[dict[str, Any]]:
+        where, args = self._where(outcome=outcome.value if outcome else None)
+        return list(self.db.table("reservations").rows_where(where, args, order_by="opened_at"))
+
+    def _upsert_anchors(self, rid: str | None, worker: str, epoch: str, namespace: bytes,
+                        tenant: str, anchors: Iterable[NewAnchor], status: AnchorStatus) -> None:
+        now = self.clock()
+        for a in anchors:
+            # a re-written key starts over; one reported held keeps its hits
+            self.db.execute(
+                "INSERT INTO anchors (worker, epoch, key, depth, parent, namespace, tenant, slot, "
+                "nbytes, kind, status, hits, last_hit, rid, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?) "
+                "ON CONFLICT (worker, epoch, key) DO UPDATE SET depth = excluded.depth, "
+                "parent = excluded.parent, slot = excluded.slot, nbytes = excluded.nbytes, "
+                "kind = excluded.kind, status = excluded.status, rid = excluded.rid, "
+                "namespace = excluded.namespace, tenant = excluded.tenant, "
+                "updated_at = excluded.updated_at, "
+                "hits = CASE WHEN anchors.status = 'committed' THEN anchors.hits ELSE 0 END",
+                [worker, epoch, a.key.hex(), a.depth, _hex(a.parent), namespace.hex(), tenant,
+                 a.slot, a.nbytes, a.kind, status.value, rid, now, now])
+
+    def record_written(self, rid: str, worker: str, epoch: str, namespace: bytes, tenant: str,
+                       anchors: Iterable[NewAnchor]) -> None:
+        """Snapshots the worker wrote for `rid`: reserved until `commit`."""
+        with self.db.conn:
+            self._upsert_anchors(rid, worker, epoch, namespace, tenant, anchors, AnchorStatus.RESERVED)
+
+    def record_held(self, worker: str, epoch: str, namespace: bytes, tenant: str,
+                    anchors: Iterable[NewAnchor]) -> None:
+        """Anchors the worker reported it already held: committed (the worker says so)."""
+        with self.db.conn:
+            self._upsert_anchors(None, worker, epoch, namespace, tenant, anchors, AnchorStatus.COMMITTED)
+
+    def commit(self, worker: str, epoch: str, keys: Iterable[bytes]) -> None:
+        """The worker confirmed these anchors."""
+        now = self.clock()
+        with self.db.conn:
+            for key in keys:
+                self.db.execute("UPDATE anchors SET status = 'committed', updated_at = ? "
+                                "WHERE worker = ? AND epoch = ? AND key = ?",
+                                [now, worker, epoch, key.hex()])
+
+    def mark(self, worker: str, epoch: str, keys: Iterable[bytes], status: AnchorStatus) -> int:
+        """Set committed/reserved anchors' status (evicted, lost...); returns how many changed."""
+        now, n = self.clock(), 0
+        with self.db.conn:
+            for key in keys:
+                n += self.db.execute(
+                    "UPDATE anchors SET status = ?, updated_at = ? WHERE worker = ? AND epoch = ? "
+                    "AND key = ? AND status IN ('committed', 'reserved')",
+                    [status.value, now, worker, epoch, key.hex()]).rowcount
+        return n
+
+    def record_hits(self, worker: str, epoch: str, keys: Iterable[bytes]) -> None:
+        now = self.clock()
+        with self.db.conn:
+            for key in keys:
+                self.db.execute("UPDATE anchors SET hits = hits + 1, last_hit = ? "
+                                "WHERE worker = ? AND epoch = ? AND key = ?",
+                                [now, worker, epoch, key.hex()])
+
+    @staticmethod
+    def _anchor(r: dict[str, Any]) -> AnchorRow:
+        return AnchorRow(bytes.fromhex(r["key"]), r["depth"], _unhex(r["parent"]),
+                         bytes.fromhex(r["namespace"]), r["tenant"], r["worker"], r["epoch"],
+                         r["slot"], r["nbytes"], r["kind"], AnchorStatus(r["status"]), r["hits"],
+                         r["last_hit"], r["created_at"])
+
+    def anchors(self, *, worker: str | None = None, epoch: str | None = None,
+                tenant: str | None = None, status: AnchorStatus | None = None,
+                key: bytes | None = None) -> list[AnchorRow]:
+        where, args = self._where(worker=worker, epoch=epoch, tenant=tenant,
+                                  status=status.value if status else None,
+                                  key=key.hex() if key else None)
+        return [self._anchor(r) for r in self.db.table("anchors").rows_where(where, args, order_by="depth, created_at")]
+
+    def anchor_bytes(self, tenant: str, worker: str, epoch: str) -> int:
+        row = self.db.execute(
+            "SELECT coalesce(sum(nbytes), 0) FROM anchors WHERE tenant = ? AND worker = ? "
+            "AND epoch = ? AND status IN ('committed', 'reserved')", [tenant, worker, epoch]).fetchone()
+        return int(row[0])
+
+    def stats(self) -> dict[str, Any]:
+        q = self.db.execute
+        by_status = dict(q("SELECT status, count(*) FROM anchors GROUP BY status").fetchall())
+        held = q("SELECT coalesce(sum(nbytes), 0), coalesce(sum(hits), 0) FROM anchors "
+                 "WHERE status = 'committed'").fetchone()
+        outcomes = dict(q("SELECT outcome, count(*) FROM reservations GROUP BY outcome").fetchall())
+        reasons = dict(q("SELECT coalesce(reason, ''), count(*) FROM reservations "
+                         "WHERE outcome IN ('aborted', 'abandoned') GROUP BY reason").fetchall())
+        return {"anchors": by_status, "bytes_committed": held[0], "hits": held[1],
+                "reservations": outcomes, "aborted_by_reason": reasons,
+                "tenants": q("SELECT count(*) FROM tenants").fetchone()[0],
+                "toolsets": q("SELECT count(*) FROM toolsets").fetchone()[0],
+                "pinned_toolsets": q("SELECT count(*) FROM toolsets WHERE pinned").fetchone()[0]}
+
+    # ---- reconcile ----------------------------------------------------------------------
+    def reconcile(self, worker: str, epoch: str, held: Iterable[HeldSlot], *,
+                  staged: Iterable[tuple[int, bytes]] = (), in_flight: Iterable[str] = (),
+                  reason: str = "reconcile") -> ReconcileReport:
+        """Bring the ledger in line with `worker`'s slot listing at `epoch`.
+
+        `held`: the worker's committed slots; `staged`: its reserved (unconfirmed) slots as
+        (slot, key); `in_flight`: rids this proxy is still running (their reservations and
+        reserved anchors are left to them; empty at start). Anchors of other epochs become
+        lost; committed anchors the worker no longer lists become evicted; reserved anchors it
+        lists as committed are adopted (a confirm whose reply was lost), the others aborted;
+        open reservations not in flight are closed as abandoned.
+        """
+        now = self.clock()
+        by_key = {h.key.hex(): h for h in held}
+        staged_set = {(slot, key.hex()) for slot, key in staged}
+        keep = set(in_flight)
+        kept = adopted = evicted = aborted = 0
+        stale: list[int] = []
+        with self.db.conn:
+            lost = self.db.execute(
+                "UPDATE anchors SET status = 'lost', updated_at = ? WHERE worker = ? AND epoch != ? "
+                "AND status IN ('committed', 'reserved')", [now, worker, epoch]).rowcount
+            rows = list(self.db.execute(
+                "SELECT key, depth, status, slot, rid FROM anchors WHERE worker = ? AND epoch = ? "
+                "AND status IN ('committed', 'reserved')", [worker, epoch]).fetchall())
+            for key, depth, status, slot, rid in rows:
+                if status == "reserved" and rid in keep:
+                    continue
+                h = by_key.get(key)
+                if h is not None and h.depth == depth:
+                    self.db.execute("UPDATE anchors SET status = 'committed', slot = ?, nbytes = ?, "
+                                    "updated_at = ? WHERE worker = ? AND epoch = ? AND key = ?",
+                                    [h.slot, h.nbytes, now, worker, epoch, key])
+                    kept += status == "committed"
+                    adopted += status == "reserved"
+                    continue
+                new = "evicted" if status == "committed" else "aborted"
+                self.db.execute("UPDATE anchors SET status = ?, updated_at = ? WHERE worker = ? "
+                                "AND epoch = ? AND key = ?", [new, now, worker, epoch, key])
+                if status == "committed":
+                    evicted += 1
+                else:
+                    aborted += 1
+                    if (slot, key) in staged_set:
+                        stale.append(slot)
+            open_rids = [r for (r,) in self.db.execute(
+                "SELECT rid FROM reservations WHERE worker = ? AND outcome = 'open'", [worker])
+                if r not in keep]
+            for rid in open_rids:
+                self.db.execute("UPDATE reservations SET outcome = 'abandoned', reason = ?, "
+                                "closed_at = ? WHERE rid = ?", [reason, now, rid])
+        report = ReconcileReport(worker, epoch, kept, adopted, lost, evicted, aborted,
+                                 len(open_rids), tuple(sorted(stale)))
+        self.event("reconcile", None, reason=reason, **report.to_json())
+        return report
+

@@ -1,0 +1,63 @@
+"""The ledger's schema as an ordered list of migrations; `PRAGMA user_version` is the version.
+
+A migration is a function of the database that moves it from version i to i + 1; each is
+idempotent (`if_not_exists`) and bumps the version last, so a proxy killed mid-migration
+simply runs it again. They run at open: a ledger written by an older proxy opens cleanly,
+one written by a newer proxy is refused instead of being misread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlite_utils
+
+
+def _v1(db: sqlite_utils.Database) -> None:
+    db.table("tenants").create({"name": str, "salt": str, "max_pinned_toolsets": int,
+                          "max_anchor_bytes": int, "max_in_flight": int, "created_at": float},
+                         pk="name", if_not_exists=True)
+    db.table("api_keys").create({"key_id": str, "tenant": str, "key_hash": str, "created_at": float,
+                           "revoked_at": float}, pk="key_id",
+                          foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
+    db.table("api_keys").create_index(["key_hash"], unique=True, if_not_exists=True)
+    db.table("toolsets").create({"toolset": str, "tenant": str, "namespace": str, "depth": int,
+                           "input_ids": bytes, "pinned": int, "shared": int,
+                           "created_at": float}, pk="toolset",
+                          foreign_keys=[("tenant", "tenants", "name")], if_not_exists=True)
+    db.table("anchors").create({"worker": str, "epoch": str, "key": str, "depth": int, "parent": str,
+                          "namespace": str, "tenant": str, "slot": int, "nbytes": int,
+                          "kind": str, "status": str, "hits": int, "last_hit": float,
+                          "rid": str, "created_at": float, "updated_at": float},
+                         pk=("worker", "epoch", "key"), not_null={"status"}, if_not_exists=True)
+    db.table("anchors").create_index(["status", "worker", "epoch"], if_not_exists=True)
+    db.table("anchors").create_index(["tenant", "status"], if_not_exists=True)
+    db.table("reservations").create({"rid": str, "tenant": str, "worker": str, "epoch": str,
+                               "opened_at": float, "closed_at": float, "outcome": str,
+                               "reason": str}, pk="rid", if_not_exists=True)
+    db.table("reservations").create_index(["outcome"], if_not_exists=True)
+    db.table("events").create({"id": int, "at": float, "kind": str, "tenant": str, "detail": str},
+                        pk="id", if_not_exists=True)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class SchemaError(RuntimeError):
+    pass
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Bring `db` to `SCHEMA_VERSION`; returns the version it had. Raises SchemaError for a
+    ledger from a newer anchorcache."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise SchemaError(f"the ledger has schema version {version}; this anchorcache knows "
+                          f"up to {SCHEMA_VERSION} (upgrade anchorcache or use another "
+                          f"ANCHORCACHE_STATE_DIR)")
+    for i in range(version, SCHEMA_VERSION):
+        with db.conn:
+            MIGRATIONS[i](db)
+            db.execute(f"PRAGMA user_version = {i + 1}")
+    return int(version)

@@ -1,0 +1,165 @@
+"""The ledger on a real SQLite file: schema, tenants and keys, toolsets, anchor life cycle,
+reconcile. Pure bookkeeping, milliseconds."""
+
+from __future__ import annotations
+
+import sqlite3
+import stat
+
+import pytest
+
+from anchorcache.state.ledger import Ledger, LedgerError
+from anchorcache.state.records import AnchorStatus, HeldSlot, NewAnchor, ReservationOutcome
+from anchorcache.state.schema import SCHEMA_VERSION, SchemaError
+
+W, E1, E2 = "http://w", "e1", "e2"
+NS = bytes(16)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def anchor(i: int, depth: int, parent: int | None = None, slot: int | None = None) -> NewAnchor:
+    return NewAnchor(key(i), depth, key(parent) if parent is not None else None,
+                     slot if slot is not None else i, 100 * depth, "conversation")
+
+
+@pytest.fixture()
+def ledger(tmp_path):
+    led = Ledger.open(tmp_path / "state")
+    led.ensure_tenant("t")
+    yield led
+    led.close()
+
+
+def test_open_creates_a_private_wal_file_at_the_current_schema(tmp_path):
+    led = Ledger.open(tmp_path / "state")
+    path = tmp_path / "state" / "ledger.sqlite3"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert led.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert led.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    led.close()
+    Ledger.open(tmp_path / "state").close()  # reopening migrates nothing and keeps the data
+
+
+def test_a_newer_schema_is_refused(tmp_path):
+    Ledger.open(tmp_path / "s").close()
+    conn = sqlite3.connect(tmp_path / "s" / "ledger.sqlite3")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(SchemaError, match="schema version"):
+        Ledger.open(tmp_path / "s")
+
+
+def test_tenants_get_secret_salts_and_hashed_keys(ledger):
+    a, key_id, api_key = ledger.create_tenant("acme")
+    b, _, _ = ledger.create_tenant("globex")
+    assert len(a.salt) == 32 and a.salt != b.salt
+    assert api_key.startswith("ac-")
+    stored = ledger.db.execute("SELECT key_hash FROM api_keys WHERE key_id = ?", [key_id]).fetchone()[0]
+    assert api_key not in stored and api_key not in str(list(ledger.db["api_keys"].rows))
+    assert ledger.lookup_key(api_key).tenant == "acme"
+    assert ledger.lookup_key(api_key + "x") is None
+    with pytest.raises(LedgerError, match="already exists"):
+        ledger.create_tenant("acme")
+    assert [t.name for t in ledger.tenants()] == ["t", "acme", "globex"]
+
+
+def test_revoked_keys_are_found_but_marked(ledger):
+    ledger.create_tenant("acme")
+    key_id, api_key = ledger.add_key("acme")
+    assert ledger.lookup_key(api_key).revoked_at is None
+    assert not ledger.revoke_key("globex", key_id)  # another tenant's key id
+    assert ledger.revoke_key("acme", key_id)
+    assert ledger.lookup_key(api_key).revoked_at is not None
+    with pytest.raises(LedgerError):
+        ledger.add_key("nobody")
+
+
+def test_toolsets_keep_their_ids_and_flags(ledger):
+    ts = ledger.put_toolset("t", NS, key(7), [1, 2, 3], pinned=True)
+    assert (ts.toolset, ts.depth, ts.input_ids, ts.pinned, ts.shared) == (key(7).hex(), 3, (1, 2, 3), True, False)
+    again = ledger.put_toolset("t", NS, key(7), [1, 2, 3])  # seen again in traffic: flags stay
+    assert again.pinned and again.created_at == ts.created_at
+    ledger.set_toolset(ts.toolset, pinned=False, shared=True)
+    assert [t.toolset for t in ledger.toolsets(shared=True)] == [ts.toolset]
+    assert ledger.toolsets(pinned=True) == []
+
+
+def test_an_anchor_is_committed_only_once_acknowledged(ledger):
+    ledger.open_reservation("r1", "t", W, E1)
+    ledger.record_written("r1", W, E1, NS, "t", [anchor(1, 10), anchor(2, 20, 1)])
+    assert {a.status for a in ledger.anchors()} == {AnchorStatus.RESERVED}
+    ledger.commit(W, E1, [key(1)])  # the confirm reply named only slot 1
+    assert ledger.close_reservation("r1", ReservationOutcome.CONFIRMED)
+    assert [(a.depth, a.status) for a in ledger.anchors()] == [
+        (10, AnchorStatus.COMMITTED), (20, AnchorStatus.ABORTED)]
+    assert not ledger.close_reservation("r1", ReservationOutcome.ABORTED)  # closed once
+
+
+def test_a_failed_request_aborts_its_anchors_with_a_reason(ledger):
+    ledger.open_reservation("r1", "t", W, E1)
+    ledger.record_written("r1", W, E1, NS, "t", [anchor(1, 10)])
+    ledger.close_reservation("r1", ReservationOutcome.ABORTED, "client_disconnected")
+    assert ledger.anchors()[0].status == AnchorStatus.ABORTED
+    assert ledger.stats()["aborted_by_reason"] == {"client_disconnected": 1}
+
+
+def test_held_anchors_are_committed_and_keep_their_hits(ledger):
+    ledger.record_held(W, E1, NS, "t", [anchor(1, 10)])
+    ledger.record_hits(W, E1, [key(1)])
+    ledger.record_held(W, E1, NS, "t", [anchor(1, 10)])
+    [row] = ledger.anchors()
+    assert (row.status, row.hits) == (AnchorStatus.COMMITTED, 1)
+    assert ledger.anchor_bytes("t", W, E1) == 1000
+
+
+def test_reconcile_after_a_proxy_kill(ledger):
+    # committed and still held; committed but evicted meanwhile; confirmed on the worker but
+    # the reply was lost; written and never confirmed (still staged on the worker)
+    ledger.record_held(W, E1, NS, "t", [anchor(1, 10), anchor(2, 20, 1)])
+    ledger.open_reservation("r1", "t", W, E1)
+    ledger.record_written("r1", W, E1, NS, "t", [anchor(3, 30, 1), anchor(4, 40, 3)])
+    held = [HeldSlot(1, key(1), 10, None, 1000), HeldSlot(3, key(3), 30, key(1), 2000)]
+    report = Ledger.reconcile(ledger, W, E1, held, staged=[(4, key(4))])
+    assert (report.kept, report.evicted, report.adopted, report.aborted) == (1, 1, 1, 1)
+    assert report.reservations_closed == 1 and report.stale_reserved_slots == (4,)
+    status = {a.key: a.status for a in ledger.anchors()}
+    assert status == {key(1): AnchorStatus.COMMITTED, key(2): AnchorStatus.EVICTED,
+                      key(3): AnchorStatus.COMMITTED, key(4): AnchorStatus.ABORTED}
+    assert ledger.reservations(ReservationOutcome.OPEN) == []
+    # an adopted anchor takes the worker's slot and size
+    assert ledger.anchors(key=key(3))[0].nbytes == 2000
+
+
+def test_reconcile_on_a_new_epoch_loses_everything_old(ledger):
+    ledger.record_held(W, E1, NS, "t", [anchor(1, 10)])
+    ledger.record_held("http://other", E1, NS, "t", [anchor(1, 10)])
+    ledger.open_reservation("r1", "t", W, E1)
+    ledger.record_written("r1", W, E1, NS, "t", [anchor(2, 20, 1)])
+    report = ledger.reconcile(W, E2, [HeldSlot(1, key(1), 10, None, 1)])
+    assert report.lost == 2 and report.kept == 0
+    assert {a.status for a in ledger.anchors(worker=W)} == {AnchorStatus.LOST}
+    # another worker's anchors are not this worker's business
+    assert ledger.anchors(worker="http://other")[0].status == AnchorStatus.COMMITTED
+
+
+def test_reconcile_leaves_requests_in_flight_alone(ledger):
+    ledger.open_reservation("live", "t", W, E1)
+    ledger.record_written("live", W, E1, NS, "t", [anchor(1, 10)])
+    report = ledger.reconcile(W, E1, [], in_flight={"live"})
+    assert report.reservations_closed == 0 and report.aborted == 0
+    assert ledger.anchors()[0].status == AnchorStatus.RESERVED
+    ledger.commit(W, E1, [key(1)])
+    assert ledger.close_reservation("live", ReservationOutcome.CONFIRMED)
+
+
+def test_a_rewritten_key_starts_over(ledger):
+    ledger.record_held(W, E1, NS, "t", [anchor(1, 10)])
+    ledger.record_hits(W, E1, [key(1)])
+    ledger.mark(W, E1, [key(1)], AnchorStatus.EVICTED)
+    ledger.open_reservation("r", "t", W, E1)
+    ledger.record_written("r", W, E1, NS, "t", [anchor(1, 10, slot=9)])
+    [row] = ledger.anchors()
+    assert (row.status, row.hits, row.slot) == (AnchorStatus.RESERVED, 0, 9)

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from anchorcache.proxy.splitter import canonical_tools, get_adapter, normalize_messages
+from anchorcache.proxy.splitter import get_adapter, normalize_messages, normalize_tools
 from anchorcache.proxy.tokenizers import load_tokenizer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "bfcl_multi_turn_long_context.conversations.json"
@@ -62,7 +62,7 @@ def main() -> None:
                 row["incremental_ms"] = timed_ms(lambda m=msgs, t=tools: adapter.split(m, t))
                 assert adapter.split(msgs, tools) == whole
             if tok.chat_template and args.adapter == "qwen3":
-                nm, nt = normalize_messages(msgs), canonical_tools(tools)
+                nm, nt = normalize_messages(msgs), normalize_tools(tools)
                 row["template_ms"] = timed_ms(lambda nm=nm, nt=nt: tok.encode(tok.render(nm, nt)))
             rows.append(row)
     summary = []

@@ -178,8 +178,8 @@ class Completion:
         state, gen, outcome = self.state, self.gen, self.outcome
         choice = gen.tool_choice.openai()
         parse_tools = bool(gen.tools) and gen.tool_choice.mode != "none"
-        forced = state.adapter.forced_prefix(choice) if parse_tools else None
-        prompt_ids = self.split.input_ids + (tuple(state.tokenizer.encode(forced)) if forced else ())
+        forced = state.adapter.forced_prefix_ids(choice) if parse_tools else ()
+        prompt_ids = self.split.input_ids + forced
         sampling = self._sampling(prompt_ids)
         flight: Flight | None = None
         if state.anchors_on and gen.anchors:  # opens the reservation: the `finally` closes it

@@ -78,3 +78,13 @@ def proxy_process(worker_url: str, *extra: str, env: dict[str, str] | None = Non
             yield server
         finally:
             server.stop()
+
+
+def tenant_key(proxy: Server, name: str) -> str:
+    """A new tenant on `proxy` (through its admin API) and that tenant's API key."""
+    import httpx
+
+    reply = httpx.post(proxy.url + "/admin/tenants", json={"name": name},
+                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    reply.raise_for_status()
+    return reply.json()["api_key"]

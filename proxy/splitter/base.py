@@ -93,6 +93,16 @@ class Adapter(ABC):
         (`required` or a named function), or None when the adapter cannot force one."""
         return None
 
+    def forced_prefix_ids(self, tool_choice: Any) -> tuple[int, ...]:
+        """The ids of `forced_prefix` (empty when None): its markup as special tokens, the
+        client's function name as text (a special-token string in it stays text)."""
+        guard = getattr(self, "guard", None)
+        if guard is None:
+            prefix = self.forced_prefix(tool_choice)
+            return tuple(self.tokenizer.encode(prefix)) if prefix else ()
+        prefix = self.forced_prefix(guard.defuse(tool_choice))
+        return tuple(guard.encode(prefix)) if prefix else ()
+
 
 class Piece(NamedTuple):
     text: str

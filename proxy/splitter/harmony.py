@@ -175,6 +175,19 @@ class HarmonyAdapter(Adapter):
         return HarmonyParser(tool_choice=tool_choice if tools else "none",
                              prefix=self.forced_prefix(tool_choice) if tools else None)
 
+    def forced_prefix_ids(self, tool_choice: Any) -> tuple[int, ...]:
+        prefix = self.forced_prefix(tool_choice)
+        if prefix is None:
+            return ()
+        if not prefix.endswith("<|message|>"):  # `required`: markup only
+            return tuple(self.tokenizer.encode(prefix))
+        # named: the text between the markup tokens, with the client's name, as text
+        body = prefix[len("<|channel|>"): -len(JSON_TYPE + "<|message|>")]
+        enc = self.tokenizer.encoding
+        return (*self.tokenizer.encode("<|channel|>"),
+                *enc.encode(body, allowed_special=set(), disallowed_special=()),
+                *self.tokenizer.encode(JSON_TYPE + "<|message|>"))
+
     def forced_prefix(self, tool_choice: Any) -> str | None:
         """After `<|start|>assistant`: a commentary header to `functions.` (required) or
         to the named function, so the model writes the call's name or arguments at once."""

@@ -62,7 +62,8 @@ def first_mismatch(mirror: Callable[[list[dict], list[dict] | None, dict], str],
         except Exception as exc:  # a template that refuses a probe is not proven equal
             return f"probe {n} failed to render: {exc}"
         if ours != theirs:
-            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
+                       if a != b),
                       min(len(ours), len(theirs)))
             return (f"probe {n} differs at character {at}: mirror {ours[at:at + 40]!r}, "
                     f"template {theirs[at:at + 40]!r}")

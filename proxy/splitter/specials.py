@@ -118,8 +118,8 @@ class SpecialGuard:
         """Ids and, per token, the end offset in `text` (the rendered, defused text) of the
         characters it covers (a token inside a restored placeholder ends at its end)."""
         backend = self.tokenizer.backend
-        if ESC not in text:
-            enc = backend.encode(text, add_special_tokens=False)
+        if ESC not in text:  # encode_batch releases the GIL (encode does not): see tokenizers.py
+            enc = backend.encode_batch([text], add_special_tokens=False)[0]
             return list(enc.ids), [end for _, end in enc.offsets]
         ids: list[int] = []
         ends: list[int] = []
@@ -147,7 +147,7 @@ class SpecialGuard:
                     ends: list[int]) -> None:
         gap = text[start:end]
         if ESC not in gap:
-            enc = self.tokenizer.backend.encode(gap, add_special_tokens=False)
+            enc = self.tokenizer.backend.encode_batch([gap], add_special_tokens=False)[0]
             ids.extend(enc.ids)
             ends.extend(start + e for _, e in enc.offsets)
             return
@@ -165,6 +165,7 @@ class SpecialGuard:
                 restored.append(gap[i])
                 origin.append(start + i + 1)
                 i += 1
-        enc = self.tokenizer.text_backend.encode("".join(restored), add_special_tokens=False)
+        enc = self.tokenizer.text_backend.encode_batch(["".join(restored)],
+                                                       add_special_tokens=False)[0]
         ids.extend(enc.ids)
         ends.extend(origin[e - 1] if e > 0 else start for _, e in enc.offsets)

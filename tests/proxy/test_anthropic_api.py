@@ -11,7 +11,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.servers import proxy_process
+from tests.servers import proxy_process, tenant_key
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,22 @@ CC = {"type": "ephemeral"}
 GREEDY = {"extra_body": {"temperature": 0}}
 
 
+@pytest.fixture(scope="module")
+def key(proxy) -> str:
+    """Anthropic clients always send a key: one tenant's, shared by both SDKs here."""
+    return tenant_key(proxy, "anthropic-" + uuid.uuid4().hex[:8])
+
+
 @pytest.fixture()
-def client(proxy):
-    return anthropic.Anthropic(base_url=proxy.url, api_key="unused", max_retries=0, timeout=120)
+def client(proxy, key):
+    return anthropic.Anthropic(base_url=proxy.url, api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def openai_client(proxy, key):
+    import openai
+
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def _few_shot() -> tuple[list[dict], list[dict]]:
@@ -205,8 +218,8 @@ def test_a_shared_cache_control_system_block_is_read_from_cache(client):
 def off_client(worker):
     """A second proxy on the same worker with anchors off: the reference outputs."""
     with proxy_process(worker.url, "--no-anchors") as off:
-        yield anthropic.Anthropic(base_url=off.url, api_key="unused", max_retries=0,
-                                  timeout=120)
+        yield anthropic.Anthropic(base_url=off.url, api_key=tenant_key(off, "reference"),
+                                  max_retries=0, timeout=120)
 
 
 def _history(marked: bool) -> list[dict]:

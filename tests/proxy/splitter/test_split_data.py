@@ -50,3 +50,20 @@ def test_incremental_equals_whole_on_data(adapters, conversations):
             incremental = adapter.split(msgs, conv["tools"])
             assert incremental == adapter.split(msgs, conv["tools"], use_cache=False)
         assert adapter.cache.hits > before or len(requests_of(conv["messages"])) == 1
+
+
+@pytest.mark.parametrize("name", ["qwen3", "generic-qwen3"])
+def test_concurrent_splits_equal_sequential(adapters, conversations, name):
+    """Splits from several threads at once (as in an executor) share the adapter's caches
+    and give exactly the sequential results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    adapter = adapters[name]
+    jobs = [(msgs, conv["tools"]) for conv in conversations[:12]
+            for msgs in requests_of(conv["messages"])]
+    expected = [adapter.split(m, t) for m, t in jobs]
+    if hasattr(adapter, "cache"):
+        adapter.cache.clear()
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda job: adapter.split(*job), jobs * 2))
+    assert results == expected * 2

@@ -13,8 +13,7 @@ import openai_harmony as h
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from anchorcache.proxy.splitter import tokenizers
-from anchorcache.proxy.splitter import CutKind, SplitError, get_adapter, run_split
+from anchorcache.proxy.splitter import CutKind, SplitError, get_adapter, run_split, tokenizers
 from anchorcache.proxy.splitter.harmony import HarmonyAdapter, harmony_messages
 from anchorcache.proxy.splitter.normalize import normalize_messages, normalize_tools
 from anchorcache.proxy.splitter.tokenizers import HarmonyTokenizerHandle, load_tokenizer, o200k_dir

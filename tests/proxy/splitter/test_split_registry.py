@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +18,7 @@ from anchorcache.proxy.splitter import (
     get_adapter,
     run_split,
 )
-from anchorcache.proxy.splitter.tokenizers import load_tokenizer
+from anchorcache.proxy.splitter.tokenizers import load_hf_dir, load_tokenizer
 
 PLUGIN = '''
 from anchorcache.proxy.splitter.hermes import ChatMLAdapter
@@ -80,3 +85,85 @@ def test_run_split_from_file_and_stdin(tmp_path, monkeypatch):
     assert run_split("qwen3", "qwen3", "-") == out
     default = run_split(None, "auto", str(path))
     assert default["adapter"] == "chatml" and default["model"] == "smollm2"
+
+
+def _tokenizer_with_template(tmp_path, source_dir, template: str):
+    (tmp_path / "tokenizer.json").write_bytes((Path(source_dir) / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return load_hf_dir(tmp_path, name="variant")
+
+
+def test_auto_proves_a_mirror_and_falls_back_with_a_reason(tmp_path, tokenizers_by_name,
+                                                           caplog):
+    """A Qwen3-like template that renders tools differently (sorted keys): the qwen3 mirror
+    would not reproduce it, so `auto` logs why and renders with the template itself."""
+    qwen3 = tokenizers_by_name["qwen3"]
+    variant = qwen3.chat_template.replace("tool | tojson", "tool | tojson(sort_keys=true)")
+    assert variant != qwen3.chat_template
+    tok = _tokenizer_with_template(tmp_path, qwen3.source, variant)
+    with caplog.at_level(logging.WARNING, logger="anchorcache.splitter"):
+        adapter = get_adapter("auto", tok)
+    assert adapter.name == "generic"
+    assert "adapter qwen3 does not reproduce the chat template of variant" in caplog.text
+    assert "probe 2 differs" in caplog.text
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "b", "parameters": {
+        "type": "object", "properties": {"z": {}, "a": {}}}}}]
+    assert list(adapter.split(msgs, tools).input_ids) == tok.encode(
+        tok.render(msgs, tools, add_generation_prompt=True))
+    assert get_adapter("qwen3", tok).name == "qwen3"  # named explicitly: used as asked
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="anchorcache.splitter"):
+        assert get_adapter("auto", qwen3).name == "qwen3"  # the real template: proven
+    assert not caplog.text
+
+
+def test_chatml_template_that_renders_tools_gets_generic(tmp_path, tokenizers_by_name, caplog):
+    smollm2 = tokenizers_by_name["smollm2"]
+    template = ("{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = _tokenizer_with_template(tmp_path, smollm2.source, template)
+    with caplog.at_level(logging.WARNING, logger="anchorcache.splitter"):
+        adapter = get_adapter("auto", tok)
+    assert adapter.name == "generic" and "renders tools itself" in caplog.text
+    assert adapter.deviation is None  # the template renders the tools: nothing lowered
+    assert get_adapter("auto", smollm2).name == "chatml"
+
+
+def test_split_output_names_the_deviation(tmp_path):
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                "tools": [{"type": "function", "function": {"name": "ls"}}]}))
+    assert run_split("qwen3", "auto", str(path))["deviation"] is None
+    smollm2 = run_split(None, "auto", str(path))
+    assert smollm2["adapter"] == "chatml" and "ignores tools" in smollm2["deviation"]
+    assert "canonical" in run_split("qwen3", "auto", str(path),
+                                    canonical_tools=True)["deviation"]
+    cli = subprocess.run([sys.executable, "-m", "anchorcache.cli", "split", str(path)],
+                         capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(cli.stdout)["deviation"] == smollm2["deviation"]
+
+
+SPLITTER = Path(__file__).resolve().parents[3] / "proxy" / "splitter"
+
+
+def test_splitter_stands_alone():
+    """proxy/splitter/ imports nothing from the rest of proxy/ (no `..` imports, no
+    `anchorcache.proxy.X` outside the splitter), and `run_split` is defined once."""
+    for file in SPLITTER.glob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1, (file.name, node.module)
+                module = node.module or ""
+            elif isinstance(node, ast.Import):
+                module = ",".join(a.name for a in node.names)
+            else:
+                continue
+            for name in module.split(","):
+                if name.startswith("anchorcache.proxy"):
+                    assert name.startswith("anchorcache.proxy.splitter"), (file.name, name)
+    repo = SPLITTER.parents[1]
+    defs = [str(f.relative_to(repo)) for folder in ("anchorcache", "proxy", "ext", "bench")
+            for f in (repo / folder).rglob("*.py") if "def run_split(" in f.read_text()]
+    assert defs == ["proxy/splitter/cli.py"]

@@ -68,8 +68,20 @@ def anchor_key(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.nd
     return anchor_keys(namespace, model_id, input_ids, [len(input_ids)])[len(input_ids)]
 
 
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+MAX_SAMPLES = 16  # n: samples per request
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """SGLang's own sampling-parameter names, so the SGLang worker passes them through.
+
+    At most one constraint field (`json_schema`, `regex`, `ebnf`, `structural_tag`: each a
+    string, as SGLang takes them) is set; the worker masks every token the grammar forbids.
+    `n` samples start from one prefill; sample i draws from `seed + i` when `seed` is set.
+    """
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -77,16 +89,37 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, grammar text) of the constraint, or None."""
+        for kind in CONSTRAINT_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
+
     def to_json(self) -> dict[str, Any]:
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k,
-                "stop_token_ids": list(self.stop_token_ids), "seed": self.seed,
-                "ignore_eos": self.ignore_eos}
+        body: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k,
+            "stop_token_ids": list(self.stop_token_ids), "seed": self.seed,
+            "ignore_eos": self.ignore_eos}
+        if self.n != 1:
+            body["n"] = self.n
+        if self.constraint is not None:
+            kind, value = self.constraint
+            body[kind] = value
+        return body
 
 
 @dataclass(frozen=True)
@@ -146,11 +179,16 @@ class GenerateRequest:
     rid: str | None = None
     stream: bool = False
     anchor: AnchorPlan | None = None
+    return_logprob: bool = False  # SGLang's names: per-token logprobs of the output
+    top_logprobs_num: int = 0  # and the k most likely alternatives at each position
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"input_ids": list(self.input_ids),
                                 "sampling_params": self.sampling.to_json(),
                                 "stream": self.stream}
+        if self.return_logprob:
+            body["return_logprob"] = True
+            body["top_logprobs_num"] = self.top_logprobs_num
         if self.rid is not None:
             body["rid"] = self.rid
         if self.anchor is not None:
@@ -247,7 +285,11 @@ def parse_sampling(obj: Any) -> SamplingParams:
         stop_token_ids=_ids(obj.get("stop_token_ids") or [], "stop_token_ids"),
         seed=seed,
         ignore_eos=bool(obj.get("ignore_eos", False)),
+        n=_int(obj, "n", 1, lo=1),
+        **_constraint(obj),
     )
+    if params.n > MAX_SAMPLES:
+        raise WireError(f"'n' must be <= {MAX_SAMPLES}")
     if params.temperature < 0:
         raise WireError("'temperature' must be >= 0")
     if not 0 < params.top_p <= 1:
@@ -255,6 +297,16 @@ def parse_sampling(obj: Any) -> SamplingParams:
     if params.top_k == 0 or params.top_k < -1:
         raise WireError("'top_k' must be -1 or >= 1")
     return params
+
+
+def _constraint(obj: dict[str, Any]) -> dict[str, str]:
+    given = {k: obj[k] for k in CONSTRAINT_KINDS if obj.get(k) is not None}
+    if len(given) > 1:
+        raise WireError(f"at most one of {', '.join(CONSTRAINT_KINDS)} may be set")
+    for kind, value in given.items():
+        if not isinstance(value, str) or not value:
+            raise WireError(f"'{kind}' must be a non-empty string")
+    return given
 
 
 def parse_anchor_plan(obj: Any) -> AnchorPlan | None:
@@ -303,8 +355,13 @@ def parse_generate(obj: Any) -> GenerateRequest:
         depths = [r.depth for r in plan.restore] + [s.depth for s in plan.snapshot] + list(plan.chunk_at)
         if any(d > len(ids) for d in depths):
             raise WireError("an anchor depth exceeds the prompt length")
+    top = _int(obj, "top_logprobs_num", 0, lo=0)
+    if top > MAX_TOP_LOGPROBS:
+        raise WireError(f"'top_logprobs_num' must be <= {MAX_TOP_LOGPROBS}")
     return GenerateRequest(input_ids=ids, sampling=parse_sampling(obj.get("sampling_params")),
-                           rid=rid, stream=bool(obj.get("stream", False)), anchor=plan)
+                           rid=rid, stream=bool(obj.get("stream", False)), anchor=plan,
+                           return_logprob=bool(obj.get("return_logprob", False)),
+                           top_logprobs_num=top)
 
 
 # ---- the reply half: parsed once at the proxy's edge (raises WireError) ------------------

@@ -16,7 +16,16 @@ import orjson
 from aiohttp import web
 
 from .errors import ApiError, json_response
-from .pipeline import Completion, FinishReason, Generation, Usage, check_model
+from .pipeline import (
+    ChoiceDelta,
+    Completion,
+    FinishReason,
+    Generation,
+    Outcome,
+    TokenLogprob,
+    Usage,
+    check_model,
+)
 from .schema import ChatRequest, parse_chat_request, read_json
 from .splitter.types import OutputDelta
 from .state import STATE
@@ -43,7 +52,10 @@ def generation(req: ChatRequest, cache_salt: str | None = None) -> Generation:
     return Generation(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
                       max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                       top_k=req.top_k, seed=req.seed, stop=req.stop,
-                      template_kwargs=req.template_kwargs, cache_salt=cache_salt)
+                      template_kwargs=req.template_kwargs, cache_salt=cache_salt, n=req.n,
+                      logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+                      response_format=req.response_format, grammar=req.grammar,
+                      parallel_tool_calls=req.parallel_tool_calls)
 
 
 def delta_json(delta: OutputDelta) -> dict[str, Any]:
@@ -60,6 +72,31 @@ def delta_json(delta: OutputDelta) -> dict[str, Any]:
         fn["arguments"] = tc.arguments_delta
     call["function"] = fn
     return {"tool_calls": [call]}
+
+
+def _token_json(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def logprobs_json(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [{**_token_json(e.token, e.logprob),
+                         "top_logprobs": [_token_json(t, lp) for t, lp in e.top]}
+                        for e in entries],
+            "refusal": None}
+
+
+def _message(outcome: Outcome) -> dict[str, Any]:
+    # no text: null next to tool calls or a call that failed, else "" (a plain empty answer)
+    content = outcome.text or (None if outcome.tool_calls or outcome.tool_call_error else "")
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if outcome.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in outcome.tool_calls]
+    return message
+
+
+def _choice_extra(outcome: Outcome) -> dict[str, Any]:
+    # not an OpenAI field: why a started tool call is missing (SDKs ignore unknown fields)
+    return {"tool_call_error": outcome.tool_call_error} if outcome.tool_call_error else {}
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
@@ -89,20 +126,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     completion = await Completion.create(state, gen, tenant=request[TENANT])
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
-    outcome = completion.outcome
     if not req.stream:
-        async with contextlib.aclosing(completion.deltas()) as deltas:
-            async for _ in deltas:
+        async with contextlib.aclosing(completion.choice_deltas()) as pieces:
+            async for _ in pieces:
                 pass
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": outcome.text if outcome.text or not outcome.tool_calls else None}
-        if outcome.tool_calls:
-            message["tool_calls"] = [c.to_openai() for c in outcome.tool_calls]
         return json_response({
             "id": cid, "object": "chat.completion", "created": created,
             "model": state.info.model_id,
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": _FINISH[outcome.finish_reason], "logprobs": None}],
+            "choices": [{"index": i, "message": _message(o),
+                         "finish_reason": _FINISH[o.finish_reason],
+                         "logprobs": logprobs_json(o.logprobs) if req.logprobs else None,
+                         **_choice_extra(o)}
+                        for i, o in enumerate(completion.outcomes)],
             "usage": usage_json(completion.usage()),
         })
 
@@ -111,29 +146,37 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "model": state.info.model_id, "choices": choices, **extra}
         return b"data: " + orjson.dumps(data) + b"\n\n"
 
+    def piece_frame(piece: ChoiceDelta) -> bytes:
+        choice: dict[str, Any] = {"index": piece.index,
+                                  "delta": delta_json(piece.delta) if piece.delta else {},
+                                  "finish_reason": None}
+        if req.logprobs:
+            choice["logprobs"] = logprobs_json(piece.logprobs)
+        return frame([choice])
+
     # Wait for the first delta before sending headers, so that a worker that is down or
     # rejects the request still gets a proper status code rather than a 200 stream.
-    async with contextlib.aclosing(completion.deltas()) as deltas:
-        first = await anext(deltas, None)
+    async with contextlib.aclosing(completion.choice_deltas()) as pieces:
+        first = await anext(pieces, None)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        await resp.write(frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "finish_reason": None}]))
+        for i in range(req.n):
+            await resp.write(frame([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None}]))
         try:
             if first is not None:
-                await resp.write(frame([{"index": 0, "delta": delta_json(first),
-                                         "finish_reason": None}]))
-            async for delta in deltas:
-                await resp.write(frame([{"index": 0, "delta": delta_json(delta),
-                                         "finish_reason": None}]))
+                await resp.write(piece_frame(first))
+            async for piece in pieces:
+                await resp.write(piece_frame(piece))
         except ApiError as e:  # the stream has started: report in-band, then end it
             await resp.write(b"data: " + orjson.dumps(e.body()) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-    await resp.write(frame([{"index": 0, "delta": {},
-                             "finish_reason": _FINISH[outcome.finish_reason]}]))
+    for i, o in enumerate(completion.outcomes):
+        await resp.write(frame([{"index": i, "delta": {},
+                                 "finish_reason": _FINISH[o.finish_reason], **_choice_extra(o)}]))
     if req.include_usage:
         await resp.write(frame([], usage=usage_json(completion.usage())))
     await resp.write(b"data: [DONE]\n\n")

@@ -5,15 +5,23 @@ Every API layer (OpenAI chat completions, Anthropic messages) parses its body in
 `OutputDelta`s (text and tool-call pieces) and, at the end, the `Outcome` and `Usage`.
 Nothing here knows a wire format.
 
-One generator (`Completion.deltas`) drives the worker; streaming and non-streaming replies
-are two consumers of it, so both see the same tokens. Whatever ends the request early
-(client gone, stop sequence, worker failure), its `finally` aborts the worker request, and
-the worker drops every anchor it staged for it.
+One generator (`Completion.choice_deltas`) drives the worker; streaming and non-streaming
+replies are two consumers of it, so both see the same tokens. Whatever ends the request
+early (client gone, stop sequence, worker failure), its `finally` aborts the worker request,
+and the worker drops every anchor it staged for it.
+
+Structured output (`structured.py`): the request's constraint goes to the worker as an
+SGLang sampling parameter; a tool grammar replaces the adapter's forced prefix. `n > 1`
+choices come from one worker request (one prefill); each has its own detokenizer, parser
+and `Outcome`. A tool call the parser cannot read never reaches the client as content: the
+text before it is kept, the rest dropped, and the choice records `tool_call_error`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -30,9 +38,12 @@ from .errors import ApiError
 from .lifecycle import Caller, Flight
 from .planner import Plan
 from .schema import ToolChoice, rendered_chars
+from .splitter.parsers import OutputParser
 from .splitter.types import OutputDelta, SplitResult, ToolCall
 from .state import ProxyState
+from .structured import FAMILY, Constraint, ResponseFormat, build_constraint
 from .tenants import TenantContext
+from .worker_client import Chunk
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -57,6 +68,12 @@ class Generation:
     # messages where that boundary verifies (cut_hints.py)
     cut_after: tuple[int, ...] = ()
     cache_salt: str | None = None  # narrows anchor sharing inside the tenant (never widens)
+    n: int = 1  # choices, sampled from one prefill
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: ResponseFormat | None = None
+    grammar: Constraint | None = None  # a regex / ebnf for the content (SGLang's extras)
+    parallel_tool_calls: bool = True
     anchors: bool = True  # False: restore and save nothing for this request (a baseline)
 
 
@@ -76,7 +93,123 @@ class Outcome:
     finish_reason: FinishReason = FinishReason.STOP
     stop_sequence: str | None = None  # which of `Generation.stop` ended the text
     completion_tokens: int = 0
-    meta: GenerateMeta | None = None  # the worker's final meta_info
+    meta: GenerateMeta | None = None  # the worker's final meta_info for this choice
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for
+    tool_call_error: str | None = None  # a tool call was started but could not be parsed
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str  # the token's text (its bytes may be part of a character: U+FFFD)
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # the most likely tokens there, best first
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """A piece of choice `index`: a text / tool-call delta, and the logprobs of the tokens
+    that arrived with it (a delta of None carries only logprobs: text still held back)."""
+
+    index: int
+    delta: OutputDelta | None
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+# The opening of a tool call in each family's markup (structured.FAMILY): content that
+# contains one is an unparsed call, cut there.
+CALL_MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+                "llama3": ("<|python_tag|>", '{"name": ')}
+
+
+class _Choice:
+    """One choice's text path: detokenizer → stop sequences → output parser → markup guard."""
+
+    def __init__(self, completion: Completion, index: int, parser: OutputParser,
+                 stop_ids: set[int], markers: tuple[str, ...]) -> None:
+        self.completion = completion
+        self.index = index
+        self.outcome = completion.outcomes[index]
+        self.parser = parser
+        self.detok = IncrementalDetokenizer(completion.state.tokenizer, skip_token_ids=stop_ids)
+        self.stop_ids = stop_ids
+        self.markers = markers
+        self.emitted = 0  # characters of detok.text already passed on
+        self.closed = False  # a stop sequence or the worker ended it
+
+    def feed(self, chunk: Chunk) -> list[ChoiceDelta]:
+        gen, outcome = self.completion.gen, self.outcome
+        outcome.completion_tokens += len(chunk.output_ids)
+        logprobs = self._logprobs(chunk)
+        outcome.logprobs.extend(logprobs)
+        self.detok.add(chunk.output_ids)
+        if chunk.meta is not None:
+            self.detok.flush()
+        text = self.detok.text
+        stop = _find_stop(text, gen.stop, self.emitted) if gen.stop else None
+        if stop is not None:
+            text = text[:stop[0]]
+        elif gen.stop and chunk.meta is None:
+            text = text[:max(self.emitted, len(text) - _stop_prefix(text, gen.stop))]
+        new, self.emitted = text[self.emitted:], len(text)
+        if stop is not None:
+            outcome.finish_reason = FinishReason.STOP_SEQUENCE
+            outcome.stop_sequence = stop[1]
+        elif chunk.meta is not None:
+            outcome.meta = chunk.meta
+            outcome.finish_reason = FinishReason.LENGTH if chunk.meta.finish_type == "length" \
+                else FinishReason.STOP
+        deltas = self._guard(self.parser.feed(new)) if new else []
+        if stop is not None or chunk.meta is not None:
+            deltas += self._close()
+        out = [ChoiceDelta(self.index, d) for d in deltas]
+        if logprobs:
+            if out:
+                out[0] = ChoiceDelta(self.index, out[0].delta, logprobs)
+            else:
+                out.append(ChoiceDelta(self.index, None, logprobs))
+        return out
+
+    def _close(self) -> list[OutputDelta]:
+        self.closed = True
+        deltas = self._guard(self.parser.flush())
+        parsed = self.parser.finish()
+        self.outcome.tool_calls = list(parsed.tool_calls)
+        if self.outcome.tool_calls:
+            self.outcome.finish_reason = FinishReason.TOOL_CALLS
+        return deltas
+
+    def _guard(self, deltas: list[OutputDelta]) -> list[OutputDelta]:
+        """Pass the parser's deltas on, cutting content at the first call marker (an
+        unparsed call) and dropping all content after it."""
+        out = []
+        for delta in deltas:
+            if delta.tool_call is None and self.outcome.tool_call_error is not None:
+                continue
+            text = delta.content or ""
+            hits = [i for m in self.markers if (i := text.find(m)) >= 0]
+            if delta.tool_call is None and hits:
+                head = text[:min(hits)].rstrip()
+                reason = "cut off by max_tokens" if self._cut_by_length() else "malformed"
+                self.outcome.tool_call_error = f"the model's tool call could not be parsed ({reason})"
+                if not head:
+                    continue
+                delta = OutputDelta(content=head)
+            if delta.tool_call is None:
+                self.outcome.text += delta.content or ""
+            out.append(delta)
+        return out
+
+    def _cut_by_length(self) -> bool:
+        return self.outcome.finish_reason is FinishReason.LENGTH
+
+    def _logprobs(self, chunk: Chunk) -> tuple[TokenLogprob, ...]:
+        if chunk.logprobs is None:
+            return ()
+        decode = self.completion.state.tokenizer.decode
+        return tuple(
+            TokenLogprob(decode([t]), lp, tuple((decode([i]), v) for i, v in top))
+            for t, (lp, top) in zip(chunk.output_ids, chunk.logprobs, strict=True)
+            if t not in self.stop_ids)
 
 
 @dataclass(frozen=True)
@@ -133,9 +266,12 @@ class Completion:
         self.split = split
         self.caller = caller
         self.rid = uuid.uuid4().hex
-        self.outcome = Outcome()
+        self.outcomes = [Outcome() for _ in range(gen.n)]
+        self.outcome = self.outcomes[0]
+        self.meta: GenerateMeta | None = None  # the worker's last meta_info (prefill, anchors)
         self.started = time.perf_counter() if started is None else started
         self.ttft_s: float | None = None  # pipeline start → first generated token
+        self.constraint = self._constraint()
 
     @classmethod
     async def create(cls, state: ProxyState, gen: Generation, *,
@@ -155,6 +291,22 @@ class Completion:
                                          gen.template_kwargs or None, gen.cut_after)
         return cls(state, gen, split, caller=caller, started=started)
 
+    def _constraint(self) -> Constraint | None:
+        """The grammar for this request (a 400 `ApiError` for a bad schema)."""
+        gen, adapter = self.gen, self.state.adapter
+        return build_constraint(
+            adapter=adapter.name, tools=gen.tools, mode=gen.tool_choice.mode,
+            function=gen.tool_choice.function, response_format=gen.response_format,
+            grammar=gen.grammar, parallel_tool_calls=gen.parallel_tool_calls,
+            thinking=adapter.name == "qwen3"
+            and gen.template_kwargs.get("enable_thinking", True) is not False)
+
+    @property
+    def tool_grammar(self) -> bool:
+        """Whether the grammar writes the tool-call markup (no forced prefix then)."""
+        return self.constraint is not None and self.constraint.kind == "structural_tag" \
+            and bool(self.gen.tools) and self.gen.tool_choice.mode != "none"
+
     def _sampling(self, prompt_ids: tuple[int, ...]) -> SamplingParams:
         gen, state = self.gen, self.state
         room = state.info.max_context_tokens - len(prompt_ids)
@@ -163,77 +315,80 @@ class Completion:
                            f"the prompt has {len(prompt_ids)} tokens; with max_tokens="
                            f"{gen.max_tokens} it exceeds the model's context of "
                            f"{state.info.max_context_tokens} tokens", param="messages")
-        return SamplingParams(
+        params = SamplingParams(
             max_new_tokens=min(gen.max_tokens or state.config.default_max_tokens, room),
             temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-            stop_token_ids=tuple(state.adapter.stop_token_ids), seed=gen.seed)
+            stop_token_ids=tuple(state.adapter.stop_token_ids), seed=gen.seed, n=gen.n)
+        if self.constraint is not None:
+            params = dataclasses.replace(params, **self.constraint.sampling_fields())
+        return params
 
     async def deltas(self) -> AsyncGenerator[OutputDelta, None]:
-        """Yield text / tool-call deltas as the worker produces them; fill `outcome`.
+        """The deltas of choice 0 (a layer that serves one choice): see `choice_deltas`."""
+        async with contextlib.aclosing(self.choice_deltas()) as pieces:
+            async for piece in pieces:
+                if piece.delta is not None and piece.index == 0:
+                    yield piece.delta
+
+    async def choice_deltas(self) -> AsyncGenerator[ChoiceDelta, None]:
+        """Yield every choice's text / tool-call deltas as the worker produces them; fill
+        `outcomes`.
 
         Raises `ApiError` before the first delta for a request the worker refuses (so a
         streaming layer can still answer with a status code) and after it for a failure
         mid-generation. Cleans up the worker side on any exit.
         """
-        state, gen, outcome = self.state, self.gen, self.outcome
+        state, gen = self.state, self.gen
         choice = gen.tool_choice.openai()
         parse_tools = bool(gen.tools) and gen.tool_choice.mode != "none"
-        forced = state.adapter.forced_prefix_ids(choice) if parse_tools else ()
+        forced = state.adapter.forced_prefix_ids(choice) \
+            if parse_tools and not self.tool_grammar else ()
         prompt_ids = self.split.input_ids + forced
         sampling = self._sampling(prompt_ids)
+        stop_ids = set(sampling.stop_token_ids) | set(state.info.eos_token_ids)
+        # Always parse: besides tool calls, some formats (harmony) carry channels that must
+        # not reach the client as content; with tool_choice "none" the parser only splits those.
+        # Under a tool grammar the calls are the model's own output: parsed as under "auto".
+        parser_choice = "auto" if self.tool_grammar else choice
+        markers = CALL_MARKERS.get(FAMILY.get(state.adapter.name, ""), ()) if parse_tools else ()
+        choices = [_Choice(self, i, state.adapter.output_parser(list(gen.tools) or None,
+                                                                tool_choice=parser_choice),
+                           stop_ids, markers)
+                   for i in range(gen.n)]
         flight: Flight | None = None
         if state.anchors_on and gen.anchors:  # opens the reservation: the `finally` closes it
             flight = await state.lifecycle.begin(self.rid, self.caller, self.split)
-        finished = settled = False
-        emitted = 0  # characters of detok.text already passed on
+        settled = False
+        samples_done = 0  # samples the worker has finished
         reason = "cancelled"  # why the reservation is aborted, if it is
         plan: Plan | None = None
         try:
             plan = flight.plan if flight is not None else state.planner.chunk_only(self.split)
             req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
-                                  stream=True, anchor=plan.request)
-            stop_ids = set(req.sampling.stop_token_ids) | set(state.info.eos_token_ids)
-            detok = IncrementalDetokenizer(state.tokenizer, skip_token_ids=stop_ids)
-            # Always parse: besides tool calls, some formats (harmony) carry channels that
-            # must not reach the client as content; with tool_choice "none" the parser only
-            # splits those.
-            parser = state.adapter.output_parser(list(gen.tools) or None, tool_choice=choice)
+                                  stream=True, anchor=plan.request,
+                                  return_logprob=gen.logprobs, top_logprobs_num=gen.top_logprobs)
             async for chunk in state.worker.generate(req):
+                if not 0 <= chunk.index < len(choices):
+                    raise ApiError("worker_error", f"worker sent choice {chunk.index} of {gen.n}")
                 if self.ttft_s is None and chunk.output_ids:
                     self.ttft_s = time.perf_counter() - self.started
-                outcome.completion_tokens += len(chunk.output_ids)
-                detok.add(chunk.output_ids)
+                samples_done += chunk.meta is not None
                 if chunk.meta is not None:
-                    detok.flush()
-                text = detok.text
-                stop = _find_stop(text, gen.stop, emitted) if gen.stop else None
-                if stop is not None:
-                    text = text[:stop[0]]
-                elif gen.stop and chunk.meta is None:
-                    text = text[:max(emitted, len(text) - _stop_prefix(text, gen.stop))]
-                new, emitted = text[emitted:], len(text)
-                for delta in parser.feed(new) if new else ():
-                    yield self._record(delta)
-                if stop is not None:
-                    outcome.finish_reason = FinishReason.STOP_SEQUENCE
-                    outcome.stop_sequence = stop[1]
+                    self.meta = chunk.meta
+                c = choices[chunk.index]
+                if not c.closed:
+                    for piece in c.feed(chunk):
+                        yield piece
+                if all(c.closed for c in choices) and samples_done < len(choices):
                     reason = "stop_sequence"
-                    break
-                if chunk.meta is not None:
-                    outcome.meta = chunk.meta
-                    outcome.finish_reason = FinishReason.LENGTH \
-                        if chunk.meta.finish_type == "length" else FinishReason.STOP
-                    finished = True
-            for delta in parser.flush():
-                yield self._record(delta)
-            parsed = parser.finish()
-            outcome.text = parsed.content or ""
-            outcome.tool_calls = list(parsed.tool_calls)
-            if outcome.tool_calls:
-                outcome.finish_reason = FinishReason.TOOL_CALLS
-            if finished and outcome.meta is not None:
+                    break  # stop sequences ended what the worker still generates
+            for c in choices:  # a worker that ended without a choice's finish
+                if not c.closed:
+                    for d in c._close():
+                        yield ChoiceDelta(c.index, d)
+            if samples_done == len(choices) and self.meta is not None:
                 if flight is not None:
-                    await asyncio.shield(state.lifecycle.settle(flight, outcome.meta))
+                    await asyncio.shield(state.lifecycle.settle(flight, self.meta))
                 settled = True
         except ApiError as e:
             reason = e.kind
@@ -258,18 +413,13 @@ class Completion:
         try:
             if self.ttft_s is not None:
                 metrics.record_ttft(tenant, self.ttft_s)
-            if self.outcome.meta is not None and plan is not None:
-                metrics.record_generation(tenant, plan, self.outcome.meta)
+            if self.meta is not None and plan is not None:
+                metrics.record_generation(tenant, plan, self.meta)
             if reserved:  # anchors on: the request held a reservation
                 metrics.record_reservations(tenant, "aborted" if aborted else "confirmed",
                                             aborted or "ok")
         except Exception:
             log.exception("recording metrics of request %s failed", self.rid)
-
-    def _record(self, delta: OutputDelta) -> OutputDelta:
-        if delta.tool_call is None:
-            self.outcome.text += delta.content or ""
-        return delta
 
     async def _abort(self) -> None:
         """Abort the worker request; the worker then drops every snapshot it staged for it."""
@@ -279,19 +429,21 @@ class Completion:
             pass
 
     def usage(self) -> Usage:
-        meta = self.outcome.meta
+        """The request's usage: one prompt (prefilled once), every choice's completion."""
+        meta = self.meta
+        completion_tokens = sum(o.completion_tokens for o in self.outcomes)
         if meta is None:
             n = len(self.split.input_ids)
-            return Usage(n, self.outcome.completion_tokens, 0, n, 0, 0.0, 0.0, 0.0, ())
+            return Usage(n, completion_tokens, 0, n, 0, 0.0, 0.0, 0.0, ())
         saved = [w.depth for w in meta.anchors.written if w.kind != AnchorKind.RESPONSE]
         return Usage(
             prompt_tokens=meta.prompt_tokens,
-            completion_tokens=self.outcome.completion_tokens,
+            completion_tokens=completion_tokens,
             cached_tokens=meta.cached_tokens,
             prefill_tokens=meta.prefill_tokens,
             snapshot_tokens=max(0, min(max(saved, default=0), meta.prompt_tokens) - meta.cached_tokens),
             restore_ms=meta.restore_ms,
             prefill_ms=meta.prefill_ms,
-            decode_ms=meta.decode_ms,
+            decode_ms=round(sum(o.meta.decode_ms for o in self.outcomes if o.meta is not None), 3),
             anchor_hits=tuple(AnchorHit(h.kind.value, h.depth) for h in meta.anchors.restored),
         )

@@ -23,10 +23,13 @@ from aiohttp import web
 from anchorcache.wire import GREEDY_TEMPERATURE
 
 from .errors import ApiError
+from .structured import Constraint, ResponseFormat, parse_grammar, parse_response_format
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 ALWAYS_RENDERED_ROLES = frozenset({"system", "developer", "user", "tool"})
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16  # n (the worker contract's limit)
+MAX_TOP_LOGPROBS = 20
 # Names the renderer passes to chat templates itself: a client's template kwarg may not shadow them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
                                       "eos_token", "unk_token", "pad_token"})
@@ -174,6 +177,12 @@ class ChatRequest:
     tools: tuple[dict[str, Any], ...]
     tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: ResponseFormat | None = None
+    grammar: Constraint | None = None  # SGLang's `regex` / `ebnf` extras
+    parallel_tool_calls: bool = True
 
     @property
     def rendered_chars(self) -> int:
@@ -296,9 +305,17 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int,
         raise bad("'messages' must be a non-empty list", "messages")
     if len(messages) > limits.max_messages:
         raise bad(f"at most {limits.max_messages} messages are supported", "messages")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise bad("only n=1 is supported", "n")
+    n = optional_int(body, "n", 1, MAX_CHOICES) or 1
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise bad("'logprobs' must be a boolean", "logprobs")
+    top_logprobs = optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top_logprobs and not logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
+    if not isinstance(parallel, bool):
+        raise bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     max_tokens = optional_int(body, "max_completion_tokens", 1, max_tokens_limit)
     if max_tokens is None:
         max_tokens = optional_int(body, "max_tokens", 1, max_tokens_limit)
@@ -314,9 +331,6 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int,
     for key in template_kwargs:
         if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
             raise bad(f"chat_template_kwargs may not set {key!r}", f"chat_template_kwargs.{key}")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad("only response_format {'type': 'text'} is supported", "response_format")
     tools = _tools(body, limits)
     top_k = optional_int(body, "top_k", -1, 1 << 20)
     return ChatRequest(
@@ -333,4 +347,10 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int,
         tools=tools,
         tool_choice=_tool_choice(body, tools),
         template_kwargs=template_kwargs,
+        n=n,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        response_format=parse_response_format(body.get("response_format")),
+        grammar=parse_grammar(body),
+        parallel_tool_calls=parallel,
     )

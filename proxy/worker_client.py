@@ -49,12 +49,28 @@ class WorkerInfo:
                    epoch=str(d["epoch"]))
 
 
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a generate reply: new output ids, and on the last one the meta info."""
+    """A piece of a generate reply: new output ids, and on a sample's last one its meta info.
+    `index` is the sample (n > 1); `logprobs`, when asked for, has one (logprob, top) per id."""
 
     output_ids: tuple[int, ...]
     meta: GenerateMeta | None = None
+    index: int = 0
+    logprobs: tuple[tuple[float, TopLogprobs], ...] | None = None
+
+
+def _logprobs(event: dict[str, Any]) -> tuple[tuple[float, TopLogprobs], ...] | None:
+    """SGLang's `output_token_logprobs` / `output_top_logprobs` ([logprob, id, text])."""
+    tokens = event.get("output_token_logprobs")
+    if tokens is None:
+        return None
+    tops = event.get("output_top_logprobs") or [[] for _ in tokens]
+    return tuple((float(lp), tuple((int(t[1]), float(t[0])) for t in top))
+                 for (lp, *_), top in zip(tokens, tops, strict=True))
 
 
 def _worker_error(status: int, body: bytes) -> ApiError:
@@ -159,12 +175,13 @@ class WorkerClient:
                         meta = parse_generate_meta(raw) if raw is not None else None
                     except WireError as e:
                         raise ApiError("worker_error", f"malformed meta_info: {e}") from None
-                    yield Chunk(tuple(event.get("output_ids", ())), meta)
+                    yield Chunk(tuple(event.get("output_ids", ())), meta,
+                                int(event.get("index", 0)), _logprobs(event))
                     if meta is not None:
                         finished = True
                 if not finished:
                     raise ApiError("worker_error", "worker ended the stream without finishing")
         except aiohttp.ClientConnectorError as e:
             raise ApiError("worker_unavailable", f"worker unreachable: {e}") from None
-        except (aiohttp.ClientError, orjson.JSONDecodeError) as e:
+        except (aiohttp.ClientError, orjson.JSONDecodeError, ValueError, TypeError) as e:
             raise ApiError("worker_error", f"worker failed mid-request: {type(e).__name__}: {e}") from None

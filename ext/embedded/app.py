@@ -88,9 +88,13 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
         anchors = AnchorStore.create(model, info.model_id, spec, num_slots=config.anchor_slots,
                                      capacity_bytes=config.anchor_capacity_bytes,
                                      pinned_slots=config.pinned_slots)
+    from .grammar import Grammars
+
+    vocab_size = int(model.get_output_embeddings().weight.shape[0])  # the logits' width
     engine = Engine(model, eos_token_ids=info.eos_token_ids, recurrent=spec.is_recurrent,
                     anchors=anchors,
-                    prefill_chunk_tokens=config.prefill_chunk_tokens)
+                    prefill_chunk_tokens=config.prefill_chunk_tokens,
+                    grammars=Grammars(tokenizer, vocab_size), spec=spec)
     return engine, info
 
 

@@ -5,6 +5,10 @@ so the model, its cache and the anchor slabs are never touched concurrently. Res
 back to the asyncio side through `loop.call_soon_threadsafe`. An abort sets a flag that the
 thread checks between prefill chunks and decode steps.
 
+A request for n > 1 samples prefills its prompt once; every sample then decodes from that
+state (the first n - 1 from a copy of the cache, the last from the cache itself), one
+after the other, each with its own seeded generator and grammar mask.
+
 On recurrent models prefill is split so a chunk ends exactly at every anchor cut
 (`chunk_at` and snapshot depths), whether or not anchoring is on: recurrent state exists
 only at chunk ends. Dense models slice their K/V rows at the cuts after the prefill.
@@ -26,18 +30,22 @@ import torch
 from anchorcache.wire import AnchorHeld, AnchorWritten, GenerateRequest
 
 from . import cache_io
-from .sampling import Sampler
+from .sampling import Pick, Sampler
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     output_ids: tuple[int, ...]
+    index: int = 0  # the sample (choice) these tokens belong to
+    picks: tuple[Pick, ...] | None = None  # with logprobs, when the request asks for them
 
 
 @dataclass(frozen=True)
 class FinishEvent:
     finish_reason: dict[str, Any]
     meta: dict[str, Any]
+    index: int = 0
+    last: bool = True  # the request's last event: every sample has finished
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class Job:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: bool = False
+    grammar: Any = None  # the request's compiled constraint (grammar.Grammars.compile)
 
     def emit(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -68,8 +77,10 @@ class Aborted(Exception):
 class Engine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: tuple[int, ...],
                  recurrent: bool, anchors: Any | None = None,
-                 prefill_chunk_tokens: int | None = None) -> None:
+                 prefill_chunk_tokens: int | None = None, grammars: Any | None = None,
+                 spec: cache_io.CacheSpec | None = None) -> None:
         self.model = model
+        self.grammars = grammars  # grammar.Grammars: masks for constrained requests
         self.recurrent = recurrent  # state only at chunk ends (hybrid / SSM models)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # bounds how late an abort is seen
         self.eos_token_ids = eos_token_ids
@@ -81,6 +92,7 @@ class Engine:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="anchorcache-engine", daemon=True)
         self.fault_hook: Callable[[str], None] | None = None  # tests inject faults here
+        self._spec = spec  # the model's cache layout (measured on the first copy if None)
 
     # ---- asyncio side ------------------------------------------------------------------
     def start(self) -> None:
@@ -92,9 +104,12 @@ class Engine:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, req: GenerateRequest) -> Job:
+    def submit(self, req: GenerateRequest, *, grammar: Any = None) -> Job:
+        """Queue `req`; `grammar` is its compiled constraint (required when it has one)."""
+        if req.sampling.constraint is not None and (grammar is None or self.grammars is None):
+            raise ValueError("a constrained request needs its compiled grammar")
         rid = req.rid or uuid.uuid4().hex
-        job = Job(req=req, rid=rid, loop=asyncio.get_running_loop())
+        job = Job(req=req, rid=rid, loop=asyncio.get_running_loop(), grammar=grammar)
         with self._lock:
             if rid in self._jobs:
                 raise ValueError(f"request id {rid!r} is already running")
@@ -191,54 +206,84 @@ class Engine:
                 save(depth, cache)
         t_prefill = time.perf_counter()
 
-        sampler = Sampler(p)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        out: list[int] = []
-        finish: dict[str, Any] = {"type": "length", "length": 0}
-        position = n
-        while len(out) < p.max_new_tokens:
-            token = sampler(logits[0, -1])
-            out.append(token)
-            job.emit(TokenEvent((token,)))
-            if token in stops:
-                finish = {"type": "stop", "matched": token}
-                break
-            if len(out) >= p.max_new_tokens:
-                break
-            self._check(job, "decode")
-            logits = cache_io.decode_step(self.model, cache, token, position)
-            position += 1
-        if finish["type"] == "length":
-            finish["length"] = len(out)
-        t_decode = time.perf_counter()
-
-        if (self.anchors is not None and plan is not None and plan.snapshot_response and out
-                and finish["type"] == "stop"):
-            # the cache holds every token but the last sampled one: feed it so the state
-            # covers prompt + output exactly
-            cache_io.decode_step(self.model, cache, out[-1], position)
-            t = time.perf_counter()
-            w = self.anchors.snapshot_response(job.rid, cache, ids + tuple(out), plan)
-            snapshot_s += time.perf_counter() - t
-            if w is not None:
-                written.append(w)
-
-        meta = {
+        shared = {
             "id": job.rid,
             "prompt_tokens": n,
-            "completion_tokens": len(out),
             "cached_tokens": restored,
             "prefill_tokens": n - restored,
             "restore_ms": round((t_restore - t0) * 1e3, 3),
             "prefill_ms": round((t_prefill - t_restore) * 1e3, 3),
-            "decode_ms": round((t_decode - t_prefill) * 1e3, 3),
-            "snapshot_ms": round(snapshot_s * 1e3, 3),
-            "anchors": {**anchor_info,
-                        "written": [w.to_json() for w in written if not isinstance(w, AnchorHeld)],
-                        # held: committed prefixes it restored unasked (late lookup) or did
-                        # not write again because it holds them
-                        "held": [w.to_json() for w in [*anchor_info.get("held", ()), *written]
-                                 if isinstance(w, AnchorHeld)]},
         }
-        job.emit(FinishEvent(finish, meta))
+        for index in range(p.n):
+            last = index == p.n - 1
+            # every sample starts from the prompt's state; the last one may consume it
+            sample_cache = cache if last else self._copy(cache, n)
+            t_start = time.perf_counter()
+            out, finish = self._decode(job, sample_cache, logits, n, index, stops)
+            t_decode = time.perf_counter()
+            if (self.anchors is not None and plan is not None and plan.snapshot_response
+                    and p.n == 1 and out and finish["type"] == "stop"):
+                # the cache holds every token but the last sampled one: feed it so the
+                # state covers prompt + output exactly
+                cache_io.decode_step(self.model, sample_cache, out[-1], n + len(out) - 1)
+                t = time.perf_counter()
+                w = self.anchors.snapshot_response(job.rid, sample_cache, ids + tuple(out), plan)
+                snapshot_s += time.perf_counter() - t
+                if w is not None:
+                    written.append(w)
+            meta = {
+                **shared,
+                "completion_tokens": len(out),
+                "decode_ms": round((t_decode - t_start) * 1e3, 3),
+                "snapshot_ms": round(snapshot_s * 1e3, 3),
+                "anchors": {**anchor_info,
+                            "written": [w.to_json() for w in written
+                                        if not isinstance(w, AnchorHeld)],
+                            # held: committed prefixes it restored unasked (late lookup) or
+                            # did not write again because it holds them
+                            "held": [w.to_json() for w in [*anchor_info.get("held", ()), *written]
+                                     if isinstance(w, AnchorHeld)]},
+            }
+            if p.n > 1:
+                meta["index"] = index
+            job.emit(FinishEvent(finish, meta, index=index, last=last))
+
+    def _copy(self, cache: Any, depth: int) -> Any:
+        """An independent cache holding the same `depth` tokens (and state) as `cache`."""
+        if self._spec is None:
+            self._spec = cache_io.CacheSpec.from_model(self.model)
+        t = cache_io.snapshot(cache, 0, depth)
+        return cache_io.cache_from_tensors(self.model, t.keys, t.values, t.states,
+                                           spec=self._spec, adopt=True)
+
+    def _decode(self, job: Job, cache: Any, logits: torch.Tensor, position: int, index: int,
+                stops: set[int]) -> tuple[list[int], dict[str, Any]]:
+        """Sample one continuation from `logits` (the prompt's last position) on `cache`."""
+        p = job.req.sampling
+        mask = None
+        if job.grammar is not None:
+            assert self.grammars is not None
+            # the grammar ends generation with any stop token, EOS included
+            mask = self.grammars.mask(job.grammar, set(p.stop_token_ids) | set(self.eos_token_ids))
+        sampler = Sampler(p, index=index, mask=mask, logprobs=job.req.return_logprob,
+                          top_logprobs=job.req.top_logprobs_num)
+        out: list[int] = []
+        finish: dict[str, Any] = {"type": "length", "length": 0}
+        while len(out) < p.max_new_tokens:
+            pick = sampler(logits[0, -1])
+            out.append(pick.token)
+            job.emit(TokenEvent((pick.token,), index,
+                                (pick,) if job.req.return_logprob else None))
+            if pick.token in stops or (mask is not None and mask.terminated):
+                finish = {"type": "stop", "matched": pick.token}
+                break
+            if len(out) >= p.max_new_tokens:
+                break
+            self._check(job, "decode")
+            logits = cache_io.decode_step(self.model, cache, pick.token, position)
+            position += 1
+        if finish["type"] == "length":
+            finish["length"] = len(out)
+        return out, finish
 

@@ -1,27 +1,69 @@
-"""Next-token choice from the last position's logits (greedy, temperature, top-k, top-p)."""
+"""Next-token choice from the last position's logits (grammar mask, greedy, temperature,
+top-k, top-p), and the logprobs reported for it.
+
+Logprobs are the model's own distribution (log-softmax of the raw logits), before the
+grammar mask, temperature or truncation: what OpenAI's `logprobs` report.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple, Protocol
 
 import torch
 
 from anchorcache.wire import SamplingParams
 
 
-class Sampler:
-    """One per request: owns the request's seeded generator so sampling is reproducible."""
+class Mask(Protocol):
+    """A grammar's token mask (grammar.TokenMask): forbid, then advance on the chosen token."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def accept(self, token: int) -> None: ...
+
+
+class Pick(NamedTuple):
+    token: int
+    logprob: float | None = None  # set when logprobs are asked for
+    top: tuple[tuple[int, float], ...] = ()  # (token, logprob), most likely first
+
+
+class Sampler:
+    """One per sample: owns its seeded generator (sample `index` draws from `seed + index`,
+    so a request's n samples differ and each is reproducible) and its grammar mask."""
+
+    def __init__(self, params: SamplingParams, *, index: int = 0, mask: Mask | None = None,
+                 logprobs: bool = False, top_logprobs: int = 0) -> None:
         self.params = params
+        self.mask = mask
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
             if params.seed is not None:
-                self.generator.manual_seed(params.seed)
+                self.generator.manual_seed(params.seed + index)
             else:
                 self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> int:
+    def __call__(self, logits: torch.Tensor) -> Pick:
         """`logits`: [vocab] float tensor of the last position."""
+        raw = logits
+        if self.mask is not None:
+            logits = self.mask.apply(logits)
+        token = self._choose(logits)
+        if self.mask is not None:
+            self.mask.accept(token)
+        if not self.logprobs:
+            return Pick(token)
+        logp = torch.log_softmax(raw.float(), dim=-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if self.top_logprobs > 0:
+            values, ids = torch.topk(logp, min(self.top_logprobs, logp.numel()))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        return Pick(token, float(logp[token]), top)
+
+    def _choose(self, logits: torch.Tensor) -> int:
         p = self.params
         if p.greedy:
             return int(torch.argmax(logits))

@@ -95,7 +95,8 @@ def _check_input(request: web.Request, req: GenerateRequest) -> None:
 
 
 async def _events(request: web.Request, job: Job) -> AsyncIterator[TokenEvent | FinishEvent]:
-    """Yield the job's events; abort the job if this handler is cancelled (client gone)."""
+    """Yield the job's events up to its last finish; abort the job if this handler is
+    cancelled (client gone)."""
     engine = request.app[ENGINE]
     done = False
     try:
@@ -104,7 +105,7 @@ async def _events(request: web.Request, job: Job) -> AsyncIterator[TokenEvent | 
             if isinstance(event, ErrorEvent):
                 done = True
                 raise event.error
-            if isinstance(event, FinishEvent):
+            if isinstance(event, FinishEvent) and event.last:
                 done = True  # before the yield: the consumer may stop right after it
                 yield event
                 return
@@ -119,22 +120,55 @@ def _meta(request: web.Request, job: Job, event: FinishEvent) -> dict[str, Any]:
             "epoch": request.app[EPOCH]}
 
 
+def _token_json(job: Job, event: TokenEvent) -> dict[str, Any]:
+    data: dict[str, Any] = {"rid": job.rid, "output_ids": list(event.output_ids)}
+    if job.req.sampling.n > 1:
+        data["index"] = event.index
+    if event.picks is not None:
+        # SGLang's shapes: [logprob, token_id, text] with text left out (null)
+        data["output_token_logprobs"] = [[p.logprob, p.token, None] for p in event.picks]
+        if job.req.top_logprobs_num:
+            data["output_top_logprobs"] = [[[lp, t, None] for t, lp in p.top] for p in event.picks]
+    return data
+
+
+async def _compile(request: web.Request, req: GenerateRequest) -> Any:
+    """The request's compiled constraint (None without one); WireError (400) if invalid."""
+    constraint = req.sampling.constraint
+    if constraint is None:
+        return None
+    grammars = request.app[ENGINE].grammars
+    if grammars is None:
+        raise WireError("this worker does not support constrained decoding")
+    # compiling a large schema takes a while: off the event loop
+    return await asyncio.get_running_loop().run_in_executor(None, grammars.compile, *constraint)
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     req = parse_generate(await _body(request))
     _check_input(request, req)
+    grammar = await _compile(request, req)
     try:
-        job = request.app[ENGINE].submit(req)
+        job = request.app[ENGINE].submit(req, grammar=grammar)
     except ValueError as e:
         raise WireError(str(e)) from None
+    n = req.sampling.n
     if not req.stream:
-        output: list[int] = []
+        outputs: list[dict[str, Any]] = [{"rid": job.rid, "output_ids": []} for _ in range(n)]
         async for event in _events(request, job):
+            out = outputs[event.index]
             if isinstance(event, TokenEvent):
-                output.extend(event.output_ids)
+                token = _token_json(job, event)
+                out["output_ids"].extend(event.output_ids)
+                for key in ("output_token_logprobs", "output_top_logprobs"):
+                    if key in token:
+                        out.setdefault(key, []).extend(token[key])
             else:
-                return _json({"rid": job.rid, "output_ids": output,
-                              "meta_info": _meta(request, job, event)})
-        raise AssertionError("event stream ended without a finish event")
+                out["meta_info"] = _meta(request, job, event)
+                if n > 1:
+                    out["index"] = event.index
+        # n > 1: a list of replies, one per sample (SGLang's batch shape)
+        return _json(outputs if n > 1 else outputs[0])
 
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
@@ -143,9 +177,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         async for event in _events(request, job):
             data: dict[str, Any]
             if isinstance(event, TokenEvent):
-                data = {"rid": job.rid, "output_ids": list(event.output_ids)}
+                data = _token_json(job, event)
             else:
                 data = {"rid": job.rid, "output_ids": [], "meta_info": _meta(request, job, event)}
+                if n > 1:
+                    data["index"] = event.index
             await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
     except (asyncio.CancelledError, ConnectionResetError):
         raise

@@ -112,7 +112,16 @@ BAD = [
      400, "invalid_request"),
     ("model missing", {"messages": FRANCE}, 400, "invalid_request"),
     ("unknown model", {"model": "nope", "messages": FRANCE}, 404, "model_not_found"),
-    ("n > 1", {"model": "default", "messages": FRANCE, "n": 2}, 400, "invalid_request"),
+    ("n > 16", {"model": "default", "messages": FRANCE, "n": 17}, 400, "invalid_request"),
+    ("top_logprobs without logprobs", {"model": "default", "messages": FRANCE,
+                                       "top_logprobs": 2}, 400, "invalid_request"),
+    ("bad response_format schema", {"model": "default", "messages": FRANCE, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     400, "invalid_request"),
+    ("bad regex", {"model": "default", "messages": FRANCE, "regex": "(a"}, 400,
+     "invalid_request"),
+    ("bad ebnf", {"model": "default", "messages": FRANCE, "ebnf": "root ::= "}, 400,
+     "invalid_request"),
     ("tools not a list", {"model": "default", "messages": FRANCE, "tools": {}}, 400, "invalid_request"),
     ("bad tool-call arguments", {"model": "default", "messages": [
         {"role": "user", "content": "hi"},

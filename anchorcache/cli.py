@@ -97,11 +97,38 @@ async def _serve_forever(web_app, host: str, port: int, banner: str) -> None:
         await runner.cleanup()
 
 
-@app.command()
+Backend = Annotated[str, typer.Option(envvar="ANCHORCACHE_BACKEND",
+                                      help="Worker backend: embedded or sglang.")]
+SGLangLogLevel = Annotated[str, typer.Option(envvar="ANCHORCACHE_SGLANG_LOG_LEVEL",
+                                             help="SGLang's own log level (sglang backend).")]
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, anchor_bytes: int,
+                   sglang_log_level: str, extra: list[str]) -> None:
+    """Replace this process with SGLang + our plugin (docs/sglang.md)."""
+    from anchorcache.ext.embedded.model_store import resolve_model
+    from anchorcache.ext.sglang import cpu
+    from anchorcache.ext.sglang.config import SGLangAnchorConfig
+
+    config = SGLangAnchorConfig(anchor_slots=anchor_slots, anchor_capacity_bytes=anchor_bytes,
+                                pinned_slots=min(16, anchor_slots // 4))
+    gpu = cpu.has_gpu()
+    env = {**os.environ, **config.to_env()}
+    if not gpu:
+        env = cpu.cpu_env(env)
+    cmd = cpu.sglang_command(sys.executable, model=str(resolve_model(model)), host=host, port=port,
+                             log_level=sglang_log_level, extra=extra, gpu=gpu)
+    sys.stdout.flush()
+    os.execve(sys.executable, cmd, env)
+
+
+@app.command(context_settings=_PASSTHROUGH)
 def worker(
+    ctx: typer.Context,
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="ANCHORCACHE_WORKER_PORT")] = 8001,
-    backend: Annotated[str, typer.Option(help="Worker backend.")] = "embedded",
+    backend: Backend = "embedded",
     model: Model = None,
     threads: Threads = None,
     dtype: Annotated[str, typer.Option(envvar="ANCHORCACHE_DTYPE")] = "float32",
@@ -109,10 +136,19 @@ def worker(
     anchor_bytes: AnchorBytes = 4 << 30,
     fault_injection: FaultInjection = False,
     log_level: LogLevel = "info",
+    sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
-    """Run a worker (the embedded transformers engine) behind the worker contract."""
+    """Run a worker behind the worker contract: the embedded transformers engine, or SGLang
+    with the anchorcache plugin (`--backend sglang [-- SGLANG_ARGS...]`)."""
+    if backend == "sglang":
+        _sglang_worker(host, port, model, anchor_slots, anchor_bytes, sglang_log_level,
+                       list(ctx.args))
+        return
     if backend != "embedded":
-        raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded)")
+        raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded, sglang)")
+    if ctx.args:
+        raise typer.BadParameter(f"unexpected arguments {ctx.args} (only --backend sglang "
+                                 "passes arguments through)")
     _logging(log_level)
     from anchorcache.ext.embedded.app import WorkerConfig, create_app
 
@@ -181,10 +217,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
 
 
-@app.command()
+@app.command(context_settings=_PASSTHROUGH)
 def serve(
+    ctx: typer.Context,
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="ANCHORCACHE_PORT")] = 8000,
+    backend: Backend = "embedded",
     model: Model = None,
     anchors: Anchors = True,
     adapter: Adapter = "auto",
@@ -199,9 +237,12 @@ def serve(
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     log_level: LogLevel = "info",
+    sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
-    """Start the embedded worker and the proxy; the worker is restarted if it dies, and
-    Ctrl-C/SIGTERM stops both."""
+    """Start a worker (embedded, or SGLang with `--backend sglang [-- SGLANG_ARGS...]`) and
+    the proxy; the worker is restarted if it dies, and Ctrl-C/SIGTERM stops both."""
+    if backend not in ("embedded", "sglang"):
+        raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded, sglang)")
     _logging(log_level)
     if model is None:  # convert the default model once, in the foreground, with a message
         from anchorcache.ext.embedded.model_store import default_model_dir, prepare_default_model
@@ -211,9 +252,13 @@ def serve(
     worker_port = free_port()
     cmd = [sys.executable, "-m", "anchorcache.cli", "worker", "--host", "127.0.0.1",
            "--port", str(worker_port), "--model", model, "--anchor-slots", str(anchor_slots),
-           "--anchor-bytes", str(anchor_bytes), "--log-level", log_level]
-    if threads:
+           "--anchor-bytes", str(anchor_bytes), "--log-level", log_level, "--backend", backend]
+    if threads and backend == "embedded":
         cmd += ["--threads", str(threads)]
+    if backend == "sglang":
+        cmd += ["--sglang-log-level", sglang_log_level, "--", *ctx.args]
+    elif ctx.args:
+        raise typer.BadParameter(f"unexpected arguments {ctx.args}")
     from anchorcache.proxy.config import ProxyConfig
 
     config = ProxyConfig(worker_url=f"http://127.0.0.1:{worker_port}", host=host, port=port,

@@ -32,15 +32,20 @@ class Server:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
+        # children left in the session (SGLang's scheduler and detokenizer) go with it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _spawn(args: list[str], port: int, env: dict[str, str] | None) -> Server:
-    cmd = [sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port), "--log-level", "warning"]
+def _spawn(args: list[str], port: int, env: dict[str, str] | None, *, tail: tuple[str, ...] = (),
+           timeout_s: float = 300) -> Server:
+    cmd = [sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port), "--log-level", "warning",
+           *tail]
     proc = subprocess.Popen(cmd, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
                             start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", proc)
     try:
-        wait_ready(server.url + "/health", proc, timeout_s=300)
+        wait_ready(server.url + "/health", proc, timeout_s=timeout_s)
     except BaseException:
         server.kill()
         raise
@@ -54,6 +59,25 @@ def worker_process(*extra: str, model: str | None = None, env: dict[str, str] | 
     if model:
         args += ["--model", model]
     server = _spawn(args, port or free_port(), env)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# SGLang's KV pool for the tests: restored prefixes may lock half of it (8 conversations: ~3k tokens)
+SGLANG_TEST_ARGS = ("--max-total-tokens", "10000")
+
+
+@contextmanager
+def sglang_worker_process(*extra: str, model: str, anchor_slots: int = 64,
+                          port: int | None = None, env: dict[str, str] | None = None
+                          ) -> Iterator[Server]:
+    """SGLang 0.5.23 with the anchorcache plugin (CPU recipe applied by the CLI); `extra`
+    goes to SGLang verbatim. Start-up takes 25-70 s on an idle 2-core machine."""
+    args = ["worker", "--backend", "sglang", "--model", model, "--anchor-slots", str(anchor_slots)]
+    server = _spawn(args, port or free_port(), env, tail=("--", *SGLANG_TEST_ARGS, *extra),
+                    timeout_s=900)
     try:
         yield server
     finally:

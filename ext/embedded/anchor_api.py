@@ -6,7 +6,7 @@ from typing import Any
 
 from aiohttp import web
 
-from anchorcache.wire import KEY_BYTES, WireError, anchor_keys, parse_ids
+from anchorcache.wire import KEY_BYTES, WireError
 
 from .anchors import AnchorStore
 from .server import ENGINE, EPOCH, _body, _json
@@ -58,25 +58,19 @@ async def lookup(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise WireError("body must be an object")
     try:
-        ns = bytes.fromhex(body.get("namespace", ""))
-        ids = parse_ids(body.get("input_ids"), "input_ids")
-        depths = parse_ids(body.get("depths"), "depths")
-        keys = anchor_keys(ns, store.model_id, ids, depths)
+        hits = store.lookup(bytes.fromhex(body.get("namespace", "")), body.get("input_ids"),
+                            body.get("depths"))
     except (TypeError, ValueError) as e:
         raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
-    return _reply(request, hits=[{"depth": d, "key": keys[d].hex(),
-                                  "committed": store.table.contains(keys[d], d)} for d in depths])
+    return _reply(request, hits=hits)
 
 
 async def slots(request: web.Request) -> web.Response:
-    return _reply(request, slots=[_entry_json(e) for e in _store(request).table.entries()])
+    return _reply(request, slots=_store(request).slots_json())
 
 
 async def stats(request: web.Request) -> web.Response:
-    store = _store(request)
-    s = store.table.stats()
-    data = s._asdict() if hasattr(s, "_asdict") else dict(vars(s))
-    return _reply(request, **data, staged=store.staged_count())
+    return _reply(request, **_store(request).stats_json())
 
 
 async def pin(request: web.Request) -> web.Response:
@@ -91,12 +85,9 @@ async def evict(request: web.Request) -> web.Response:
     return _reply(request, evicted=_store(request).evict(await _key_arg(request)))
 
 
-def _entry_json(e: Any) -> dict[str, Any]:
-    d = e._asdict() if hasattr(e, "_asdict") else dict(vars(e))
-    for name in ("key", "parent"):
-        if isinstance(d.get(name), bytes):
-            d[name] = d[name].hex()
-    return d
+async def flush(request: web.Request) -> web.Response:
+    """Drop every anchor (on this worker, `/flush_cache` does the same)."""
+    return _reply(request, flushed_anchors=_store(request).flush())
 
 
 def add_routes(app: web.Application) -> None:
@@ -108,3 +99,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/anchor/pin", pin)
     app.router.add_post("/anchor/unpin", unpin)
     app.router.add_post("/anchor/evict", evict)
+    app.router.add_post("/anchor/flush", flush)

@@ -1,6 +1,10 @@
-"""The worker's anchor contract over HTTP, against a real embedded worker (tiny hybrid model):
-the worker itself refuses a restore whose key, depth or chain does not match the prompt it
-was given, whatever the proxy planned."""
+"""The worker contract (docs/worker-protocol.md) over HTTP, against both real workers:
+the embedded one (tiny hybrid Qwen3-Next) and SGLang with our plugin (tiny dense Qwen3).
+
+The worker itself refuses a restore whose key, depth or chain does not match the prompt
+it was given, whatever the proxy planned. On SGLang every check first drops SGLang's own
+device cache (`/flush_cache`), so a hit can only come from a restored anchor.
+"""
 
 from __future__ import annotations
 
@@ -28,12 +32,27 @@ NS = bytes(range(16))
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def worker():
-    model = build_tiny_model("qwen3_next", tiny_model_dir("qwen3_next"))
-    with worker_process(model=str(model)) as server:
-        server.model_id = httpx.get(server.url + "/model_info").json()["model_id"]
-        yield server
+class Worker:
+    def __init__(self, backend: str, url: str) -> None:
+        self.backend = backend
+        self.url = url
+        self.model_id = httpx.get(url + "/model_info", timeout=30).json()["model_id"]
+
+    def forget_device(self) -> None:
+        """SGLang: drop its device prefix cache (anchors stay on the host). Embedded: no-op."""
+        if self.backend == "sglang":
+            resp = httpx.post(self.url + "/flush_cache", timeout=60)
+            assert resp.status_code == 200, resp.text
+
+
+@pytest.fixture(scope="module", params=["embedded", "sglang"])
+def worker(request):
+    if request.param == "embedded":
+        model = build_tiny_model("qwen3_next", tiny_model_dir("qwen3_next"))
+        with worker_process(model=str(model)) as server:
+            yield Worker("embedded", server.url)
+    else:
+        yield Worker("sglang", request.getfixturevalue("sglang").url)
 
 
 def generate(worker, ids, plan=None):
@@ -64,6 +83,7 @@ def save(worker, ids, depths):
     confirmed = post(worker, "/anchor/confirm", {"slots": [w["slot"] for w in written]})
     assert sorted(confirmed["confirmed"]) == sorted(w["slot"] for w in written)
     assert confirmed["epoch"] == out["meta_info"]["epoch"]
+    worker.forget_device()
     return {w["depth"]: bytes.fromhex(w["key"]) for w in written}
 
 
@@ -71,9 +91,11 @@ def test_restore_gives_the_cold_output(worker):
     ids = prompt(1)
     keys = save(worker, ids[:200], [100, 150])
     cold = generate(worker, ids, AnchorPlan(NS, chunk_at=(100, 150)))
+    worker.forget_device()
     warm = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[100], 100),
                                                          AnchorRef(keys[150], 150))))
     assert warm["meta_info"]["cached_tokens"] == 150
+    assert [r["depth"] for r in warm["meta_info"]["anchors"]["restored"]] == [100, 150]
     assert warm["output_ids"] == cold["output_ids"]
 
 
@@ -85,6 +107,7 @@ def test_a_key_of_another_prompt_is_refused(worker):
     assert out["meta_info"]["cached_tokens"] == 0
     [miss] = out["meta_info"]["anchors"]["restore_miss"]
     assert miss["reason"] == "key_mismatch"
+    worker.forget_device()
     assert out["output_ids"] == generate(worker, b)["output_ids"]
 
 
@@ -105,6 +128,7 @@ def test_a_chain_that_skips_a_link_restores_only_its_verified_prefix(worker):
                                                         AnchorRef(keys[240], 240))))
     assert out["meta_info"]["cached_tokens"] == 80
     assert out["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "chain_mismatch"
+    worker.forget_device()
     assert out["output_ids"] == generate(worker, ids, AnchorPlan(NS, chunk_at=(80,)))["output_ids"]
 
 
@@ -119,6 +143,7 @@ def test_unconfirmed_snapshots_are_invisible_and_abortable(worker):
     ids = prompt(7)
     plan = AnchorPlan(NS, snapshot=(SnapshotSpec(100, AnchorKind.CONVERSATION),), chunk_at=(100,))
     written = generate(worker, ids, plan)["meta_info"]["anchors"]["written"]
+    worker.forget_device()
     key = anchor_keys(NS, worker.model_id, ids, [100])[100]
     assert written[0]["key"] == key.hex()
     look = post(worker, "/anchor/lookup", {"namespace": NS.hex(), "input_ids": ids, "depths": [100]})
@@ -128,6 +153,22 @@ def test_unconfirmed_snapshots_are_invisible_and_abortable(worker):
     assert post(worker, "/anchor/abort", {"slots": [written[0]["slot"]]})["aborted"] == [written[0]["slot"]]
     assert httpx.get(worker.url + "/anchor/stats").json()["staged"] == 0
     assert post(worker, "/anchor/confirm", {"slots": [written[0]["slot"]]})["confirmed"] == []
+
+
+def test_a_prefix_already_held_is_reported_not_rewritten(worker):
+    ids = prompt(9)
+    keys = save(worker, ids[:200], [90])
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(90, AnchorKind.CONVERSATION),
+                                    SnapshotSpec(180, AnchorKind.CONVERSATION)), chunk_at=(90, 180))
+    anchors = generate(worker, ids, plan)["meta_info"]["anchors"]
+    [held] = anchors["held"]
+    assert (held["key"], held["depth"], held["kind"]) == (keys[90].hex(), 90, "conversation")
+    assert isinstance(held["slot"], int)
+    [written] = anchors["written"]
+    # the new anchor stores only the rows past the held one and names it as its parent
+    assert written["depth"] == 180 and written["parent"] == keys[90].hex()
+    post(worker, "/anchor/abort", {"slots": [written["slot"]]})
+    worker.forget_device()
 
 
 def test_slots_pin_unpin_evict_flush(worker):
@@ -144,7 +185,7 @@ def test_slots_pin_unpin_evict_flush(worker):
     out = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[70], 70),)))
     assert out["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
     save(worker, ids[:150], [60])
-    assert post(worker, "/flush_cache", {})["flushed_anchors"] >= 1
+    assert post(worker, "/anchor/flush", {})["flushed_anchors"] >= 1
     assert [s for s in httpx.get(worker.url + "/anchor/slots").json()["slots"]
             if s["state"] == "committed"] == []
 
@@ -157,6 +198,14 @@ def test_bad_anchor_bodies_are_400(worker):
         resp = httpx.post(worker.url + path, json=body, timeout=30)
         assert resp.status_code == 400, (path, resp.text)
         assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_every_reply_carries_the_epoch(worker):
+    epoch = httpx.get(worker.url + "/health").json()["epoch"]
+    assert epoch
+    assert httpx.get(worker.url + "/model_info").json()["epoch"] == epoch
+    assert httpx.get(worker.url + "/anchor/slots").json()["epoch"] == epoch
+    assert generate(worker, prompt(10, 20))["meta_info"]["epoch"] == epoch
 
 
 def test_a_prefix_already_held_is_reported_not_skipped_silently(worker):
@@ -192,7 +241,9 @@ def test_a_link_in_its_own_namespace(worker):
     gen = generate(worker, ids[:100], AnchorPlan(shared, snapshot=(
         SnapshotSpec(100, AnchorKind.INSTRUCTION, Region.THIN),)))
     post(worker, "/anchor/confirm", {"slots": [w["slot"] for w in gen["meta_info"]["anchors"]["written"]]})
+    worker.forget_device()
     cold = generate(worker, ids, AnchorPlan(NS, chunk_at=(100,)))
+    worker.forget_device()
     plan = AnchorPlan(NS, restore=(AnchorRef(root, 100, shared),),
                       snapshot=(SnapshotSpec(200, AnchorKind.CONVERSATION, Region.THICK),))
     warm = generate(worker, ids, plan)

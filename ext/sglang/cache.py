@@ -1,0 +1,331 @@
+"""Scheduler side of the SGLang worker: SGLang's radix cache with our anchor store inside.
+
+`AnchorRadixCache` is SGLang's own `UnifiedRadixCache` (built by SGLang's
+`create_unified_radix_cache`, so every scheduler path stays SGLang's) plus:
+
+- the anchor store (`anchorcache.ext.store`) with its host slabs, owned by this process;
+- `__call__`: the entry point of the RPC path. `Scheduler.handle_rpc_request` runs
+  `getattr(scheduler, method)(**parameters)` on the scheduler's own loop; the HTTP process
+  sends `method="tree_cache"`, so every anchor operation runs here, between batches,
+  never on a foreign thread. The reply travels back on a PUSH socket named in the call
+  (`RpcReqOutput` carries only success and a message);
+- `checkpoint` (SGLang calls it after a prefill and when a request releases its KV): rows
+  of every planned snapshot depth the request has computed are copied from the token
+  pool into host slabs, reading the request's own row of `req_to_token` while it still
+  holds (and locks) it;
+- restore: the verified chain is scattered into freshly allocated pool slots and the
+  prefix inserted into the tree, which is then locked until the request ends, so the
+  prefill that follows matches it.
+
+Rows are addressed `thd` by token slot (`k_buffer[layer][slot]`), so a slab written by
+the embedded worker's `bhtd` cache has the same bytes. Page size 1 only (SGLang's CPU
+default); a larger page refuses restores (`restore_miss` reason `unsupported`).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+import zmq
+
+from anchorcache.ext import ops
+from anchorcache.ext.slots import SlotTable
+from anchorcache.ext.store import AnchorStore, Slab
+from anchorcache.wire import (
+    AnchorHeld,
+    AnchorPlan,
+    AnchorWritten,
+    WireError,
+    anchor_keys,
+    parse_anchor_plan,
+)
+
+from .config import SGLangAnchorConfig
+
+log = logging.getLogger("anchorcache.sglang")
+
+try:  # SGLang is an optional dependency of the package; this module runs inside it
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+except ImportError:  # pragma: no cover
+    UnifiedRadixCache = object  # type: ignore[misc,assignment]
+
+
+@dataclass
+class _Pending:
+    """One anchored request between `prepare` and `finish`."""
+
+    ids: tuple[int, ...]
+    plan: AnchorPlan
+    info: dict[str, Any]
+    lock: Any = None
+    locked_tokens: int = 0
+    todo: list[Any] = field(default_factory=list)  # SnapshotSpec, by depth
+    written: list[AnchorWritten] = field(default_factory=list)
+    held: list[AnchorHeld] = field(default_factory=list)
+
+
+class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
+    """SGLang's unified radix cache that also keeps anchors; see the module docstring."""
+
+    def attach_anchors(self, config: SGLangAnchorConfig, model_id: str) -> None:
+        kvcache = self.token_to_kv_pool_allocator.get_kvcache()
+        self._k: list[torch.Tensor] = list(kvcache.k_buffer)
+        self._v: list[torch.Tensor] = list(kvcache.v_buffer)
+        k0 = self._k[0]
+        kv_bytes = len(self._k) * 2 * k0.shape[1] * k0.shape[2] * k0.element_size()
+        table = SlotTable(config.anchor_slots, config.anchor_capacity_bytes,
+                          pinned_slots=config.pinned_slots)
+        self.anchors = AnchorStore(model_id, table, kv_bytes_per_token=kv_bytes)
+        self.anchor_config = config
+        self.epoch = secrets.token_hex(8)
+        self.model_id = model_id
+        self._pending: dict[str, _Pending] = {}
+        self._locked_tokens = 0  # tree tokens our restore locks hold
+        self._pool_tokens = int(self.token_to_kv_pool_allocator.size)
+        self._zmq: zmq.Context[Any] = zmq.Context.instance()
+        self._reply: dict[str, zmq.Socket[Any]] = {}
+
+    # ---- RPC entry (scheduler loop) ---------------------------------------------------
+    def __call__(self, op: str, payload: str, reply_to: str, call_id: int) -> None:
+        try:
+            handler = getattr(self, "_op_" + op)
+            result = {"ok": True, **handler(orjson.loads(payload))}
+        except WireError as e:
+            result = {"ok": False, "status": 400, "message": str(e)}
+        except Exception as e:
+            log.exception("anchor op %s failed", op)
+            result = {"ok": False, "status": 500, "message": f"{type(e).__name__}: {e}"}
+        result["epoch"] = self.epoch
+        result["call_id"] = call_id
+        sock = self._reply.get(reply_to)
+        if sock is None:
+            sock = self._reply[reply_to] = self._zmq.socket(zmq.PUSH)
+            sock.connect(reply_to)
+        sock.send(orjson.dumps(result))
+
+    def _op_hello(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"model_id": self.model_id, "page_size": self.page_size,
+                "pool_tokens": self._pool_tokens}
+
+    def _op_prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Restore the verified chain onto the device and register the request's snapshots."""
+        rid, ids = body["rid"], tuple(body["input_ids"])
+        plan = parse_anchor_plan(body["anchor"])
+        assert plan is not None
+        p = _Pending(ids, plan, {"restored": [], "restore_miss": []})
+        p.todo = sorted((s for s in plan.snapshot if s.depth <= len(ids)), key=lambda s: s.depth)
+        self._pending[rid] = p
+        restored_tokens = device_tokens = 0
+        if plan.restore or plan.snapshot:  # snapshot depths: the late lookup (ext/store.py)
+            restored_tokens, device_tokens = self._restore(rid, p)
+        return {"anchors": p.info, "restored_tokens": restored_tokens,
+                "device_tokens": device_tokens}
+
+    def _op_finish(self, body: dict[str, Any]) -> dict[str, Any]:
+        rid = body["rid"]
+        p = self._pending.pop(rid, None)
+        self.anchors.release_request(rid, ok=bool(body.get("ok")))
+        if p is None:
+            return {"written": [], "held": []}
+        self._unlock(p)
+        return {"written": [w.to_json() for w in p.written],
+                "held": [h.to_json() for h in p.held]}
+
+    def _op_confirm(self, body: dict[str, Any]) -> dict[str, Any]:
+        confirmed, evicted = self.anchors.confirm(_slots(body))
+        return {"confirmed": confirmed, "evicted": [k.hex() for k in evicted]}
+
+    def _op_abort(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"aborted": self.anchors.abort(_slots(body))}
+
+    def _op_abort_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"dropped": self.anchors.abort_request(str(body["rid"]))}
+
+    def _op_lookup(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            hits = self.anchors.lookup(bytes.fromhex(body.get("namespace", "")),
+                                       body.get("input_ids"), body.get("depths"))
+        except (TypeError, ValueError) as e:
+            raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
+        return {"hits": hits}
+
+    def _op_slots(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"slots": self.anchors.slots_json()}
+
+    def _op_stats(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {**self.anchors.stats_json(), "device_locked_tokens": self._locked_tokens}
+
+    def _op_pin(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"pinned": self.anchors.table.pin(_key(body))}
+
+    def _op_unpin(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"unpinned": self.anchors.table.unpin(_key(body))}
+
+    def _op_evict(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"evicted": self.anchors.evict(_key(body))}
+
+    def _op_flush_anchors(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"flushed_anchors": self.anchors.flush()}
+
+    # ---- restore ----------------------------------------------------------------------
+    def _restore(self, rid: str, p: _Pending) -> tuple[int, int]:
+        """(tokens scattered from slabs, tokens already on the device) for the chain."""
+        check = self.anchors.check_chain(p.ids, p.plan)
+        p.info = {**check.info(), "held": [h.to_json() for h in check.held]}
+        if not check.chain:
+            return 0, 0
+        depth = check.depth
+        if self.page_size != 1:
+            p.info = {"restored": [], "restore_miss": [
+                {"key": check.chain[0].key.hex(), "depth": check.chain[0].depth,
+                 "reason": "unsupported"}]}
+            return 0, 0
+        if self._locked_tokens + depth > self.anchor_config.lock_budget_fraction * self._pool_tokens:
+            p.info["restore_miss"].append({"key": check.chain[-1].key.hex(), "depth": depth,
+                                           "reason": "no_device_space"})
+            p.info["restored"] = []
+            return 0, 0
+        key = RadixKey(array("q", p.ids[:depth]))
+        fresh = self._alloc(depth)  # before the match: allocation may evict tree nodes
+        match = self.match_prefix(MatchPrefixParams(key=key))
+        on_device = int(match.device_prefix_len)
+        scattered = 0
+        if on_device < depth:
+            if fresh is None:
+                p.info["restore_miss"].append({"key": check.chain[-1].key.hex(), "depth": depth,
+                                               "reason": "no_device_space"})
+                p.info["restored"] = []
+                return 0, on_device
+            need = depth - on_device
+            rows = fresh[:need]
+            if need < len(fresh):
+                self.token_to_kv_pool_allocator.free(fresh[need:])
+            self._scatter(check.chain, on_device, rows)
+            prefix = self.path_device_indices(match.last_device_node)[:on_device].to(torch.int64)
+            # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
+            # (the insert frees any other overlap itself)
+            self.insert(InsertParams(key=key, value=torch.cat([prefix, rows]),
+                                     prev_prefix_len=on_device))
+            scattered = need
+            match = self.match_prefix(MatchPrefixParams(key=key))
+        elif fresh is not None:
+            self.token_to_kv_pool_allocator.free(fresh)
+        assert int(match.device_prefix_len) == depth, (match.device_prefix_len, depth)
+        p.lock = self.lock(match.last_device_node)
+        p.locked_tokens = depth
+        self._locked_tokens += depth
+        self.anchors.chained(rid, check.chain[-1].key, depth)
+        return scattered, on_device
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < n:
+            self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+        if allocator.available_size() < n:
+            return None
+        got = allocator.alloc(n)
+        return None if got is None else got.to(torch.int64)
+
+    def _scatter(self, chain: tuple[Slab, ...], skip: int, rows: torch.Tensor) -> None:
+        """Write the chain's rows `[skip, depth)` into pool slots `rows`."""
+        slabs, where = [], []
+        for slab in chain:
+            if slab.depth <= skip or slab.kv is None:
+                continue
+            a = max(slab.start, skip)
+            kv = slab.kv if a == slab.start else slab.kv[:, :, a - slab.start:].contiguous()
+            slabs.append(kv)
+            where.append(rows[a - skip: slab.depth - skip].contiguous())
+        ops.restore_chain(slabs, where, self._k, self._v, layout="thd")
+
+    def _unlock(self, p: _Pending) -> None:
+        if p.lock is not None:
+            self.unlock(p.lock)
+            p.lock = None
+        self._locked_tokens -= p.locked_tokens
+        p.locked_tokens = 0
+
+    # ---- snapshots (SGLang's checkpoint hook) -----------------------------------------
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
+        if p is not None and p.todo:
+            try:
+                self._snapshot(req, p, up_to)
+            except Exception:  # a failed snapshot costs its anchors, never the scheduler
+                log.exception("snapshot of request %s failed", req.rid)
+                p.todo = []
+        super().checkpoint(req, up_to=up_to, **kwargs)
+
+    def _snapshot(self, req: Any, p: _Pending, up_to: int) -> None:
+        ready = [s for s in p.todo if s.depth <= up_to]
+        if not ready:
+            return
+        p.todo = [s for s in p.todo if s.depth > up_to]
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : ready[-1].depth]
+        row = row.to(torch.int64)
+        keys = anchor_keys(p.plan.namespace, self.model_id, p.ids, [s.depth for s in ready])
+        for spec in ready:
+            if spec.depth <= self.anchors.tip_depth(req.rid):
+                continue  # at or below what the request restored: nothing new to save
+
+            def capture(start: int, depth: int) -> tuple[torch.Tensor, None]:
+                idx = row[start:depth].contiguous()
+                return ops.snapshot_kv(self._k, self._v, idx, layout="thd"), None
+
+            w = self.anchors.write(req.rid, keys[spec.depth], spec.depth, spec.kind,
+                                   spec.region.value, capture)
+            if isinstance(w, AnchorHeld):
+                p.held.append(w)
+            elif w is not None:
+                p.written.append(w)
+
+    def reset(self) -> None:
+        # A flush drops the tree our restore locks point into: forget them, never unlock.
+        for p in getattr(self, "_pending", {}).values():
+            p.lock = None
+            p.locked_tokens = 0
+        if hasattr(self, "_locked_tokens"):
+            self._locked_tokens = 0
+        super().reset()
+
+
+def _slots(body: Any) -> list[int]:
+    slots = body.get("slots") if isinstance(body, dict) else None
+    if not isinstance(slots, list) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                              for s in slots):
+        raise WireError("'slots' must be a list of integers")
+    return slots
+
+
+def _key(body: Any) -> bytes:
+    try:
+        key = bytes.fromhex(body["key"])
+    except (TypeError, KeyError, ValueError):
+        raise WireError("'key' must be a hex string") from None
+    if len(key) != 16:
+        raise WireError("'key' must be 16 bytes of hex")
+    return key
+
+
+def build(ctx: Any) -> AnchorRadixCache:
+    """The `--radix-cache-backend anchorcache` factory (runs in the scheduler process)."""
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.disable_radix_cache:
+        raise NotImplementedError("anchorcache on SGLang serves dense attention models with "
+                                  "the radix cache on (hybrid: see docs/sglang.md)")
+    cache = create_unified_radix_cache(ctx, cache_class=AnchorRadixCache)
+    assert isinstance(cache, AnchorRadixCache)
+    config = SGLangAnchorConfig.from_env()
+    cache.attach_anchors(config, Path(ctx.server_args.model_path).name)
+    log.info("anchorcache radix cache ready: %s, epoch %s", cache.model_id, cache.epoch)
+    return cache

@@ -1,0 +1,42 @@
+"""The SGLang worker's anchor settings, handed from the launcher to SGLang's scheduler.
+
+The scheduler is a subprocess SGLang spawns; the only channel our launcher has into it
+is the environment it inherits. The launcher (`anchorcache worker --backend sglang`)
+writes one JSON variable, the scheduler's cache factory reads it back; nothing else reads
+the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import orjson
+
+ENV = "ANCHORCACHE_SGLANG_CONFIG"
+
+
+@dataclass(frozen=True)
+class SGLangAnchorConfig:
+    anchor_slots: int = 256
+    anchor_capacity_bytes: int = 4 << 30  # host slabs
+    pinned_slots: int = 16
+    # restored prefixes stay locked in SGLang's tree until their request ends; together
+    # they may hold at most this share of the KV pool, so they can never starve it
+    lock_budget_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.anchor_slots < 1 or not 0 <= self.pinned_slots < self.anchor_slots:
+            raise ValueError("need anchor_slots >= 1 and 0 <= pinned_slots < anchor_slots")
+        if self.anchor_capacity_bytes < 1:
+            raise ValueError("anchor_capacity_bytes must be positive")
+        if not 0 < self.lock_budget_fraction < 1:
+            raise ValueError("lock_budget_fraction must be in (0, 1)")
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV: orjson.dumps(asdict(self)).decode()}
+
+    @classmethod
+    def from_env(cls) -> SGLangAnchorConfig:
+        raw = os.environ.get(ENV)
+        return cls(**orjson.loads(raw)) if raw else cls()

@@ -1,0 +1,360 @@
+"""The backend-neutral anchor store: slabs of saved cache state behind the slot table.
+
+Both workers keep their anchors here; they differ only in how rows get out of and back
+into their cache, which they pass in as callables (`capture`, `load`):
+
+- the embedded worker reads a transformers cache (`bhtd`, one sequence per cache);
+- the SGLang worker reads SGLang's token pool (`thd`, rows addressed by token slot,
+  from `req_to_token`) and, on hybrid models, its Mamba pool.
+
+The C++ `SlotTable` keeps the bookkeeping (reservations, depth/hash-checked lookup, LRU,
+pinning); this store keeps the data: one slab per slot, K/V rows `[start, depth)` of every
+attention layer (the rows past the parent anchor) plus, on recurrent models, the state at
+`depth`. A snapshot is written into a *staged* slab, invisible to lookups until the proxy
+confirms it; the slot's previous anchor stays readable until then (deferred eviction),
+and an abort simply drops the staged slab. An unconfirmed slab of a finished request is
+dropped after `STAGED_TTL_S`.
+
+Restores are verified three ways before any row is written: the store recomputes each
+link's key over the prompt it was actually given, the slot table checks the slot's
+committed key and depth, and the slab's own (key, start, parent) must continue the chain.
+A failed link ends the chain there: the request still runs, it just prefills more.
+
+Late lookup (with ext/held_chain.py): a request also restores the deepest chain the store
+holds at one of its own snapshot depths, keyed here over its prompt; a staged slab counts
+once its request finished well. A queued request thus restores what the request ahead of
+it just wrote, though the proxy planned both before either ran.
+
+Tips: per request, the deepest anchor restored, held or written so far; a new snapshot
+stores only the rows past it and names it as parent.
+
+Thread model: `restore`, `write` and `release_request` run on the worker's owning loop
+(embedded: the engine thread; SGLang: the scheduler); confirm/abort/pin/list may come
+from another thread (embedded: the HTTP handlers). One lock guards the slab maps; the
+slot table is itself thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from anchorcache.ext.held_chain import deepest_held_chain
+from anchorcache.ext.slots import Region, SlotTable
+from anchorcache.wire import (
+    AnchorHeld,
+    AnchorKind,
+    AnchorPlan,
+    AnchorRef,
+    AnchorWritten,
+    anchor_keys,
+    parse_ids,
+)
+
+log = logging.getLogger("anchorcache.worker")
+
+STAGED_TTL_S = 60.0  # an unconfirmed snapshot of a finished request is dropped after this
+
+T = TypeVar("T")
+# (start, depth) -> (kv slab or None, state slab or None); raises on failure
+Capture = Callable[[int, int], tuple[torch.Tensor | None, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Slab:
+    key: bytes
+    depth: int
+    start: int  # = parent's depth (0 for a root)
+    parent: bytes | None
+    kind: AnchorKind
+    kv: torch.Tensor | None  # [kv_layers, 2, depth - start, kv_heads, head_dim]; None: no KV layers
+    state: torch.Tensor | None  # flat uint8 states at `depth`; None on dense models
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RestoreCheck:
+    """The verified prefix of a restore chain and what the reply reports about it."""
+
+    chain: tuple[Slab, ...]
+    restored: tuple[dict[str, Any], ...]
+    misses: tuple[dict[str, Any], ...]
+    late_lookup: bool = False  # the chain came from the late lookup, not the plan
+    held: tuple[AnchorHeld, ...] = ()  # committed links of a late chain the plan did not name
+
+    @property
+    def depth(self) -> int:
+        return self.chain[-1].depth if self.chain else 0
+
+    def info(self) -> dict[str, Any]:
+        return {"restored": list(self.restored), "restore_miss": list(self.misses),
+                "late_lookup": self.late_lookup, "held": list(self.held)}
+
+
+@dataclass
+class _Tip:
+    key: bytes | None = None
+    depth: int = 0
+
+
+class AnchorStore:
+    """Slabs by slot, staged and committed; see the module docstring.
+
+    `kv_bytes_per_token` and `state_bytes` size a slab for the slot table's byte budget.
+    """
+
+    def __init__(self, model_id: str, table: SlotTable, *, kv_bytes_per_token: int,
+                 state_bytes: int = 0) -> None:
+        self.model_id = model_id
+        self.table = table
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.state_bytes = state_bytes
+        self.fault: Callable[[str], None] = lambda where: None
+        self._lock = threading.RLock()
+        self._live: dict[int, Slab] = {}
+        self._slot_of: dict[bytes, int] = {}
+        self._staged: dict[int, tuple[Slab, str]] = {}  # slot → (slab, rid)
+        self._staged_deadline: dict[int, float] = {}
+        self._tips: dict[str, _Tip] = {}  # rid → deepest anchor restored, held or written
+
+    # ---- owning loop --------------------------------------------------------------------
+    def check_chain(self, ids: tuple[int, ...], plan: AnchorPlan) -> RestoreCheck:
+        """Verify `plan.restore` against the prompt `ids`; the verified prefix (LRU touched)."""
+        keys = _link_keys(plan, self.model_id, ids)
+        chain: list[Slab] = []
+        misses: list[dict[str, Any]] = []
+        with self._lock:
+            prev = _Tip()
+            for ref in plan.restore:
+                reason = None
+                slot = None
+                if ref.depth >= len(ids):
+                    reason = "covers_prompt"  # at least the last token must be prefilled
+                elif keys[ref] != ref.key:
+                    reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
+                elif (slot := self.table.lookup(ref.key, ref.depth)) is None:
+                    reason = "not_resident"
+                else:
+                    slab = self._live.get(slot)
+                    if slab is None or slab.key != ref.key or slab.depth != ref.depth \
+                            or slab.start != prev.depth or slab.parent != prev.key:
+                        reason = "chain_mismatch"
+                if reason is not None:
+                    misses.append({"key": ref.key.hex(), "depth": ref.depth, "reason": reason})
+                    break
+                assert slot is not None
+                chain.append(self._live[slot])
+                prev = _Tip(ref.key, ref.depth)
+            # Late lookup (ext/held_chain.py): a cut this request would snapshot may have
+            # been written since the proxy planned it, by the request ahead of it in the
+            # queue; restore it instead of prefilling it again.
+            late = deepest_held_chain(plan.namespace, self.model_id, ids,
+                                      [s.depth for s in plan.snapshot], self._held_locked)
+            held: list[AnchorHeld] = []
+            if late and late[-1].depth > prev.depth:
+                planned = {r.key for r in plan.restore}
+                for slab in late:
+                    if slab.key in self._slot_of:  # committed: LRU touch and a hit
+                        self.table.lookup(slab.key, slab.depth)
+                        if slab.key not in planned:  # the proxy may not know it: report it
+                            held.append(AnchorHeld(self._slot_of[slab.key], slab.key, slab.depth,
+                                                   slab.parent, slab.nbytes, slab.kind))
+                chain, prev = late, _Tip(late[-1].key, late[-1].depth)
+        restored = tuple({"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
+                         for s in chain)
+        return RestoreCheck(tuple(chain), restored, tuple(misses),
+                            late_lookup=bool(late) and chain is late, held=tuple(held))
+
+    def _held_locked(self, key: bytes, depth: int) -> Slab | None:
+        """The slab of `key` at `depth` if it may be restored: committed (slot-checked), or
+        staged by a request that finished well and awaits the proxy's confirm. Such a slab is
+        complete and was keyed by this worker over the prompt it prefilled; confirmation
+        decides what the proxy may plan on, not whether the data is right."""
+        slot = self._slot_of.get(key)
+        if slot is not None and self.table.contains(key, depth):
+            slab = self._live.get(slot)
+            if slab is not None and slab.key == key and slab.depth == depth:
+                return slab
+        for slot, (slab, _) in self._staged.items():
+            if slab.key == key and slab.depth == depth and slot in self._staged_deadline:
+                return slab
+        return None
+
+    def restore_chain(self, rid: str, ids: tuple[int, ...], plan: AnchorPlan,
+                      load: Callable[[tuple[Slab, ...]], T]) -> tuple[T | None, int, dict[str, Any]]:
+        """Restore the verified prefix of `plan.restore` with `load(chain)`;
+        (what load returned or None, depth restored, reply info)."""
+        check = self.check_chain(ids, plan)
+        if not check.chain:
+            return None, 0, check.info()
+        self.fault("restore")
+        loaded = load(check.chain)
+        self.chained(rid, check.chain[-1].key, check.depth)
+        return loaded, check.depth, check.info()
+
+    def chained(self, rid: str, key: bytes | None, depth: int) -> None:
+        """Record that request `rid` holds the anchor `key` at `depth` (its next parent)."""
+        tip = self._tips.setdefault(rid, _Tip())
+        if depth >= tip.depth:
+            self._tips[rid] = _Tip(key, depth)
+
+    def tip_depth(self, rid: str) -> int:
+        tip = self._tips.get(rid)
+        return tip.depth if tip is not None else 0
+
+    def write(self, rid: str, key: bytes, depth: int, kind: AnchorKind, region: Region,
+              capture: Capture, *, check: Callable[[], None] | None = None
+              ) -> AnchorWritten | AnchorHeld | None:
+        """Stage the anchor `key` at `depth` of request `rid` with the rows past its tip:
+        `capture(start, depth)` copies them (and the state at `depth`). A prefix the store
+        already holds is reported as held; None when nothing could be reserved or the
+        capture failed (the request goes on; the slot's old anchor stays). `check` runs
+        before anything is reserved and may raise (a caller bug, not a failed snapshot)."""
+        tip = self._tips.setdefault(rid, _Tip())
+        with self._lock:
+            held_slot = self._slot_of.get(key)
+            live = self._live.get(held_slot) if held_slot is not None else None
+            if held_slot is not None and live is not None and live.key == key \
+                    and self.table.contains(key, depth):
+                self._tips[rid] = _Tip(key, depth)  # saved by an earlier request: chain on
+                return AnchorHeld(held_slot, key, depth, live.parent, live.nbytes, live.kind)
+        if check is not None:
+            check()
+        start = tip.depth
+        if not 0 <= start < depth:
+            return None
+        nbytes = self.kv_bytes_per_token * (depth - start) + self.state_bytes
+        res = self.table.reserve(key, depth, nbytes, parent=tip.key, region=region)
+        if res is None:
+            return None
+        try:
+            self.fault("snapshot")
+            kv, state = capture(start, depth)
+        except Exception:
+            log.exception("snapshot at depth %d failed; reservation aborted", depth)
+            self.table.abort(res.slot)
+            return None
+        slab = Slab(key, depth, start, tip.key, kind, kv, state, nbytes)
+        with self._lock:
+            self._staged[res.slot] = (slab, rid)
+        self._tips[rid] = _Tip(key, depth)
+        return AnchorWritten(res.slot, key, depth, tip.key, nbytes, kind)
+
+    def release_request(self, rid: str, *, ok: bool) -> None:
+        """The request ended: on failure drop its staged anchors now, else start their TTL."""
+        self._tips.pop(rid, None)
+        with self._lock:
+            self._sweep_locked()
+            mine = [slot for slot, (_, r) in self._staged.items() if r == rid]
+            if not ok:
+                self._abort_locked(mine)
+            else:
+                deadline = time.monotonic() + STAGED_TTL_S
+                for slot in mine:
+                    self._staged_deadline[slot] = deadline
+
+    # ---- any thread ---------------------------------------------------------------------
+    def confirm(self, slots: list[int]) -> tuple[list[int], list[bytes]]:
+        """Make staged anchors visible; returns (confirmed slots, keys evicted)."""
+        confirmed, evicted = [], []
+        with self._lock:
+            self._sweep_locked()
+            for slot in slots:
+                entry = self._staged.pop(slot, None)
+                self._staged_deadline.pop(slot, None)
+                if entry is None:
+                    continue
+                slab = entry[0]
+                gone = self.table.confirm(slot)
+                for key in gone:
+                    old = self._slot_of.pop(key, None)
+                    if old is not None and old != slot:
+                        self._live.pop(old, None)
+                prev = self._live.get(slot)
+                if prev is not None:
+                    self._slot_of.pop(prev.key, None)
+                self._live[slot] = slab
+                self._slot_of[slab.key] = slot
+                confirmed.append(slot)
+                evicted.extend(gone)
+        return confirmed, evicted
+
+    def abort(self, slots: list[int]) -> list[int]:
+        with self._lock:
+            return self._abort_locked([s for s in slots if s in self._staged])
+
+    def abort_request(self, rid: str) -> list[int]:
+        with self._lock:
+            return self._abort_locked([slot for slot, (_, r) in self._staged.items() if r == rid])
+
+    def _abort_locked(self, slots: list[int]) -> list[int]:
+        for slot in slots:
+            self._staged.pop(slot, None)
+            self._staged_deadline.pop(slot, None)
+            self.table.abort(slot)
+        return slots
+
+    def _sweep_locked(self) -> None:
+        now = time.monotonic()
+        self._abort_locked([s for s, t in self._staged_deadline.items() if t < now])
+
+    def lookup(self, namespace: bytes, ids: Any, depths: Any) -> list[dict[str, Any]]:
+        """Which prefixes `ids[:d]` are committed (no LRU touch). ValueError (WireError) on
+        malformed ids or depths."""
+        ids, depths = parse_ids(ids, "input_ids"), parse_ids(depths, "depths")
+        keys = anchor_keys(namespace, self.model_id, ids, depths)
+        return [{"depth": d, "key": keys[d].hex(), "committed": self.table.contains(keys[d], d)}
+                for d in depths]
+
+    def evict(self, key: bytes) -> bool:
+        with self._lock:
+            if not self.table.evict(key):
+                return False
+            slot = self._slot_of.pop(key, None)
+            if slot is not None:
+                self._live.pop(slot, None)
+            return True
+
+    def flush(self) -> int:
+        with self._lock:
+            self._abort_locked(list(self._staged))
+            self.table.clear()
+            n = len(self._live)
+            self._live.clear()
+            self._slot_of.clear()
+            return n
+
+    def staged_count(self) -> int:
+        with self._lock:
+            return len(self._staged)
+
+    def slots_json(self) -> list[dict[str, Any]]:
+        return [_entry_json(e) for e in self.table.entries()]
+
+    def stats_json(self) -> dict[str, Any]:
+        return {**self.table.stats()._asdict(), "staged": self.staged_count()}
+
+
+def _entry_json(e: Any) -> dict[str, Any]:
+    d = e._asdict()
+    for name in ("key", "parent"):
+        if isinstance(d.get(name), bytes):
+            d[name] = d[name].hex()
+    return d
+
+
+def _link_keys(plan: AnchorPlan, model_id: str, ids: tuple[int, ...]) -> dict[AnchorRef, bytes]:
+    """Each restore link's key recomputed over `ids`, in the link's own namespace (a shared
+    toolset's root) or the plan's."""
+    out: dict[AnchorRef, bytes] = {}
+    for ns in {r.namespace or plan.namespace for r in plan.restore}:
+        links = [r for r in plan.restore if (r.namespace or plan.namespace) == ns]
+        keys = anchor_keys(ns, model_id, ids, [r.depth for r in links if r.depth <= len(ids)])
+        out.update({r: keys[r.depth] for r in links if r.depth in keys})
+    return out

@@ -1,0 +1,240 @@
+"""The SGLang worker against a real SGLang 0.5.23 server on CPU (tiny dense Qwen3 with
+the real Qwen3 tokenizer; prompts are real BFCL agent conversations rendered with its
+chat template). One server is shared by the session (tests/ext/conftest.py).
+
+Every check drops SGLang's own device cache first (`/flush_cache`), so a hit can only
+come from an anchor restored out of the host tier."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from anchorcache.wire import (
+    AnchorKind,
+    AnchorPlan,
+    AnchorRef,
+    GenerateRequest,
+    Region,
+    SamplingParams,
+    SnapshotSpec,
+    anchor_keys,
+)
+
+pytestmark = pytest.mark.slow
+
+NS = bytes(range(16, 32))
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+BFCL = Path(__file__).resolve().parents[3].parent / "shared" / "data" / \
+    "bfcl_multi_turn_base.conversations.json"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
+
+
+@pytest.fixture(scope="module")
+def conversations(tokenizer):
+    """Per conversation: (tool anchor depth, conversation anchor depth, turn-1 prompt ids,
+    turn-2 prompt ids). The tool anchor ends after the system block (tools), turn 1 is
+    system + first user message, turn 2 appends the assistant's tool calls and the tool
+    results; the conversation anchor is where the two turns' renderings part."""
+    data = json.loads(BFCL.read_text())
+    out = []
+    for conv in data[:8]:
+        tools, msgs = conv["tools"][:2], conv["messages"]
+        sys_ids = tokenizer.apply_chat_template(msgs[:1], tools=tools, tokenize=False)
+        t1 = tokenizer.apply_chat_template(msgs[:2], tools=tools, tokenize=False,
+                                           add_generation_prompt=True)
+        t2 = tokenizer.apply_chat_template(msgs[:5], tools=tools, tokenize=False,
+                                           add_generation_prompt=True)
+        enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        system, p1, p2 = enc(sys_ids), enc(t1), enc(t2)
+        tool_depth = len(system)
+        conv_depth = next(i for i, (a, b) in enumerate(zip(p1, p2, strict=False)) if a != b)
+        assert p1[:tool_depth] == system and tool_depth < conv_depth < len(p1)
+        out.append((tool_depth, conv_depth, p1, p2))
+    return out
+
+
+def generate(url, ids, plan=None, max_new=6):
+    req = GenerateRequest(input_ids=tuple(ids), anchor=plan,
+                          sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0))
+    resp = httpx.post(url + "/generate", json=req.to_json(), timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def post(url, path, body=None):
+    resp = httpx.post(url + path, json=body or {}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def flush_device(url):
+    post(url, "/flush_cache")
+
+
+def snapshot_plan(*specs):
+    return AnchorPlan(NS, snapshot=tuple(SnapshotSpec(d, k, r) for d, k, r in specs))
+
+
+def save(url, ids, specs):
+    """Snapshot and confirm; {depth: key} of the anchors written or already held."""
+    out = generate(url, ids, snapshot_plan(*specs))
+    anchors = out["meta_info"]["anchors"]
+    post(url, "/anchor/confirm", {"slots": [w["slot"] for w in anchors["written"]]})
+    return {w["depth"]: bytes.fromhex(w["key"]) for w in anchors["written"] + anchors["held"]}, out
+
+
+def test_snapshot_flush_restore_equals_cold(sglang, conversations):
+    url = sglang.url
+    _, depth, p1, p2 = conversations[0]
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    cold = generate(url, p2)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    flush_device(url)
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    meta = warm["meta_info"]
+    assert meta["cached_tokens"] == depth
+    assert meta["anchors"]["restored_tokens"] == depth  # scattered from the host slabs
+    assert warm["output_ids"] == cold["output_ids"]
+
+
+def test_chain_restore_of_tool_and_conversation_anchors(sglang, conversations):
+    url = sglang.url
+    tool_depth, conv_depth, p1, p2 = conversations[1]
+    keys, out = save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
+                               (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])
+    written = {w["depth"]: w for w in out["meta_info"]["anchors"]["written"]}
+    assert written[conv_depth]["parent"] == keys[tool_depth].hex()  # rows past the tool anchor
+    flush_device(url)
+    cold = generate(url, p2)
+    flush_device(url)
+    chain = (AnchorRef(keys[tool_depth], tool_depth), AnchorRef(keys[conv_depth], conv_depth))
+    warm = generate(url, p2, AnchorPlan(NS, restore=chain))
+    assert [r["depth"] for r in warm["meta_info"]["anchors"]["restored"]] == [tool_depth, conv_depth]
+    assert warm["meta_info"]["cached_tokens"] == conv_depth
+    assert warm["output_ids"] == cold["output_ids"]
+    # the chain's first link alone: only the tool block comes back, the rest is prefilled
+    flush_device(url)
+    partial = generate(url, p2, AnchorPlan(NS, restore=chain[:1]))
+    assert partial["meta_info"]["cached_tokens"] == tool_depth
+    assert partial["output_ids"] == cold["output_ids"]
+
+
+def test_a_restored_prefix_on_the_device_is_not_rewritten(sglang, conversations):
+    url = sglang.url
+    _, depth, p1, p2 = conversations[2]
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    # no flush: SGLang still holds the prefix, so nothing is scattered
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] >= depth
+    flush_device(url)
+    assert warm["output_ids"] == generate(url, p2)["output_ids"]
+
+
+def _num_running(url) -> int:
+    """Requests in SGLang's running batch right now (its own `/v1/loads`, asked of the
+    scheduler)."""
+    loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=60).json()
+    return int(loads["loads"][0]["num_running_reqs"])
+
+
+def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conversations):
+    url = sglang.url
+    convs = conversations[:8]
+    cold = []
+    for *_, p2 in convs:
+        flush_device(url)
+        cold.append(generate(url, p2, max_new=8)["output_ids"])
+    flush_device(url)
+    post(url, "/anchor/flush")
+    # turn 1 of each (tool + conversation anchors); conversations sharing a tool block
+    # hold one tool anchor, the later ones report it held and chain on from it
+    chains = []
+    for tool_depth, conv_depth, p1, _ in convs:
+        keys, _ = save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
+                                 (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])
+        chains.append((AnchorRef(keys[tool_depth], tool_depth),
+                       AnchorRef(keys[conv_depth], conv_depth)))
+    flush_device(url)  # every turn 2 must restore from the host tier
+
+    running: list[int] = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            running.append(_num_running(url))
+
+    def turn2(i):
+        *_, p2 = convs[i]
+        plan = AnchorPlan(NS, restore=chains[i],
+                          snapshot=(SnapshotSpec(len(p2), AnchorKind.CONVERSATION),))
+        return generate(url, p2, plan, max_new=8)
+
+    with cf.ThreadPoolExecutor(9) as pool:
+        watcher = pool.submit(watch)
+        try:
+            warm = list(pool.map(turn2, range(len(convs))))
+        finally:
+            stop.set()
+        watcher.result()
+    for i, out in enumerate(warm):
+        assert out["output_ids"] == cold[i], i
+        assert out["meta_info"]["cached_tokens"] == convs[i][1], i
+        assert len(out["meta_info"]["anchors"]["written"]) == 1
+    assert max(running) > 1, running  # SGLang ran several of them in one batch
+
+
+def test_pinned_anchor_survives_eviction_pressure(sglang, conversations):
+    url = sglang.url
+    post(url, "/anchor/flush")
+    _, depth, p1, p2 = conversations[3]
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    _, v_depth, v1, v2 = conversations[4]
+    victim_keys, _ = save(url, v1, [(v_depth, AnchorKind.CONVERSATION, Region.THICK)])
+    assert post(url, "/anchor/pin", {"key": keys[depth].hex()})["pinned"]
+    slots = httpx.get(url + "/anchor/stats").json()["num_slots"]
+    # many other conversations' anchors: more than the table holds
+    for seed in range(slots + 2):
+        ids = [1000 + (seed * 7919 + i * 31) % 90000 for i in range(120)]
+        save(url, ids, [(100, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    cold = generate(url, p2)
+    flush_device(url)
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["cached_tokens"] == depth
+    assert warm["output_ids"] == cold["output_ids"]
+    gone = generate(url, v2,
+                    AnchorPlan(NS, restore=(AnchorRef(victim_keys[v_depth], v_depth),)))
+    assert gone["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
+    post(url, "/anchor/unpin", {"key": keys[depth].hex()})
+
+
+def test_restart_gives_a_new_epoch_and_no_restore_from_the_old(sglang, conversations):
+    url = sglang.url
+    _, depth, p1, p2 = conversations[5]
+    keys, out = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    old_epoch = out["meta_info"]["epoch"]
+    sglang.restart()
+    url = sglang.url
+    assert httpx.get(url + "/health").json()["epoch"] != old_epoch
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["epoch"] != old_epoch
+    assert warm["meta_info"]["cached_tokens"] == 0
+    assert warm["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
+    key = anchor_keys(NS, httpx.get(url + "/model_info").json()["model_id"], p1, [depth])[depth]
+    assert key == keys[depth]  # same key, new epoch: the anchor itself is gone

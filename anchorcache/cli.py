@@ -1,4 +1,4 @@
-"""The `anchorcache` command: serve, worker, proxy, split.
+"""The `anchorcache` command: serve, worker, proxy, split, bench.
 
 Every option can also come from an `ANCHORCACHE_*` environment variable (named next to it
 in `--help` and in the README); this file is the one place that reads them. A bad value
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -64,6 +65,12 @@ MaxPinned = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_PINNED_TOOLSETS"
                                         help="Default per-tenant pinned toolsets.")]
 PinBudget = Annotated[int, typer.Option(envvar="ANCHORCACHE_PIN_BUDGET_BYTES", min=0,
                                         help="Anchor bytes all pinned toolsets may hold together.")]
+MetricsMaxTenants = Annotated[int, typer.Option(envvar="ANCHORCACHE_METRICS_MAX_TENANTS", min=1,
+                                                help="Distinct tenant labels in /metrics; "
+                                                     "later tenants count as 'other'.")]
+MetricsWorkerTimeout = Annotated[float, typer.Option(
+    envvar="ANCHORCACHE_METRICS_WORKER_TIMEOUT_S", min=0.01, max=60,
+    help="Seconds /metrics waits for the worker's /anchor/stats.")]
 FaultInjection = Annotated[bool, typer.Option(envvar="ANCHORCACHE_FAULT_INJECTION", hidden=True,
                                               help="Enable /debug/fault on the worker (tests).")]
 
@@ -168,6 +175,8 @@ def proxy(
     max_in_flight: MaxInFlight = 64,
     max_pinned_toolsets: MaxPinned = 8,
     pin_budget_bytes: PinBudget = 1 << 30,
+    metrics_max_tenants: MetricsMaxTenants = 100,
+    metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     log_level: LogLevel = "info",
 ) -> None:
     """Run the OpenAI-compatible proxy in front of a running worker."""
@@ -182,7 +191,9 @@ def proxy(
                          anonymous=anonymous,
                          default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
                                                max_in_flight=max_in_flight),
-                         pin_budget_bytes=pin_budget_bytes)
+                         pin_budget_bytes=pin_budget_bytes,
+                         metrics_max_tenants=metrics_max_tenants,
+                         metrics_worker_timeout_s=metrics_worker_timeout_s)
     asyncio.run(_serve_forever(create_app(config), host, port,
                                "anchorcache proxy listening on http://{host}:{port}/v1"))
 
@@ -223,6 +234,8 @@ def serve(
     state_dir: StateDir = str(default_state_dir()),
     admin_token: AdminToken = None,
     anonymous: Anonymous = None,
+    metrics_max_tenants: MetricsMaxTenants = 100,
+    metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     log_level: LogLevel = "info",
     sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
@@ -251,7 +264,9 @@ def serve(
     config = ProxyConfig(worker_url=f"http://127.0.0.1:{worker_port}", host=host, port=port,
                          anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
                          max_body_bytes=max_body_bytes, state_dir=state_dir,
-                         admin_token=admin_token or None, anonymous=anonymous)
+                         admin_token=admin_token or None, anonymous=anonymous,
+                         metrics_max_tenants=metrics_max_tenants,
+                         metrics_worker_timeout_s=metrics_worker_timeout_s)
     try:
         asyncio.run(_serve_supervised(cmd, config))
     except WorkerExited as e:
@@ -299,6 +314,95 @@ def split(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     sys.stdout.write(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+@app.command()
+def bench(
+    conversations: Annotated[Path, typer.Argument(
+        help="Conversations JSON: a list of {id, messages, tools} (the shared data's format).")],
+    url: Annotated[str, typer.Option(envvar="ANCHORCACHE_URL", help="Proxy base URL (anchors on).")]
+    = "http://127.0.0.1:8000",
+    baseline_url: Annotated[str | None, typer.Option(
+        help="Anchors-off proxy to compare with (default: --url, anchors off per request).")]
+    = None,
+    api_key: Annotated[str | None, typer.Option(envvar="ANCHORCACHE_API_KEY", show_default=False,
+                                                help="Bearer token sent to the proxies.")] = None,
+    limit: Annotated[int | None, typer.Option("--conversations", min=1,
+                                              help="Replay only the first N conversations.")] = None,
+    max_turns: Annotated[int | None, typer.Option(min=1, help="Turns per conversation.")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="max_tokens of every request.")] = 16,
+    model: Annotated[str | None, typer.Option(
+        help="Tokenizer for the ideal prefill: model dir or qwen3/llama3/mistral/gpt-oss "
+             "(default: the default model).")] = None,
+    adapter: Adapter = "auto",
+    canonical_tools: CanonicalTools = False,
+    out: Annotated[Path, typer.Option(help="Writes OUT.json (report) and OUT.png (plot).")]
+    = Path("bench/results/anchorcache_bench"),
+) -> None:
+    """Replay conversations through a running proxy, anchors on vs off; JSON report + PNG.
+
+    Exit codes: 0 done, 1 some reply differed between anchors on and off, 2 bad input,
+    3 a proxy unreachable or failing.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from anchorcache import bench as b
+    from anchorcache.proxy.splitter import get_adapter
+    from anchorcache.proxy.tokenizers import load_tokenizer
+
+    console = Console(stderr=True)
+    try:
+        convs = b.load_conversations(conversations)[:limit]
+        # split as the proxy does (same adapter and tool order), to count the ideal in its tokens
+        splitter = get_adapter(adapter, load_tokenizer(model), canonical_tools=canonical_tools)
+    except (b.BenchError, ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    on = b.Target(url, api_key=api_key)
+    off = b.Target(baseline_url, api_key=api_key) if baseline_url else \
+        b.Target(url, anchors_off=True, api_key=api_key)
+    total = sum(len(b.turn_requests(c, max_turns)) for c in convs)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console) as progress:
+            task = progress.add_task("replaying", total=total)
+            results = b.replay(
+                convs, on, off, max_turns=max_turns, max_tokens=max_tokens,
+                tokenize=lambda msgs, tools: splitter.split(msgs, tools or None).input_ids,
+                on_turn=lambda r: progress.update(
+                    task, advance=1, description=f"{r.conversation} t{r.turn}"))
+        model_id = b.model_id(on)
+    except b.BenchError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(3) from None
+    data = b.report(results, model=model_id, meta={
+        "url": url, "baseline": baseline_url or f"{url} (anchors off per request)",
+        "conversations_file": str(conversations), "max_turns": max_turns,
+        "max_tokens": max_tokens})
+    table = Table(*b.TABLE_COLUMNS, title=f"anchorcache bench: {model_id}")
+    for row in b.table_rows(results):
+        table.add_row(*row)
+    out_console = Console()
+    if not out_console.is_terminal:  # piped: do not squeeze the table into 80 columns
+        out_console = Console(width=160)
+    out_console.print(table)
+    out_console.print_json(data=data["summary"])
+    stem = out.with_suffix("") if out.suffix in (".json", ".png") else out
+    json_path, png_path = Path(f"{stem}.json"), Path(f"{stem}.png")
+    b.write_json(data, json_path)
+    typer.echo(f"wrote {json_path}", err=True)
+    try:
+        b.plot(results, png_path, f"{model_id}: {len(convs)} conversations")
+        typer.echo(f"wrote {png_path}", err=True)
+    except ImportError:
+        typer.echo("no PNG: matplotlib is not installed (pip install 'anchorcache[bench]')",
+                   err=True)
+    if data["summary"]["mismatches"]:
+        typer.echo(f"{data['summary']['mismatches']} replies differed between anchors on and off",
+                   err=True)
+        raise typer.Exit(1)
 
 
 def _mount_ops() -> None:

@@ -476,6 +476,7 @@ class GenerateMeta:
     restore_ms: float = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    snapshot_ms: float | None = None  # writing this request's anchors; absent: not timed
 
 
 def parse_generate_meta(obj: Any) -> GenerateMeta:
@@ -491,7 +492,8 @@ def parse_generate_meta(obj: Any) -> GenerateMeta:
         cached_tokens=cached, prefill_tokens=_int(d, "prefill_tokens", prompt - cached, lo=0),
         finish_type=finish_type, anchors=parse_anchor_report(d.get("anchors")),
         restore_ms=_float(d, "restore_ms", 0.0), prefill_ms=_float(d, "prefill_ms", 0.0),
-        decode_ms=_float(d, "decode_ms", 0.0))
+        decode_ms=_float(d, "decode_ms", 0.0),
+        snapshot_ms=_float(d, "snapshot_ms", 0.0) if "snapshot_ms" in d else None)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from .anthropic_api import count_tokens, messages
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
 from .lifecycle import SHARED_TENANT, AnchorLifecycle
+from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
 from .planner import Planner, tenant_namespace
 from .split_pool import SplitPool, TokenBudget
@@ -72,8 +73,12 @@ def create_app(config: ProxyConfig, *,
                worker_status: Callable[[], HasStatus] | None = None) -> web.Application:
     """`worker_status`: given when this process supervises the worker (`anchorcache serve`);
     `/health` then reports the worker process's state, and `degraded` while it restarts."""
-    app = web.Application(middlewares=[error_middleware, admin.admin_middleware, tenant_middleware],
+    # metrics outermost: it counts the status the other middlewares made of a request
+    app = web.Application(middlewares=[metrics_middleware, error_middleware,
+                                       admin.admin_middleware, tenant_middleware],
                           client_max_size=config.max_body_bytes)
+    app[METRICS] = ProxyMetrics(max_tenants=config.metrics_max_tenants,
+                                worker_timeout_s=config.metrics_worker_timeout_s)
     app[WORKER_STATUS] = worker_status
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -95,7 +100,7 @@ def create_app(config: ProxyConfig, *,
                     shared_namespace=tenant_namespace(shared.salt, shared.name),
                     single_flight_wait_s=config.single_flight_wait_s)
                 app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, splits,
-                                        budget, ledger, anchors)
+                                        budget, ledger, anchors, app[METRICS])
                 app[TENANTS] = Tenants(ledger, anonymous=config.anonymous_access,
                                        default_quotas=config.default_quotas)
                 if config.anchors:
@@ -122,4 +127,5 @@ def create_app(config: ProxyConfig, *,
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     admin.add_routes(app)
+    app.router.add_get("/metrics", metrics_endpoint)
     return app

@@ -23,6 +23,8 @@ class ProxyConfig:
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 1024
     worker_timeout_s: float = 600.0
+    metrics_max_tenants: int = 100  # distinct tenant label values; later tenants → "other"
+    metrics_worker_timeout_s: float = 1.0  # /metrics waits this long for the worker's stats
     state_dir: str = str(default_state_dir())  # the ledger's directory
     admin_token: str | None = None  # None: the admin API is off
     anonymous: bool | None = None  # None: on when listening on loopback, off otherwise
@@ -43,6 +45,10 @@ class ProxyConfig:
             raise ValueError("max_pending_splits must be positive")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be positive")
+        if self.metrics_max_tenants < 1:
+            raise ValueError("metrics_max_tenants must be positive")
+        if not 0 < self.metrics_worker_timeout_s <= 60:
+            raise ValueError("metrics_worker_timeout_s must be in (0, 60]")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
         if self.pin_budget_bytes < 0:

@@ -7,6 +7,7 @@ Parses the body into a `Generation`, runs a `Completion`, and frames its deltas 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -33,6 +34,18 @@ from .tenants import TENANT
 # stop sequences are OpenAI's "stop" too
 _FINISH = {FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop",
            FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls"}
+
+
+# `X-Anchorcache-Anchors: off` runs one request without anchors (a baseline for comparisons,
+# e.g. `anchorcache bench`); it can only make the request slower, never share anything.
+ANCHORS_HEADER = "X-Anchorcache-Anchors"
+
+
+def anchors_wanted(request: web.Request) -> bool:
+    value = request.headers.get(ANCHORS_HEADER, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ApiError("invalid_request", f"{ANCHORS_HEADER} must be 'on' or 'off', not {value!r}")
+    return value == "on"
 
 
 def generation(req: ChatRequest, cache_salt: str | None = None) -> Generation:
@@ -107,8 +120,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_chat_request(body, max_tokens_limit=state.info.max_context_tokens)
     check_model(state, req.model)
-    completion = await Completion.create(state, generation(req, body.get("cache_salt")),
-                                         tenant=request[TENANT])
+    gen = generation(req, body.get("cache_salt"))
+    if not anchors_wanted(request):
+        gen = dataclasses.replace(gen, anchors=False)
+    completion = await Completion.create(state, gen, tenant=request[TENANT])
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     if not req.stream:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from .cut_hints import with_hint_cuts
 from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError
 from .lifecycle import Caller, Flight
+from .planner import Plan
 from .schema import ToolChoice, rendered_chars
 from .splitter.parsers import OutputParser
 from .splitter.types import OutputDelta, SplitResult, ToolCall
@@ -41,6 +44,8 @@ from .state import ProxyState
 from .structured import FAMILY, Constraint, ResponseFormat, build_constraint
 from .tenants import TenantContext
 from .worker_client import Chunk
+
+log = logging.getLogger("anchorcache.proxy")
 
 NO_TOOLS = ToolChoice("none")
 
@@ -69,6 +74,7 @@ class Generation:
     response_format: ResponseFormat | None = None
     grammar: Constraint | None = None  # a regex / ebnf for the content (SGLang's extras)
     parallel_tool_calls: bool = True
+    anchors: bool = True  # False: restore and save nothing for this request (a baseline)
 
 
 class FinishReason(str, Enum):
@@ -254,7 +260,7 @@ class Completion:
     `deltas()` once (inside `contextlib.aclosing`), then read `outcome` and `usage()`."""
 
     def __init__(self, state: ProxyState, gen: Generation, split: SplitResult, *,
-                 caller: Caller) -> None:
+                 caller: Caller, started: float | None = None) -> None:
         self.state = state
         self.gen = gen
         self.split = split
@@ -263,6 +269,8 @@ class Completion:
         self.outcomes = [Outcome() for _ in range(gen.n)]
         self.outcome = self.outcomes[0]
         self.meta: GenerateMeta | None = None  # the worker's last meta_info (prefill, anchors)
+        self.started = time.perf_counter() if started is None else started
+        self.ttft_s: float | None = None  # pipeline start → first generated token
         self.constraint = self._constraint()
 
     @classmethod
@@ -273,6 +281,7 @@ class Completion:
         what the tenant middleware put on the request (`request[TENANT]`).
 
         The split runs on the split thread (split_pool.py), never on the event loop."""
+        started = time.perf_counter()
         caller = tenant.caller(gen.cache_salt)
         state.budget.check(rendered_chars(gen.messages), gen.max_tokens)
         messages, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
@@ -280,7 +289,7 @@ class Completion:
         if gen.cut_after:
             split = await with_hint_cuts(state.splits.split, split, messages, tools,
                                          gen.template_kwargs or None, gen.cut_after)
-        return cls(state, gen, split, caller=caller)
+        return cls(state, gen, split, caller=caller, started=started)
 
     def _constraint(self) -> Constraint | None:
         """The grammar for this request (a 400 `ApiError` for a bad schema)."""
@@ -347,11 +356,12 @@ class Completion:
                            stop_ids, markers)
                    for i in range(gen.n)]
         flight: Flight | None = None
-        if state.anchors_on:  # opens the reservation: the `finally` below closes it
+        if state.anchors_on and gen.anchors:  # opens the reservation: the `finally` closes it
             flight = await state.lifecycle.begin(self.rid, self.caller, self.split)
         settled = False
         samples_done = 0  # samples the worker has finished
         reason = "cancelled"  # why the reservation is aborted, if it is
+        plan: Plan | None = None
         try:
             plan = flight.plan if flight is not None else state.planner.chunk_only(self.split)
             req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
@@ -360,6 +370,8 @@ class Completion:
             async for chunk in state.worker.generate(req):
                 if not 0 <= chunk.index < len(choices):
                     raise ApiError("worker_error", f"worker sent choice {chunk.index} of {gen.n}")
+                if self.ttft_s is None and chunk.output_ids:
+                    self.ttft_s = time.perf_counter() - self.started
                 samples_done += chunk.meta is not None
                 if chunk.meta is not None:
                     self.meta = chunk.meta
@@ -381,12 +393,33 @@ class Completion:
         except ApiError as e:
             reason = e.kind
             raise
+        except Exception:
+            reason = "error"
+            raise
         finally:
-            if not settled:
-                # client gone, stop sequence, or worker failure: nothing may linger
-                if flight is not None:
-                    state.lifecycle.fail(flight, reason)
-                await asyncio.shield(self._abort())
+            try:
+                if not settled:
+                    # client gone, stop sequence, or worker failure: nothing may linger
+                    if flight is not None:
+                        state.lifecycle.fail(flight, reason)
+                    await asyncio.shield(self._abort())
+            finally:
+                self._observe(plan, flight is not None, None if settled else reason)
+
+    def _observe(self, plan: Plan | None, reserved: bool, aborted: str | None) -> None:
+        """The one place the pipeline feeds the metrics (`aborted`: why it was not settled).
+        Never raises: a metrics bug must not turn a served request into an error."""
+        metrics, tenant = self.state.metrics, self.caller.tenant
+        try:
+            if self.ttft_s is not None:
+                metrics.record_ttft(tenant, self.ttft_s)
+            if self.meta is not None and plan is not None:
+                metrics.record_generation(tenant, plan, self.meta)
+            if reserved:  # anchors on: the request held a reservation
+                metrics.record_reservations(tenant, "aborted" if aborted else "confirmed",
+                                            aborted or "ok")
+        except Exception:
+            log.exception("recording metrics of request %s failed", self.rid)
 
     async def _abort(self) -> None:
         """Abort the worker request; the worker then drops every snapshot it staged for it."""

@@ -4,7 +4,7 @@ thread it runs on), planner, ledger and the anchor life cycle."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -16,6 +16,9 @@ from .planner import Planner
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
 from .worker_client import WorkerClient, WorkerInfo
+
+if TYPE_CHECKING:  # metrics.py reads STATE from here
+    from .metrics import ProxyMetrics
 
 
 @dataclass
@@ -30,6 +33,7 @@ class ProxyState:
     budget: TokenBudget  # early refusal of text that cannot fit the context
     ledger: Ledger
     lifecycle: AnchorLifecycle  # the one owner of plan → generate → confirm/abort → record
+    metrics: ProxyMetrics  # the same object as app[METRICS]
 
     @property
     def anchors_on(self) -> bool:

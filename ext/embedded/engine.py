@@ -180,11 +180,15 @@ class Engine:
         boundaries = sorted({d for d in (plan.chunk_at if plan else ()) if restored < d < n}
                             | {d for d in snapshots if d < n}) if self.recurrent else []
         written: list[AnchorWritten] = []
+        snapshot_s = 0.0  # counted in prefill_ms too, except the response anchor's
 
         def save(depth: int, cache: Any) -> None:
+            nonlocal snapshot_s
             spec = snapshots.get(depth)
             if spec is not None and self.anchors is not None and plan is not None:
+                t = time.perf_counter()
                 w = self.anchors.snapshot(job.rid, cache, ids, depth, spec, plan)
+                snapshot_s += time.perf_counter() - t
                 if w is not None:
                     written.append(w)
 
@@ -223,13 +227,16 @@ class Engine:
                 # the cache holds every token but the last sampled one: feed it so the
                 # state covers prompt + output exactly
                 cache_io.decode_step(self.model, sample_cache, out[-1], n + len(out) - 1)
+                t = time.perf_counter()
                 w = self.anchors.snapshot_response(job.rid, sample_cache, ids + tuple(out), plan)
+                snapshot_s += time.perf_counter() - t
                 if w is not None:
                     written.append(w)
             meta = {
                 **shared,
                 "completion_tokens": len(out),
                 "decode_ms": round((t_decode - t_start) * 1e3, 3),
+                "snapshot_ms": round(snapshot_s * 1e3, 3),
                 "anchors": {**anchor_info,
                             "written": [w.to_json() for w in written
                                         if not isinstance(w, AnchorHeld)],

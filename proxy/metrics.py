@@ -1,0 +1,240 @@
+"""Prometheus metrics of the proxy, on a registry held by the app (never the global default).
+
+Three sources feed it:
+- `metrics_middleware` (outermost): every request by method, route template and status.
+- the request pipeline, once per request as it ends (`Completion._observe`): `record_ttft`,
+  `record_generation` (the worker's prefill, restore and snapshot times, anchor hits by
+  kind, misses by kind and reason, prompt tokens prefilled vs restored, snapshot and
+  restore bytes) and `record_reservations` (how the request's reserved snapshot slots
+  ended: confirmed, or aborted and why).
+- `WorkerCollector`, at scrape time: the worker's own `/anchor/stats` counters, fetched with
+  a short timeout so a dead or hung worker costs one gauge (`anchorcache_worker_up` 0),
+  never the whole `/metrics` reply.
+
+Per-tenant series take their label from `TenantLabels`, the one place that maps a tenant id
+to a label: the first `max_tenants` distinct ids pass, later ones become "other", so a flood
+of API keys cannot grow the series without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+from anchorcache.wire import GenerateMeta
+
+from .planner import Plan
+from .state import STATE
+
+OTHER = "other"
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+# seconds: a cached agent turn on a GPU is milliseconds, a cold 100k-token prefill on CPU minutes
+_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 120.0, 300.0)
+# the worker's cumulative slot-table counters; every other number in /anchor/stats is a gauge
+_WORKER_COUNTERS = frozenset({"hits", "misses", "stale_evictions", "reservations", "confirms",
+                              "aborts", "evictions"})
+
+
+class TenantLabels:
+    """Tenant id → label value, with at most `max_tenants` distinct values besides "other".
+
+    First come, first kept: a tenant that got its own label keeps it for the life of the
+    process (a label that changed meaning between scrapes would corrupt rates).
+    """
+
+    def __init__(self, max_tenants: int) -> None:
+        if max_tenants < 1:
+            raise ValueError("max_tenants must be positive")
+        self.max_tenants = max_tenants
+        self._known: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._known:
+            return tenant
+        if len(self._known) < self.max_tenants:
+            self._known.add(tenant)
+            return tenant
+        return OTHER
+
+
+class WorkerCollector:
+    """The worker's `/anchor/stats` as `anchorcache_worker_*` metrics.
+
+    `refresh` (async, before each scrape) fetches the numbers; `collect` (sync, called by the
+    registry right after, with no await in between) turns them into metric families.
+    """
+
+    def __init__(self) -> None:
+        self._stats: dict[str, float] | None = None
+
+    async def refresh(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> None:
+        self._stats = await self._fetch(session, base_url, timeout_s)
+
+    @staticmethod
+    async def _fetch(session: aiohttp.ClientSession, base_url: str,
+                     timeout_s: float) -> dict[str, float] | None:
+        """The numbers of `/anchor/stats`, or None if the worker did not answer in time."""
+        try:
+            async with session.get(base_url.rstrip("/") + "/anchor/stats",
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    return None
+                data = orjson.loads(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        return {k: float(v) for k, v in data.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)}
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("anchorcache_worker_up",
+                                "1 if the worker answered /anchor/stats at this scrape, else 0",
+                                value=0 if self._stats is None else 1)
+        for name, value in sorted((self._stats or {}).items()):
+            if name in _WORKER_COUNTERS:
+                yield CounterMetricFamily(f"anchorcache_worker_{name}",
+                                          f"worker anchor store: {name} (cumulative)", value=value)
+            else:
+                yield GaugeMetricFamily(f"anchorcache_worker_{name}",
+                                        f"worker anchor store: {name}", value=value)
+
+
+class ProxyMetrics:
+    """Every metric of one proxy app, on its own registry."""
+
+    def __init__(self, *, max_tenants: int = 100, worker_timeout_s: float = 1.0) -> None:
+        self.registry = CollectorRegistry()
+        self.tenant = TenantLabels(max_tenants)
+        self.worker_timeout_s = worker_timeout_s
+        self.worker = WorkerCollector()
+        r = self.registry
+        self.requests = Counter("anchorcache_http_requests", "HTTP requests by route and status",
+                                ["method", "route", "status"], registry=r)
+        self.request_seconds = Histogram("anchorcache_http_request_duration_seconds",
+                                         "HTTP request handling time, streaming included",
+                                         ["route"], buckets=_TIME_BUCKETS, registry=r)
+        self.ttft = Histogram("anchorcache_ttft_seconds",
+                              "the request entering the pipeline to its first generated token",
+                              ["tenant"], buckets=_TIME_BUCKETS, registry=r)
+        self.prefill_seconds = Histogram("anchorcache_prefill_seconds",
+                                         "worker prefill time of the tokens not restored",
+                                         ["tenant"], buckets=_TIME_BUCKETS, registry=r)
+        self.restore_seconds = Histogram("anchorcache_restore_seconds",
+                                         "worker restore time, requests that planned a restore",
+                                         ["tenant"], buckets=_TIME_BUCKETS, registry=r)
+        self.snapshot_seconds = Histogram("anchorcache_snapshot_seconds",
+                                          "worker snapshot time, requests that wrote anchors",
+                                          ["tenant"], buckets=_TIME_BUCKETS, registry=r)
+        self.lookups = Counter("anchorcache_anchor_lookups",
+                               "anchors-on generations by what the restore gave: restored "
+                               "(some prefix), missed (planned, nothing restored), cold (none known)",
+                               ["tenant", "result"], registry=r)
+        self.hits = Counter("anchorcache_anchor_hits", "anchors restored (each link of a chain)",
+                            ["tenant", "kind"], registry=r)
+        self.misses = Counter("anchorcache_anchor_misses",
+                              "planned anchors the worker could not restore",
+                              ["tenant", "kind", "reason"], registry=r)
+        self.prompt_tokens = Counter("anchorcache_prompt_tokens",
+                                     "prompt tokens by source: prefilled or restored",
+                                     ["tenant", "source"], registry=r)
+        self.completion_tokens = Counter("anchorcache_completion_tokens", "generated tokens",
+                                         ["tenant"], registry=r)
+        self.restore_bytes = Counter("anchorcache_restore_bytes", "anchor bytes restored",
+                                     ["tenant"], registry=r)
+        self.snapshots = Counter("anchorcache_snapshots", "anchor snapshots written (staged)",
+                                 ["tenant", "kind"], registry=r)
+        self.snapshot_bytes = Counter("anchorcache_snapshot_bytes", "anchor bytes written",
+                                      ["tenant", "kind"], registry=r)
+        self.reservations = Counter("anchorcache_reservations",
+                                    "requests' staged anchors by how they ended",
+                                    ["tenant", "outcome", "reason"], registry=r)
+        r.register(self.worker)
+
+    def record_ttft(self, tenant: str, seconds: float) -> None:
+        self.ttft.labels(self.tenant(tenant)).observe(seconds)
+
+    def record_generation(self, tenant: str, plan: Plan, meta: GenerateMeta) -> None:
+        """One finished generation: its plan and the worker's final meta info."""
+        t = self.tenant(tenant)
+        self.prefill_seconds.labels(t).observe(meta.prefill_ms / 1e3)
+        self.prompt_tokens.labels(t, "prefilled").inc(meta.prefill_tokens)
+        self.prompt_tokens.labels(t, "restored").inc(meta.cached_tokens)
+        self.completion_tokens.labels(t).inc(meta.completion_tokens)
+        if not plan.namespace:  # anchors off
+            return
+        report = meta.anchors
+        planned = {rec.key: rec for rec in plan.chain}
+        if plan.chain:
+            self.restore_seconds.labels(t).observe(meta.restore_ms / 1e3)
+        self.lookups.labels(t, "restored" if report.restored else "missed" if plan.chain
+                            else "cold").inc()
+        for hit in report.restored:
+            self.hits.labels(t, hit.kind.value).inc()
+            rec = planned.get(hit.key)
+            if rec is not None:
+                self.restore_bytes.labels(t).inc(rec.nbytes)
+        for miss in report.restore_miss:
+            rec = planned.get(miss.key)
+            self.misses.labels(t, rec.kind.value if rec else "unknown", miss.reason).inc()
+        for w in report.written:
+            self.snapshots.labels(t, w.kind.value).inc()
+            self.snapshot_bytes.labels(t, w.kind.value).inc(w.nbytes)
+        if report.written and meta.snapshot_ms is not None:
+            self.snapshot_seconds.labels(t).observe(meta.snapshot_ms / 1e3)
+
+    def record_reservations(self, tenant: str, outcome: str, reason: str, count: int = 1) -> None:
+        """`outcome` "confirmed" (reason "ok") or "aborted" (reason: why)."""
+        self.reservations.labels(self.tenant(tenant), outcome, reason).inc(count)
+
+
+METRICS = web.AppKey("metrics", ProxyMetrics)
+
+
+def _route(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Outermost: counts what the client got, error replies of the error middleware included."""
+    t0 = time.perf_counter()
+    status = "499"  # the handler was cancelled: the client went away
+    try:
+        resp = await handler(request)
+        status = str(resp.status)
+        return resp
+    except web.HTTPException as e:
+        status = str(e.status)
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        status = "500"
+        raise
+    finally:
+        metrics = request.app[METRICS]
+        route = _route(request)
+        method = request.method if request.method in _METHODS else "other"
+        metrics.requests.labels(method, route, status).inc()
+        metrics.request_seconds.labels(route).observe(time.perf_counter() - t0)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    """`GET /metrics`: the app's registry, the worker's counters refreshed first."""
+    metrics = request.app[METRICS]
+    worker = request.app[STATE].worker
+    await metrics.worker.refresh(worker.session, worker.base_url, metrics.worker_timeout_s)
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return web.Response(body=encoder(metrics.registry), headers={"Content-Type": content_type})

@@ -56,9 +56,9 @@ def test_a_marked_turn_becomes_a_hint_cut_at_the_end_of_its_message(adapter):
         [c for c in plain.cuts if c.position != pos]
     positions = [c.position for c in hinted.cuts]
     assert positions == sorted(set(positions))
-    snapshots = [s.depth for s in Planner("m", "e", salt="s").plan(hinted).request.snapshot]
+    snapshots = [s.depth for s in Planner("m", "e").plan(hinted, b"namespace").request.snapshot]
     assert pos in snapshots
-    assert pos not in [s.depth for s in Planner("m", "e", salt="s").plan(plain).request.snapshot]
+    assert pos not in [s.depth for s in Planner("m", "e").plan(plain, b"namespace").request.snapshot]
 
 
 def test_a_hint_inside_the_newest_messages_adds_a_cut_the_splitter_does_not_report(adapter):

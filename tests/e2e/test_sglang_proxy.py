@@ -22,7 +22,8 @@ from .conftest import tiny_model
 
 pytestmark = pytest.mark.slow
 
-POOL = 16384  # SGLang's KV pool: the replay's 4-5k-token prompts fit, restored ones locked
+POOL = 6000  # SGLang's KV pool: ~1.4x the longest replay request, so a restored
+# prefix (up to 4.3k tokens) passes the 0.5 lock budget: a lone restore is always allowed
 TURNS = 3
 
 

@@ -11,7 +11,11 @@ prefilled on each side, the ideal (tokens no earlier request presented) and TTFT
 `anchorcache.bench` (`ask`, `lcp`, `report`, `plot`). Prints a table, writes
 bench/results/<name>.json and .png.
 
-    .venv/bin/python bench/sglang_replay.py [--conversations 6] [--turns 5]
+    .venv/bin/python bench/sglang_replay.py [--conversations 6] [--turns 5] [--concurrent 8]
+
+With `--concurrent N` (default 8) it then runs N conversations at once (each its turns in
+order) through the anchors proxy and straight to SGLang's own `/v1/chat/completions` on the
+same worker (its device tree flushed first): requests/s and TTFT.
 """
 
 from __future__ import annotations
@@ -80,6 +84,29 @@ def run_pass(client: httpx.Client, target: bench.Target, worker: str, convs, tur
     return out
 
 
+def concurrent(url: str, convs, turns: int, max_tokens: int, worker: str) -> dict:
+    """Every conversation in its own thread (its turns in order): requests/s and TTFT."""
+    import concurrent.futures as cf
+    import statistics
+    import time
+
+    httpx.post(worker + "/flush_cache", timeout=60).raise_for_status()
+
+    def one(conv) -> list[float]:
+        with httpx.Client(timeout=900) as client:
+            return [bench.ask(client, bench.Target(url), m, conv["tools"], max_tokens).ttft_s
+                    for m in turn_requests(conv, turns)]
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(convs)) as pool:
+        ttfts = [t for ts in pool.map(one, convs) for t in ts]
+    wall = time.perf_counter() - t0
+    return {"requests": len(ttfts), "wall_s": round(wall, 2),
+            "requests_per_s": round(len(ttfts) / wall, 3),
+            "ttft_median_s": round(statistics.median(ttfts), 3),
+            "ttft_max_s": round(max(ttfts), 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
@@ -89,6 +116,9 @@ def main() -> None:
     ap.add_argument("--pool-factor", type=float, default=1.2,
                     help="SGLang's --max-total-tokens over the longest request")
     ap.add_argument("--anchor-gib", type=float, default=2.0, help="host tier size")
+    ap.add_argument("--concurrent", type=int, default=8,
+                    help="then N conversations at once: proxy (anchors) vs SGLang's own "
+                         "/v1/chat/completions (0: skip)")
     ap.add_argument("--name", default="sglang_replay_tiny_qwen3")
     args = ap.parse_args()
 
@@ -133,6 +163,14 @@ def main() -> None:
                               args.max_tokens)
         info = httpx.get(worker + "/model_info").json()
         stats = httpx.get(worker + "/anchor/stats").json()
+        load = {}
+        if args.concurrent:
+            cconvs = pick(args.concurrent, args.turns, tokenize)
+            load = {"conversations": len(cconvs), "turns": args.turns,
+                    "proxy_anchors": concurrent(on, cconvs, args.turns, args.max_tokens, worker),
+                    "sglang_direct": concurrent(worker, cconvs, args.turns, args.max_tokens,
+                                                worker)}
+            print(json.dumps(load, indent=1), flush=True)
 
     rows = []
     for c, t in order:
@@ -162,7 +200,7 @@ def main() -> None:
             "order": "round-robin", "max_tokens": args.max_tokens,
             "off": "proxy --no-anchors (SGLang's radix cache only)",
             "on": "proxy --anchors (SGLang's radix cache + host tier)",
-            "anchor_stats_end": stats}
+            "anchor_stats_end": stats, "concurrent": load}
     data = bench.report(rows, model=info["model_id"], meta=meta)
     print(json.dumps(data["summary"], indent=1))
     bench.write_json(data, RESULTS / f"{args.name}.json")

@@ -155,6 +155,9 @@ class _Choice:
             outcome.finish_reason = FinishReason.STOP_SEQUENCE
             outcome.stop_sequence = stop[1]
         elif chunk.meta is not None:
+            if chunk.meta.finish_type == "abort":  # the worker gave up: never a completion
+                raise ApiError("worker_error", "the worker aborted the request before it "
+                                               "finished")
             outcome.meta = chunk.meta
             outcome.finish_reason = FinishReason.LENGTH if chunk.meta.finish_type == "length" \
                 else FinishReason.STOP

@@ -189,7 +189,10 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
                 {"key": check.chain[0].key.hex(), "depth": check.chain[0].depth,
                  "reason": "unsupported"}]}
             return 0, 0
-        if self._locked_tokens + depth > self.anchor_config.lock_budget_fraction * self._pool_tokens:
+        # a lone restore always fits (the contract refused prompts the pool cannot hold);
+        # beside others, the locked prefixes together stay within the budget
+        if self._locked_tokens and self._locked_tokens + depth \
+                > self.anchor_config.lock_budget_fraction * self._pool_tokens:
             p.info["restore_miss"].append({"key": check.chain[-1].key.hex(), "depth": depth,
                                            "reason": "no_device_space"})
             p.info["restored"] = []

@@ -9,17 +9,26 @@ compiled from `stub_libcuda.c` into the anchorcache cache dir, once per source v
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 STUB_SOURCE = Path(__file__).with_name("stub_libcuda.c")
 # SGLang arguments for CPU serving; an explicit user argument of the same name wins
 CPU_ARGS = {"--device": "cpu", "--attention-backend": "torch_native",
-            "--mem-fraction-static": "0.95", "--max-total-tokens": "4096"}
+            "--mem-fraction-static": "0.95"}
 CPU_FLAGS = ("--disable-cuda-graph",)
+# the default KV pool on CPU (`--max-total-tokens`, docs/sglang.md "CPU machines"): room for
+# a few agent prompts (median 4-7k tokens, long ones 20k+), at most the model's context, and
+# at most POOL_RAM_FRACTION of the machine's RAM at the model's KV bytes per token
+POOL_TOKENS = 32768
+POOL_MIN_TOKENS = 4096
+POOL_RAM_FRACTION = 0.25
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def has_gpu() -> bool:
@@ -57,11 +66,44 @@ def cpu_env(base: dict[str, str]) -> dict[str, str]:
             "LD_LIBRARY_PATH": stub + (os.pathsep + path if path else "")}
 
 
-def with_cpu_args(args: list[str]) -> list[str]:
+def kv_bytes_per_token(config: dict[str, Any]) -> int:
+    """K + V bytes one token takes in the pool, from a HF `config.json` (text config)."""
+    cfg = config.get("text_config") or config
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    width = DTYPE_BYTES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"), 2)
+    return 2 * layers * kv_heads * head_dim * width
+
+
+def _ram_bytes() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def default_pool_tokens(model: str, ram_bytes: int | None = None) -> int:
+    """The CPU recipe's `--max-total-tokens`: POOL_TOKENS, capped by the model's context and
+    by POOL_RAM_FRACTION of RAM; POOL_MIN_TOKENS at least (or the context, if smaller)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return POOL_TOKENS  # not a local folder: SGLang resolves it; our default as is
+    cfg = config.get("text_config") or config
+    context = int(cfg.get("max_position_embeddings") or POOL_TOKENS)
+    try:
+        per_token = kv_bytes_per_token(config)
+    except (KeyError, TypeError, ValueError):
+        return min(POOL_TOKENS, context)
+    ram = _ram_bytes() if ram_bytes is None else ram_bytes
+    by_ram = int(ram * POOL_RAM_FRACTION) // max(per_token, 1)
+    return min(context, max(POOL_MIN_TOKENS, min(POOL_TOKENS, by_ram)))
+
+
+def with_cpu_args(args: list[str], pool_tokens: int = POOL_TOKENS) -> list[str]:
     """SGLang arguments plus the CPU ones the user did not give."""
     given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
     out = list(args)
-    for name, value in CPU_ARGS.items():
+    for name, value in {**CPU_ARGS, "--max-total-tokens": str(pool_tokens)}.items():
         if name not in given:
             out += [name, value]
     out += [f for f in CPU_FLAGS if f not in given]
@@ -75,5 +117,5 @@ def sglang_command(python: str, *, model: str, host: str, port: int, log_level: 
             "--radix-cache-backend", "anchorcache", "--skip-server-warmup",
             "--log-level", log_level, *extra]
     if not gpu:
-        args = with_cpu_args(args)
+        args = with_cpu_args(args, default_pool_tokens(model))
     return [python, "-m", "anchorcache.ext.sglang.launch", *args]

@@ -187,16 +187,18 @@ def _finish(meta: dict[str, Any], output_ids: list[int]) -> dict[str, Any]:
 
 
 async def generate(request: Any, worker: SGLangWorker) -> Any:
+    from fastapi import HTTPException
     from fastapi.responses import StreamingResponse
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     req = parse_generate(await _body(request))
     tm = worker.tm
-    limit = int(tm.context_len)
+    limit = max_request_tokens(tm)
     if len(req.input_ids) + req.sampling.max_new_tokens > limit:
         raise WireError(f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
-                        f"({req.sampling.max_new_tokens}) exceeds the model's context of "
-                        f"{limit} tokens")
+                        f"({req.sampling.max_new_tokens}) exceeds the context of {limit} "
+                        f"tokens (the model's context or what SGLang's KV pool holds for "
+                        f"one request, whichever is smaller)")
     vocab = int(tm.model_config.hf_config.vocab_size)
     if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
         raise WireError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary)")
@@ -219,8 +221,14 @@ async def generate(request: Any, worker: SGLangWorker) -> Any:
             out = await tm.generate_request(obj, request).__anext__()
             run.add(out)
             ok = run.finish_reason.get("type") != "abort"
+        except ValueError as e:  # SGLang's way of refusing a request (its 400)
+            raise WireError(str(e)) from None
+        except HTTPException as e:
+            raise SchedulerError(e.status_code, str(e.detail)) from None
         finally:
             meta = await asyncio.shield(run.meta(ok))
+        if not ok:
+            return _abort_error(run)
         return _json({"rid": rid, "output_ids": run.output_ids, "meta_info": meta})
 
     async def events() -> AsyncIterator[bytes]:
@@ -231,6 +239,11 @@ async def generate(request: Any, worker: SGLangWorker) -> Any:
                 if new:
                     yield b"data: " + orjson.dumps({"rid": rid, "output_ids": new}) + b"\n\n"
             ok = run.finish_reason.get("type") != "abort"
+            if not ok:
+                await asyncio.shield(run.meta(False))
+                err = orjson.loads(_abort_error(run).body)
+                yield b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
+                return
         except (asyncio.CancelledError, GeneratorExit):
             await asyncio.shield(run.meta(False))
             raise
@@ -247,6 +260,27 @@ async def generate(request: Any, worker: SGLangWorker) -> Any:
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+def max_request_tokens(tm: Any) -> int:
+    """Prompt + completion tokens one request may have: the model's context, or less when
+    SGLang's KV pool is smaller (SGLang refuses prompts of `max_req_input_len` tokens)."""
+    limit = int(tm.context_len)
+    pool = getattr(tm, "max_req_input_len", None)
+    return min(limit, int(pool)) if pool else limit
+
+
+def _abort_error(run: _Run) -> Any:
+    """The error reply for a request SGLang aborted: never a completion (its status when
+    SGLang gave one, e.g. 400 for a prompt over the pool; else a 502)."""
+    reason = run.sglang_meta.get("finish_reason") or {}
+    status = reason.get("status_code") if isinstance(reason, dict) else None
+    message = reason.get("message") if isinstance(reason, dict) else None
+    status = int(status) if isinstance(status, int) and 400 <= status < 600 else 502
+    text = f"SGLang aborted the request: {message or 'no reason given'}"
+    if status == 400 and "length" in text:
+        text += " (over the context SGLang's KV pool holds for one request)"
+    return _error(text, status)
 
 
 class _Run:
@@ -324,7 +358,7 @@ async def model_info(request: Any, worker: SGLangWorker) -> Any:
     archs = getattr(hf, "architectures", None) or [type(hf).__name__]
     return _json({"model_id": worker.model_id, "model_path": worker.model_path,
                   "tokenizer_path": worker.model_path, "is_generation": True,
-                  "architecture": archs[0], "max_context_tokens": int(tm.context_len),
+                  "architecture": archs[0], "max_context_tokens": max_request_tokens(tm),
                   "eos_token_ids": sorted(eos), "hybrid": False,
                   "vocab_size": int(getattr(hf, "vocab_size", 0)), "backend": "sglang",
                   "epoch": worker.epoch})

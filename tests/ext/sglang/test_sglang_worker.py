@@ -238,3 +238,59 @@ def test_restart_gives_a_new_epoch_and_no_restore_from_the_old(sglang, conversat
     assert warm["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
     key = anchor_keys(NS, httpx.get(url + "/model_info").json()["model_id"], p1, [depth])[depth]
     assert key == keys[depth]  # same key, new epoch: the anchor itself is gone
+
+
+def test_prompt_over_the_pool_is_a_400_and_model_info_fits_the_pool(sglang, conversations):
+    """The session's pool is 10,000 tokens (tests/servers.py): SGLang refuses prompts of
+    `max_req_input_len` (pool - 6) tokens, so the contract refuses them with a 400 up front
+    and `/model_info` never promises more than the pool holds for one request."""
+    url = sglang.url
+    info = httpx.get(url + "/model_info", timeout=30).json()
+    limit = info["max_context_tokens"]
+    assert limit <= 10000 - 6
+    p1 = conversations[0][2]
+    long_ids = (p1 * (limit // len(p1) + 2))[:limit]
+    req = GenerateRequest(input_ids=tuple(long_ids), sampling=GREEDY)
+    for stream in (False, True):
+        body = {**req.to_json(), "stream": stream}
+        resp = httpx.post(url + "/generate", json=body, timeout=300)
+        assert resp.status_code == 400, resp.text
+        assert "context" in resp.json()["error"]["message"]
+    fits = long_ids[:limit - GREEDY.max_new_tokens]
+    assert generate(url, fits)["meta_info"]["prompt_tokens"] == len(fits)
+
+
+def test_an_aborted_request_is_an_error_never_a_completion(sglang, conversations):
+    """A request SGLang aborts mid-run (here through `/abort_request`) answers a 5xx, or
+    ends its stream with an error event, never with output and a `finish_reason`."""
+    url = sglang.url
+    ids = conversations[1][2]
+    sampling = SamplingParams(max_new_tokens=3000, temperature=0.0, ignore_eos=True)
+
+    def abort_when_running(rid):
+        for _ in range(600):
+            if rid in httpx.get(url + "/health", timeout=30).json()["running_requests"]:
+                post(url, "/abort_request", {"rid": rid})
+                return
+            threading.Event().wait(0.05)
+        raise AssertionError("the request never ran")
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        req = GenerateRequest(input_ids=tuple(ids), sampling=sampling, rid="abort-plain")
+        fut = pool.submit(abort_when_running, "abort-plain")
+        resp = httpx.post(url + "/generate", json=req.to_json(), timeout=300)
+        fut.result()
+        assert resp.status_code >= 500 and "abort" in resp.json()["error"]["message"], resp.text
+
+        req = GenerateRequest(input_ids=tuple(ids), sampling=sampling, rid="abort-stream",
+                              stream=True)
+        fut = pool.submit(abort_when_running, "abort-stream")
+        events = []
+        with httpx.stream("POST", url + "/generate", json=req.to_json(), timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+        fut.result()
+    assert "error" in events[-1], events[-1]
+    assert not any("meta_info" in e for e in events)

@@ -1,0 +1,213 @@
+"""Agent conversations through the proxy in front of SGLang: SGLang alone vs with anchors.
+
+Starts one SGLang worker (tiny Qwen3 with the real Qwen3 tokenizer by default, CPU recipe)
+whose KV pool (`--max-total-tokens`) is about 1.2x the longest request, and two proxies in
+front of it: `--no-anchors` (SGLang's own radix cache is all there is) and `--anchors`
+(plus the host tier). The conversations are interleaved round-robin (turn 1 of every
+conversation, then turn 2, ...), as concurrent agents would send them, so SGLang's small
+pool evicts one conversation's prefix while the others run. Each side replays everything
+from an empty device tree (`/flush_cache` before it). Per turn: prompt tokens, tokens
+prefilled on each side, the ideal (tokens no earlier request presented) and TTFT, via
+`anchorcache.bench` (`ask`, `lcp`, `report`, `plot`). Prints a table, writes
+bench/results/<name>.json and .png.
+
+    .venv/bin/python bench/sglang_replay.py [--conversations 6] [--turns 5] [--concurrent 8]
+
+With `--concurrent N` (default 8) it then runs N conversations at once (each its turns in
+order) through the anchors proxy and straight to SGLang's own `/v1/chat/completions` on the
+same worker (its device tree flushed first): requests/s and TTFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from anchorcache import bench  # noqa: E402
+from anchorcache.cli import free_port, wait_ready  # noqa: E402
+from anchorcache.proxy.splitter import get_adapter  # noqa: E402
+from anchorcache.proxy.tokenizers import load_tokenizer  # noqa: E402
+from tests.data import conversations, turn_requests  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+
+
+@contextmanager
+def spawn(*args: str, tail: tuple[str, ...] = ()):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
+                             "--log-level", "warning", *tail], start_new_session=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url + "/health", proc, timeout_s=900)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # SGLang's scheduler and detokenizer live in the same session
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def pick(n: int, turns: int, tokenize) -> list[dict]:
+    """The first n conversations with at least `turns` turns."""
+    return [c for c in conversations("base") if len(turn_requests(c, turns)) == turns][:n]
+
+
+def run_pass(client: httpx.Client, target: bench.Target, worker: str, convs, turns: int,
+             max_tokens: int) -> dict[tuple[int, int], bench.Reply]:
+    """Every turn, round-robin over the conversations, from an empty device tree."""
+    httpx.post(worker + "/flush_cache", timeout=60).raise_for_status()
+    out = {}
+    for t in range(turns):
+        for c, conv in enumerate(convs):
+            messages = turn_requests(conv, turns)[t]
+            out[c, t] = bench.ask(client, target, messages, conv["tools"], max_tokens)
+    return out
+
+
+def concurrent(url: str, convs, turns: int, max_tokens: int, worker: str) -> dict:
+    """Every conversation in its own thread (its turns in order): requests/s and TTFT."""
+    import concurrent.futures as cf
+    import statistics
+    import time
+
+    httpx.post(worker + "/flush_cache", timeout=60).raise_for_status()
+
+    def one(conv) -> list[float]:
+        with httpx.Client(timeout=900) as client:
+            return [bench.ask(client, bench.Target(url), m, conv["tools"], max_tokens).ttft_s
+                    for m in turn_requests(conv, turns)]
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(convs)) as pool:
+        ttfts = [t for ts in pool.map(one, convs) for t in ts]
+    wall = time.perf_counter() - t0
+    return {"requests": len(ttfts), "wall_s": round(wall, 2),
+            "requests_per_s": round(len(ttfts) / wall, 3),
+            "ttft_median_s": round(statistics.median(ttfts), 3),
+            "ttft_max_s": round(max(ttfts), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
+    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--pool-factor", type=float, default=1.2,
+                    help="SGLang's --max-total-tokens over the longest request")
+    ap.add_argument("--anchor-gib", type=float, default=2.0, help="host tier size")
+    ap.add_argument("--concurrent", type=int, default=8,
+                    help="then N conversations at once: proxy (anchors) vs SGLang's own "
+                         "/v1/chat/completions (0: skip)")
+    ap.add_argument("--name", default="sglang_replay_tiny_qwen3")
+    args = ap.parse_args()
+
+    if args.model is None:
+        from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+
+        model = str(build_tiny_model("qwen3", tiny_model_dir("qwen3"), seed=0))
+    else:
+        model = args.model
+    adapter = get_adapter("auto", load_tokenizer(model))
+
+    def tokenize(messages, tools):
+        return adapter.split(messages, tools or None).input_ids
+
+    convs = pick(args.conversations, args.turns, tokenize)
+    ids = {(c, t): tokenize(turn_requests(conv, args.turns)[t], conv["tools"])
+           for c, conv in enumerate(convs) for t in range(args.turns)}
+    longest = max(len(v) for v in ids.values()) + args.max_tokens
+    pool = math.ceil(args.pool_factor * longest)
+    order = [(c, t) for t in range(args.turns) for c in range(len(convs))]
+    seen: list = []
+    ideal = {}
+    for key in order:
+        ideal[key] = len(ids[key]) - max((bench.lcp(ids[key], s) for s in seen), default=0)
+        seen.append(ids[key])
+    print(f"{len(convs)} conversations x {args.turns} turns, longest request {longest} tokens, "
+          f"SGLang pool {pool} tokens", flush=True)
+
+    with ExitStack() as stack, httpx.Client(timeout=900) as client:
+        state = stack.enter_context(tempfile.TemporaryDirectory(prefix="anchorcache-bench-"))
+        worker = stack.enter_context(spawn(
+            "worker", "--backend", "sglang", "--model", model,
+            "--anchor-bytes", str(int(args.anchor_gib * (1 << 30))),
+            tail=("--", "--max-total-tokens", str(pool))))
+        on = stack.enter_context(spawn("proxy", "--worker", worker, "--anchors",
+                                       "--state-dir", state + "/on"))
+        off = stack.enter_context(spawn("proxy", "--worker", worker, "--no-anchors",
+                                        "--state-dir", state + "/off"))
+        replies_off = run_pass(client, bench.Target(off), worker, convs, args.turns,
+                               args.max_tokens)
+        replies_on = run_pass(client, bench.Target(on), worker, convs, args.turns,
+                              args.max_tokens)
+        info = httpx.get(worker + "/model_info").json()
+        stats = httpx.get(worker + "/anchor/stats").json()
+        load = {}
+        if args.concurrent:
+            cconvs = pick(args.concurrent, args.turns, tokenize)
+            load = {"conversations": len(cconvs), "turns": args.turns,
+                    "proxy_anchors": concurrent(on, cconvs, args.turns, args.max_tokens, worker),
+                    "sglang_direct": concurrent(worker, cconvs, args.turns, args.max_tokens,
+                                                worker)}
+            print(json.dumps(load, indent=1), flush=True)
+
+    rows = []
+    for c, t in order:
+        r_on, r_off = replies_on[c, t], replies_off[c, t]
+        u, u_off = r_on.usage, r_off.usage
+        if u["prompt_tokens"] != len(ids[c, t]):
+            raise SystemExit(f"the proxy counted {u['prompt_tokens']} prompt tokens, the "
+                             f"local tokenizer {len(ids[c, t])}")
+        tm, tm_off = u.get("timings", {}), u_off.get("timings", {})
+        rows.append(bench.TurnResult(
+            conversation=str(convs[c]["id"]), turn=t + 1, prompt_tokens=u["prompt_tokens"],
+            ideal=ideal[c, t], prefilled_on=tm.get("prefill_tokens", u["prompt_tokens"]),
+            prefilled_off=tm_off.get("prefill_tokens", u_off["prompt_tokens"]),
+            cached_on=u.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+            ttft_on_s=round(r_on.ttft_s, 4), ttft_off_s=round(r_off.ttft_s, 4),
+            restore_ms_on=tm.get("restore_ms", 0.0), prefill_ms_on=tm.get("prefill_ms", 0.0),
+            prefill_ms_off=tm_off.get("prefill_ms", 0.0),
+            anchor_hits=tuple(h["kind"] for h in tm.get("anchor_hits", ())),
+            identical=r_on.message == r_off.message))
+
+    print()
+    print(" ".join(f"{c:>12}" for c in bench.TABLE_COLUMNS))
+    for row in bench.table_rows(rows):
+        print(" ".join(f"{v[-12:]:>12}" for v in row))
+    meta = {"backend": "sglang", "sglang_max_total_tokens": pool, "longest_request": longest,
+            "pool_factor": args.pool_factor, "anchor_bytes": int(args.anchor_gib * (1 << 30)),
+            "order": "round-robin", "max_tokens": args.max_tokens,
+            "off": "proxy --no-anchors (SGLang's radix cache only)",
+            "on": "proxy --anchors (SGLang's radix cache + host tier)",
+            "anchor_stats_end": stats, "concurrent": load}
+    data = bench.report(rows, model=info["model_id"], meta=meta)
+    print(json.dumps(data["summary"], indent=1))
+    bench.write_json(data, RESULTS / f"{args.name}.json")
+    bench.plot(rows, RESULTS / f"{args.name}.png",
+               f"{info['model_id']} on SGLang (pool {pool} tokens), {len(convs)} BFCL "
+               f"conversations round-robin")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The CPU recipe's SGLang arguments: the default KV pool and the user's arguments winning."""
+
+from __future__ import annotations
+
+import json
+
+from anchorcache.ext.sglang.cpu import (
+    POOL_MIN_TOKENS,
+    POOL_TOKENS,
+    default_pool_tokens,
+    kv_bytes_per_token,
+    sglang_command,
+    with_cpu_args,
+)
+
+GiB = 1 << 30
+
+
+def _model(tmp_path, **cfg):
+    base = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "hidden_size": 64, "max_position_embeddings": 32768,
+            "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps({**base, **cfg}))
+    return str(tmp_path)
+
+
+def _arg(args, name):
+    return args[args.index(name) + 1]
+
+
+def test_tiny_model_gets_the_full_default_pool(tmp_path):
+    model = _model(tmp_path)
+    assert kv_bytes_per_token(json.loads((tmp_path / "config.json").read_text())) == 2 * 2 * 2 * 16 * 4
+    assert default_pool_tokens(model, ram_bytes=24 * GiB) == POOL_TOKENS == 32768
+    cmd = sglang_command("python", model=model, host="127.0.0.1", port=1, log_level="warning",
+                         extra=[], gpu=False)
+    assert int(_arg(cmd, "--max-total-tokens")) == default_pool_tokens(model)
+
+
+def test_pool_is_capped_by_context_and_by_ram(tmp_path):
+    assert default_pool_tokens(_model(tmp_path, max_position_embeddings=8192),
+                               ram_bytes=24 * GiB) == 8192
+    # 8B-class model in bf16: 36 layers x 8 KV heads x 128 x 2 x 2 B = 147 KiB per token
+    big = _model(tmp_path, num_hidden_layers=36, num_key_value_heads=8, head_dim=128,
+                 num_attention_heads=32, dtype="bfloat16")
+    per_token = 2 * 36 * 8 * 128 * 2
+    assert default_pool_tokens(big, ram_bytes=16 * GiB) == (16 * GiB // 4) // per_token
+    assert default_pool_tokens(big, ram_bytes=GiB // 8) == POOL_MIN_TOKENS
+
+
+def test_user_arguments_win(tmp_path):
+    model = _model(tmp_path)
+    cmd = sglang_command("python", model=model, host="127.0.0.1", port=1, log_level="warning",
+                         extra=["--max-total-tokens", "16384"], gpu=False)
+    assert cmd.count("--max-total-tokens") == 1 and _arg(cmd, "--max-total-tokens") == "16384"
+    args = with_cpu_args(["--max-total-tokens=2048"], pool_tokens=32768)
+    assert [a for a in args if a.startswith("--max-total-tokens")] == ["--max-total-tokens=2048"]
+    gpu = sglang_command("python", model=model, host="127.0.0.1", port=1, log_level="warning",
+                         extra=[], gpu=True)
+    assert "--max-total-tokens" not in gpu

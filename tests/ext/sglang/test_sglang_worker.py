@@ -170,32 +170,39 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
                                  (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])
         chains.append((AnchorRef(keys[tool_depth], tool_depth),
                        AnchorRef(keys[conv_depth], conv_depth)))
-    flush_device(url)  # every turn 2 must restore from the host tier
-
-    running: list[int] = []
-    stop = threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            running.append(_num_running(url))
-
     def turn2(i):
         *_, p2 = convs[i]
         plan = AnchorPlan(NS, restore=chains[i],
                           snapshot=(SnapshotSpec(len(p2), AnchorKind.CONVERSATION),))
         return generate(url, p2, plan, max_new=8)
 
-    with cf.ThreadPoolExecutor(9) as pool:
-        watcher = pool.submit(watch)
-        try:
-            warm = list(pool.map(turn2, range(len(convs))))
-        finally:
-            stop.set()
-        watcher.result()
-    for i, out in enumerate(warm):
-        assert out["output_ids"] == cold[i], i
-        assert out["meta_info"]["cached_tokens"] == convs[i][1], i
-        assert len(out["meta_info"]["anchors"]["written"]) == 1
+    # Whether two requests overlap depends on the machine's load: up to three rounds, each
+    # checked in full, until one shows SGLang running several of them in one batch.
+    for _ in range(3):
+        flush_device(url)  # every turn 2 must restore from the host tier
+        running: list[int] = []
+        stop = threading.Event()
+
+        def watch(running=running, stop=stop):
+            while not stop.is_set():
+                running.append(_num_running(url))
+
+        with cf.ThreadPoolExecutor(9) as pool:
+            watcher = pool.submit(watch)
+            try:
+                warm = list(pool.map(turn2, range(len(convs))))
+            finally:
+                stop.set()
+            watcher.result()
+        for i, out in enumerate(warm):
+            assert out["output_ids"] == cold[i], i
+            assert out["meta_info"]["cached_tokens"] == convs[i][1], i
+            assert len(out["meta_info"]["anchors"]["written"]) == 1
+        # drop this round's staged snapshots, so that the next round writes them again
+        post(url, "/anchor/abort", {"slots": [w["slot"] for out in warm
+                                              for w in out["meta_info"]["anchors"]["written"]]})
+        if max(running) > 1:
+            break
     assert max(running) > 1, running  # SGLang ran several of them in one batch
 
 

@@ -23,11 +23,10 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import aiohttp
@@ -36,27 +35,13 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from anchorcache.cli import free_port, wait_ready  # noqa: E402
+from replay_bench import spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
+
 from anchorcache.proxy.split_pool import TokenBudget  # noqa: E402
 from anchorcache.proxy.tokenizers import load_tokenizer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 MiB = 1 << 20
-
-
-@contextmanager
-def spawn(*args: str):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
-                             "--log-level", "warning"], start_new_session=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/health", proc, timeout_s=600)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def body(chars: int) -> bytes:

@@ -173,6 +173,22 @@ class TurnResult:
     anchor_hits: tuple[str, ...]  # kinds of the anchors restored, root → leaf
     identical: bool  # same message (content, tool calls, finish reason) on and off
 
+    @classmethod
+    def from_replies(cls, conversation: str, turn: int, ideal: int, r_on: Reply,
+                     r_off: Reply) -> TurnResult:
+        u, u_off = r_on.usage, r_off.usage
+        t, t_off = u.get("timings", {}), u_off.get("timings", {})
+        return cls(
+            conversation=conversation, turn=turn, prompt_tokens=u["prompt_tokens"], ideal=ideal,
+            prefilled_on=t.get("prefill_tokens", u["prompt_tokens"]),
+            prefilled_off=t_off.get("prefill_tokens", u_off["prompt_tokens"]),
+            cached_on=u.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+            ttft_on_s=round(r_on.ttft_s, 4), ttft_off_s=round(r_off.ttft_s, 4),
+            restore_ms_on=t.get("restore_ms", 0.0), prefill_ms_on=t.get("prefill_ms", 0.0),
+            prefill_ms_off=t_off.get("prefill_ms", 0.0),
+            anchor_hits=tuple(h["kind"] for h in t.get("anchor_hits", ())),
+            identical=r_on.message == r_off.message)
+
 
 TokenizeFn = Callable[[Messages, list[dict[str, Any]]], Sequence[int]]
 
@@ -191,24 +207,13 @@ def replay(convs: Sequence[Conversation], on: Target, off: Target, *, tokenize: 
                 seen.append(ids)
                 r_off = ask(client, off, messages, conv["tools"], max_tokens)
                 r_on = ask(client, on, messages, conv["tools"], max_tokens)
-                u, u_off = r_on.usage, r_off.usage
+                u = r_on.usage
                 if u["prompt_tokens"] != len(ids):
                     raise BenchError(
                         f"{conv['id']} turn {turn}: the proxy counted {u['prompt_tokens']} prompt "
                         f"tokens, the local tokenizer {len(ids)}: pass the proxy's model "
                         "(--model) so that the ideal is measured in its tokens")
-                t, t_off = u.get("timings", {}), u_off.get("timings", {})
-                result = TurnResult(
-                    conversation=str(conv["id"]), turn=turn, prompt_tokens=u["prompt_tokens"],
-                    ideal=ideal,
-                    prefilled_on=t.get("prefill_tokens", u["prompt_tokens"]),
-                    prefilled_off=t_off.get("prefill_tokens", u_off["prompt_tokens"]),
-                    cached_on=u.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-                    ttft_on_s=round(r_on.ttft_s, 4), ttft_off_s=round(r_off.ttft_s, 4),
-                    restore_ms_on=t.get("restore_ms", 0.0), prefill_ms_on=t.get("prefill_ms", 0.0),
-                    prefill_ms_off=t_off.get("prefill_ms", 0.0),
-                    anchor_hits=tuple(h["kind"] for h in t.get("anchor_hits", ())),
-                    identical=r_on.message == r_off.message)
+                result = TurnResult.from_replies(str(conv["id"]), turn, ideal, r_on, r_off)
                 results.append(result)
                 if on_turn is not None:
                     on_turn(result)

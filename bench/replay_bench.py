@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,18 +37,27 @@ RESULTS = REPO / "bench" / "results"
 
 
 @contextmanager
-def spawn(*args: str):
+def spawn(*args: str, tail: tuple[str, ...] = ()):
+    """`anchorcache ARGS --port P ... TAIL` in its own session; its URL once healthy. On exit
+    the whole session is killed (an SGLang worker's scheduler and detokenizer too)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
-                             "--log-level", "warning"], start_new_session=True,
+                             "--log-level", "warning", *tail], start_new_session=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url + "/health", proc, timeout_s=600)
+        wait_ready(url + "/health", proc, timeout_s=900)
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # SGLang's scheduler and detokenizer live in the same session
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def pick(n: int, max_turns: int, adapter, min_tokens: int, max_tokens: int) -> list[dict]:

@@ -23,12 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -36,35 +33,14 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from replay_bench import spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
+
 from anchorcache import bench  # noqa: E402
-from anchorcache.cli import free_port, wait_ready  # noqa: E402
 from anchorcache.proxy.splitter import get_adapter  # noqa: E402
 from anchorcache.proxy.tokenizers import load_tokenizer  # noqa: E402
 from tests.data import conversations, turn_requests  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-
-
-@contextmanager
-def spawn(*args: str, tail: tuple[str, ...] = ()):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
-                             "--log-level", "warning", *tail], start_new_session=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url + "/health", proc, timeout_s=900)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # SGLang's scheduler and detokenizer live in the same session
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def pick(n: int, turns: int, tokenize) -> list[dict]:
@@ -175,21 +151,12 @@ def main() -> None:
     rows = []
     for c, t in order:
         r_on, r_off = replies_on[c, t], replies_off[c, t]
-        u, u_off = r_on.usage, r_off.usage
+        u = r_on.usage
         if u["prompt_tokens"] != len(ids[c, t]):
             raise SystemExit(f"the proxy counted {u['prompt_tokens']} prompt tokens, the "
                              f"local tokenizer {len(ids[c, t])}")
-        tm, tm_off = u.get("timings", {}), u_off.get("timings", {})
-        rows.append(bench.TurnResult(
-            conversation=str(convs[c]["id"]), turn=t + 1, prompt_tokens=u["prompt_tokens"],
-            ideal=ideal[c, t], prefilled_on=tm.get("prefill_tokens", u["prompt_tokens"]),
-            prefilled_off=tm_off.get("prefill_tokens", u_off["prompt_tokens"]),
-            cached_on=u.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-            ttft_on_s=round(r_on.ttft_s, 4), ttft_off_s=round(r_off.ttft_s, 4),
-            restore_ms_on=tm.get("restore_ms", 0.0), prefill_ms_on=tm.get("prefill_ms", 0.0),
-            prefill_ms_off=tm_off.get("prefill_ms", 0.0),
-            anchor_hits=tuple(h["kind"] for h in tm.get("anchor_hits", ())),
-            identical=r_on.message == r_off.message))
+        rows.append(bench.TurnResult.from_replies(str(convs[c]["id"]), t + 1, ideal[c, t],
+                                                  r_on, r_off))
 
     print()
     print(" ".join(f"{c:>12}" for c in bench.TABLE_COLUMNS))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -76,6 +77,7 @@ class Slab:
     kv: torch.Tensor | None  # [kv_layers, 2, depth - start, kv_heads, head_dim]; None: no KV layers
     state: torch.Tensor | None  # flat uint8 states at `depth`; None on dense models
     nbytes: int
+    tokens: array | None = None  # int64 token ids `[start, depth)`, when the worker gave them
 
 
 @dataclass(frozen=True)
@@ -209,8 +211,8 @@ class AnchorStore:
         return tip.depth if tip is not None else 0
 
     def write(self, rid: str, key: bytes, depth: int, kind: AnchorKind, region: Region,
-              capture: Capture, *, check: Callable[[], None] | None = None
-              ) -> AnchorWritten | AnchorHeld | None:
+              capture: Capture, *, check: Callable[[], None] | None = None,
+              ids: tuple[int, ...] | None = None) -> AnchorWritten | AnchorHeld | None:
         """Stage the anchor `key` at `depth` of request `rid` with the rows past its tip:
         `capture(start, depth)` copies them (and the state at `depth`). A prefix the store
         already holds is reported as held; None when nothing could be reserved or the
@@ -240,7 +242,8 @@ class AnchorStore:
             log.exception("snapshot at depth %d failed; reservation aborted", depth)
             self.table.abort(res.slot)
             return None
-        slab = Slab(key, depth, start, tip.key, kind, kv, state, nbytes)
+        tokens = array("q", ids[start:depth]) if ids is not None else None
+        slab = Slab(key, depth, start, tip.key, kind, kv, state, nbytes, tokens)
         with self._lock:
             self._staged[res.slot] = (slab, rid)
         self._tips[rid] = _Tip(key, depth)
@@ -303,6 +306,29 @@ class AnchorStore:
     def _sweep_locked(self) -> None:
         now = time.monotonic()
         self._abort_locked([s for s, t in self._staged_deadline.items() if t < now])
+
+    def prefix_of(self, key: bytes) -> tuple[tuple[Slab, ...], tuple[int, ...]] | None:
+        """The committed chain root→`key` and the tokens it covers, or None when a link
+        is gone or a slab has no tokens."""
+        with self._lock:
+            chain: list[Slab] = []
+            cur: bytes | None = key
+            while cur is not None:
+                slot = self._slot_of.get(cur)
+                slab = self._live.get(slot) if slot is not None else None
+                if slab is None or slab.tokens is None or len(chain) > len(self._live):
+                    return None
+                chain.append(slab)
+                cur = slab.parent
+        chain.reverse()
+        tokens: list[int] = []
+        for slab in chain:
+            if slab.start != len(tokens) or slab.tokens is None:
+                return None
+            tokens.extend(slab.tokens)
+            if len(tokens) != slab.depth:
+                return None
+        return tuple(chain), tuple(tokens)
 
     def lookup(self, namespace: bytes, ids: Any, depths: Any) -> list[dict[str, Any]]:
         """Which prefixes `ids[:d]` are committed (no LRU touch). ValueError (WireError) on

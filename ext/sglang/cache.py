@@ -13,9 +13,13 @@
   of every planned snapshot depth the request has computed are copied from the token
   pool into host slabs, reading the request's own row of `req_to_token` while it still
   holds (and locks) it;
+  When a request that stopped on a stop token releases its KV, its response anchor
+  (prompt + output) is saved the same way;
 - restore: the verified chain is scattered into freshly allocated pool slots and the
   prefix inserted into the tree, which is then locked until the request ends, so the
-  prefill that follows matches it.
+  prefill that follows matches it;
+- pins: a pinned anchor's prefix is put on the device the same way and stays locked in
+  the tree, within a budget the contract keeps out of every request's limit.
 
 Rows are addressed `thd` by token slot (`k_buffer[layer][slot]`), so a slab written by
 the embedded worker's `bhtd` cache has the same bytes. Page size 1 only (SGLang's CPU
@@ -40,6 +44,7 @@ from anchorcache.ext.slots import SlotTable
 from anchorcache.ext.store import AnchorStore, Slab
 from anchorcache.wire import (
     AnchorHeld,
+    AnchorKind,
     AnchorPlan,
     AnchorWritten,
     WireError,
@@ -52,11 +57,21 @@ from .config import SGLangAnchorConfig
 log = logging.getLogger("anchorcache.sglang")
 
 try:  # SGLang is an optional dependency of the package; this module runs inside it
+    from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 except ImportError:  # pragma: no cover
     UnifiedRadixCache = object  # type: ignore[misc,assignment]
+    FINISH_MATCHED_TOKEN = ()  # type: ignore[misc,assignment]
+
+
+@dataclass
+class _DevicePin:
+    """A pinned anchor's prefix, held in SGLang's tree by a lock reference."""
+
+    lock: Any
+    tokens: int
 
 
 @dataclass
@@ -91,12 +106,20 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         self._pending: dict[str, _Pending] = {}
         self._locked_tokens = 0  # tree tokens our restore locks hold
         self._pool_tokens = int(self.token_to_kv_pool_allocator.size)
+        # pinned anchors' prefixes stay locked in the tree, within their own budget, which
+        # the contract's request limit leaves free (so no admitted request can starve)
+        self._pins: dict[bytes, _DevicePin] = {}
+        self._pinned_tokens = 0
+        self._pin_budget = int(config.pin_budget_fraction * self._pool_tokens)
+        self._repin: set[bytes] = set()  # pins a device flush dropped, placed again lazily
         self._zmq: zmq.Context[Any] = zmq.Context.instance()
         self._reply: dict[str, zmq.Socket[Any]] = {}
 
     # ---- RPC entry (scheduler loop) ---------------------------------------------------
     def __call__(self, op: str, payload: str, reply_to: str, call_id: int) -> None:
         try:
+            if self._repin:
+                self._pin_again()
             handler = getattr(self, "_op_" + op)
             result = {"ok": True, **handler(orjson.loads(payload))}
         except WireError as e:
@@ -114,7 +137,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
 
     def _op_hello(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"model_id": self.model_id, "page_size": self.page_size,
-                "pool_tokens": self._pool_tokens}
+                "pool_tokens": self._pool_tokens, "pin_budget_tokens": self._pin_budget}
 
     def _op_prepare(self, body: dict[str, Any]) -> dict[str, Any]:
         """Restore the verified chain onto the device and register the request's snapshots."""
@@ -142,6 +165,8 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
 
     def _op_confirm(self, body: dict[str, Any]) -> dict[str, Any]:
         confirmed, evicted = self.anchors.confirm(_slots(body))
+        for key in evicted:
+            self._unpin_device(key)
         return {"confirmed": confirmed, "evicted": [k.hex() for k in evicted]}
 
     def _op_abort(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -162,19 +187,67 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         return {"slots": self.anchors.slots_json()}
 
     def _op_stats(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {**self.anchors.stats_json(), "device_locked_tokens": self._locked_tokens}
+        return {**self.anchors.stats_json(), "device_locked_tokens": self._locked_tokens,
+                "device_pinned_tokens": self._pinned_tokens,
+                "device_pin_budget_tokens": self._pin_budget}
 
     def _op_pin(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"pinned": self.anchors.table.pin(_key(body))}
+        """Pin in the host tier (never evicted from the slot table) and lock the anchor's
+        prefix in SGLang's tree, placing it there first if it is not on the device."""
+        key = _key(body)
+        pinned = self.anchors.table.pin(key)
+        return {"pinned": pinned, "device": self._pin_device(key) if pinned else "none"}
 
     def _op_unpin(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"unpinned": self.anchors.table.unpin(_key(body))}
+        key = _key(body)
+        self._unpin_device(key)
+        return {"unpinned": self.anchors.table.unpin(key)}
 
     def _op_evict(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"evicted": self.anchors.evict(_key(body))}
+        key = _key(body)
+        evicted = self.anchors.evict(key)
+        if evicted:
+            self._unpin_device(key)
+        return {"evicted": evicted}
 
     def _op_flush_anchors(self, body: dict[str, Any]) -> dict[str, Any]:
+        for key in list(self._pins) + list(self._repin):
+            self._unpin_device(key)
         return {"flushed_anchors": self.anchors.flush()}
+
+    # ---- device pins --------------------------------------------------------------------
+    def _pin_device(self, key: bytes) -> str:
+        """Lock the committed anchor `key`'s prefix in the tree; how it went: `locked`,
+        or why not (`over_budget`, `no_device_space`, `no_tokens`, `unsupported`)."""
+        if key in self._pins:
+            return "locked"
+        if self.page_size != 1:
+            return "unsupported"
+        found = self.anchors.prefix_of(key)
+        if found is None:
+            return "no_tokens"
+        chain, ids = found
+        if self._pinned_tokens + len(ids) > self._pin_budget:
+            return "over_budget"
+        placed = self._to_device(chain, ids)
+        if placed is None:
+            return "no_device_space"
+        self._pins[key] = _DevicePin(placed[0], len(ids))
+        self._pinned_tokens += len(ids)
+        return "locked"
+
+    def _unpin_device(self, key: bytes) -> None:
+        self._repin.discard(key)
+        pin = self._pins.pop(key, None)
+        if pin is not None:
+            self.unlock(pin.lock)
+            self._pinned_tokens -= pin.tokens
+
+    def _pin_again(self) -> None:
+        keys, self._repin = self._repin, set()
+        pinned = {e.key for e in self.anchors.table.entries() if e.pinned}
+        for key in keys & pinned:
+            self._pin_device(key)
 
     # ---- restore ----------------------------------------------------------------------
     def _restore(self, rid: str, p: _Pending) -> tuple[int, int]:
@@ -189,30 +262,42 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
                 {"key": check.chain[0].key.hex(), "depth": check.chain[0].depth,
                  "reason": "unsupported"}]}
             return 0, 0
-        # a lone restore always fits (the contract refused prompts the pool cannot hold);
-        # beside others, the locked prefixes together stay within the budget
-        if self._locked_tokens and self._locked_tokens + depth \
-                > self.anchor_config.lock_budget_fraction * self._pool_tokens:
+        # a lone restore always fits (the contract refused prompts the pool cannot hold
+        # beside the pin budget); beside others, the locked prefixes together stay within
+        # the budget
+        over = self._locked_tokens and self._locked_tokens + depth \
+            > self.anchor_config.lock_budget_fraction * self._pool_tokens
+        placed = None if over else self._to_device(check.chain, p.ids[:depth])
+        if placed is None:
             p.info["restore_miss"].append({"key": check.chain[-1].key.hex(), "depth": depth,
                                            "reason": "no_device_space"})
             p.info["restored"] = []
             return 0, 0
-        key = RadixKey(array("q", p.ids[:depth]))
+        p.lock, scattered, on_device = placed
+        p.locked_tokens = depth
+        self._locked_tokens += depth
+        self.anchors.chained(rid, check.chain[-1].key, depth)
+        return scattered, on_device
+
+    def _to_device(self, chain: tuple[Slab, ...], ids: tuple[int, ...]
+                   ) -> tuple[Any, int, int] | None:
+        """Put the prefix `ids` (the rows of `chain`) into the tree and lock it: what SGLang
+        still holds stays, the rest is scattered from the slabs into fresh pool slots.
+        (lock, tokens scattered, tokens found on the device), or None without room."""
+        depth = len(ids)
+        key = RadixKey(array("q", ids))
         fresh = self._alloc(depth)  # before the match: allocation may evict tree nodes
         match = self.match_prefix(MatchPrefixParams(key=key))
         on_device = int(match.device_prefix_len)
         scattered = 0
         if on_device < depth:
             if fresh is None:
-                p.info["restore_miss"].append({"key": check.chain[-1].key.hex(), "depth": depth,
-                                               "reason": "no_device_space"})
-                p.info["restored"] = []
-                return 0, on_device
+                return None
             need = depth - on_device
             rows = fresh[:need]
             if need < len(fresh):
                 self.token_to_kv_pool_allocator.free(fresh[need:])
-            self._scatter(check.chain, on_device, rows)
+            self._scatter(chain, on_device, rows)
             prefix = self.path_device_indices(match.last_device_node)[:on_device].to(torch.int64)
             # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
             # (the insert frees any other overlap itself)
@@ -223,11 +308,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         elif fresh is not None:
             self.token_to_kv_pool_allocator.free(fresh)
         assert int(match.device_prefix_len) == depth, (match.device_prefix_len, depth)
-        p.lock = self.lock(match.last_device_node)
-        p.locked_tokens = depth
-        self._locked_tokens += depth
-        self.anchors.chained(rid, check.chain[-1].key, depth)
-        return scattered, on_device
+        return self.lock(match.last_device_node), scattered, on_device
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         allocator = self.token_to_kv_pool_allocator
@@ -260,9 +341,12 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
     # ---- snapshots (SGLang's checkpoint hook) -----------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
-        if p is not None and p.todo:
+        if p is not None:
             try:
-                self._snapshot(req, p, up_to)
+                if p.todo:
+                    self._snapshot(req, p, up_to)
+                if req.finished() and p.plan.snapshot_response:
+                    self._snapshot_response(req, p, up_to)
             except Exception:  # a failed snapshot costs its anchors, never the scheduler
                 log.exception("snapshot of request %s failed", req.rid)
                 p.todo = []
@@ -273,31 +357,59 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         if not ready:
             return
         p.todo = [s for s in p.todo if s.depth > up_to]
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : ready[-1].depth]
-        row = row.to(torch.int64)
+        capture = self._capture(req, ready[-1].depth)
         keys = anchor_keys(p.plan.namespace, self.model_id, p.ids, [s.depth for s in ready])
         for spec in ready:
             if spec.depth <= self.anchors.tip_depth(req.rid):
                 continue  # at or below what the request restored: nothing new to save
+            self._record(p, self.anchors.write(req.rid, keys[spec.depth], spec.depth, spec.kind,
+                                               spec.region.value, capture, ids=p.ids))
 
-            def capture(start: int, depth: int) -> tuple[torch.Tensor, None]:
-                idx = row[start:depth].contiguous()
-                return ops.snapshot_kv(self._k, self._v, idx, layout="thd"), None
+    def _snapshot_response(self, req: Any, p: _Pending, up_to: int) -> None:
+        """The response anchor of a request that stopped on a stop token: prompt + output
+        but the stop token. The stop token's row exists only when SGLang's overlap schedule
+        already ran the next step (then `up_to` covers it), and that step's forward may
+        still be in flight: the anchor stops one short, at rows whose forward has finished
+        (one token short of the embedded worker's; the next turn starts with it all the same)."""
+        if not isinstance(req.finished_reason, FINISH_MATCHED_TOKEN):
+            return
+        full = p.ids + tuple(req.output_ids)
+        depth = min(up_to, len(full) - 1)
+        if depth <= len(p.ids):
+            return
+        key = anchor_keys(p.plan.namespace, self.model_id, full, [depth])[depth]
+        self._record(p, self.anchors.write(req.rid, key, depth, AnchorKind.RESPONSE, "thick",
+                                           self._capture(req, depth), ids=full))
 
-            w = self.anchors.write(req.rid, keys[spec.depth], spec.depth, spec.kind,
-                                   spec.region.value, capture)
-            if isinstance(w, AnchorHeld):
-                p.held.append(w)
-            elif w is not None:
-                p.written.append(w)
+    def _capture(self, req: Any, depth: int) -> Any:
+        """`capture(start, depth)` over the request's own row of `req_to_token`, which it
+        still holds (and locks) while SGLang checkpoints it."""
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64)
+
+        def capture(start: int, depth: int) -> tuple[torch.Tensor, None]:
+            return ops.snapshot_kv(self._k, self._v, row[start:depth].contiguous(),
+                                   layout="thd"), None
+
+        return capture
+
+    @staticmethod
+    def _record(p: _Pending, w: AnchorWritten | AnchorHeld | None) -> None:
+        if isinstance(w, AnchorHeld):
+            p.held.append(w)
+        elif w is not None:
+            p.written.append(w)
 
     def reset(self) -> None:
-        # A flush drops the tree our restore locks point into: forget them, never unlock.
+        # A flush drops the tree our locks point into: forget them, never unlock. Pinned
+        # anchors go back on the device at the next anchor operation.
         for p in getattr(self, "_pending", {}).values():
             p.lock = None
             p.locked_tokens = 0
         if hasattr(self, "_locked_tokens"):
             self._locked_tokens = 0
+            self._repin |= set(self._pins)
+            self._pins.clear()
+            self._pinned_tokens = 0
         super().reset()
 
 

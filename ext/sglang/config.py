@@ -24,6 +24,9 @@ class SGLangAnchorConfig:
     # restored prefixes stay locked in SGLang's tree until their request ends; together
     # they may hold at most this share of the KV pool, so they can never starve it
     lock_budget_fraction: float = 0.5
+    # pinned anchors' prefixes stay locked in the tree; at most this share of the pool,
+    # which the contract keeps out of every request's limit (0: pins stay host-only)
+    pin_budget_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         if self.anchor_slots < 1 or not 0 <= self.pinned_slots < self.anchor_slots:
@@ -32,6 +35,8 @@ class SGLangAnchorConfig:
             raise ValueError("anchor_capacity_bytes must be positive")
         if not 0 < self.lock_budget_fraction < 1:
             raise ValueError("lock_budget_fraction must be in (0, 1)")
+        if not 0 <= self.pin_budget_fraction < 0.5:
+            raise ValueError("pin_budget_fraction must be in [0, 0.5)")
 
     def to_env(self) -> dict[str, str]:
         return {ENV: orjson.dumps(asdict(self)).decode()}

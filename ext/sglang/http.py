@@ -6,8 +6,10 @@
 
 1. `prepare` (RPC to the scheduler): verify and restore the anchor chain into SGLang's
    pool and tree, lock it, register the snapshot cuts;
-2. SGLang's own `TokenizerManager.generate_request`, exactly as its `/generate` route
-   calls it, so requests are batched by SGLang as usual;
+2. SGLang's own `TokenizerManager.generate_request`, as its `/generate` route calls it, so
+   requests are batched by SGLang as usual; sampling parameters (constraints, seed,
+   logprobs) pass through under SGLang's names. With `n > 1` the prompt is prefilled once,
+   then the samples run as `n` SGLang requests (`_Run`);
 3. `finish` (RPC): snapshots taken at SGLang's checkpoints come back, locks are dropped.
 
 Every anchor operation crosses to the scheduler through `SchedulerRpc`: SGLang's RPC
@@ -23,6 +25,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +100,8 @@ class SGLangWorker:
         self.model_id = Path(model_path).name
         self.rpc: SchedulerRpc | None = None
         self.epoch: str | None = None
+        self.pin_budget_tokens = 0  # the scheduler's (hello): kept out of every request
+        self.samples: dict[str, list[str]] = {}  # running request → its SGLang requests
 
     def init_tokenizer_manager(self, server_args: Any, port_args: Any, *args: Any) -> Any:
         """`launch_server`'s tokenizer-manager factory: SGLang's own, plus the RPC socket name."""
@@ -121,10 +126,23 @@ class SGLangWorker:
     async def ready(self) -> bool:
         if self.epoch is None:
             try:
-                await self.call("hello")
+                hello = await self.call("hello")
             except (SchedulerError, asyncio.TimeoutError):
                 return False
+            self.pin_budget_tokens = int(hello.get("pin_budget_tokens", 0))
         return self.epoch is not None
+
+    def max_request_tokens(self) -> int:
+        """Prompt + completion tokens one request may have: the model's context, or less
+        when SGLang's KV pool is smaller (SGLang refuses prompts of `max_req_input_len`
+        tokens), less the share of the pool pinned anchors may lock (so a request that is
+        admitted always fits beside them)."""
+        tm = self.tm
+        limit = int(tm.context_len)
+        pool = getattr(tm, "max_req_input_len", None)
+        if pool:
+            limit = min(limit, int(pool) - self.pin_budget_tokens)
+        return limit
 
 
 # ---- replies -----------------------------------------------------------------------------
@@ -166,12 +184,17 @@ async def _body(request: Any) -> Any:
 
 # ---- /generate ---------------------------------------------------------------------------
 
-def _sglang_sampling(p: SamplingParams) -> dict[str, Any]:
+def _sglang_sampling(p: SamplingParams, index: int) -> dict[str, Any]:
+    """SGLang's sampling parameters for sample `index` (its seed is `seed + index`); the
+    constraint passes through under SGLang's own name, compiled by SGLang's grammar backend."""
     out: dict[str, Any] = {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature,
                            "top_p": p.top_p, "top_k": p.top_k,
                            "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos}
     if p.seed is not None:
-        out["sampling_seed"] = p.seed
+        out["sampling_seed"] = p.seed + index
+    if p.constraint is not None:
+        kind, value = p.constraint
+        out[kind] = value
     return out
 
 
@@ -186,14 +209,27 @@ def _finish(meta: dict[str, Any], output_ids: list[int]) -> dict[str, Any]:
     return {"type": "abort"}
 
 
+class Aborted(Exception):
+    """SGLang aborted a request: an error reply, never a completion."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        reason = meta.get("finish_reason") or {}
+        status = reason.get("status_code") if isinstance(reason, dict) else None
+        message = reason.get("message") if isinstance(reason, dict) else None
+        self.status = int(status) if isinstance(status, int) and 400 <= status < 600 else 502
+        text = f"SGLang aborted the request: {message or 'no reason given'}"
+        if self.status == 400 and "length" in text:
+            text += " (over the context SGLang's KV pool holds for one request)"
+        super().__init__(text)
+
+
 async def generate(request: Any, worker: SGLangWorker) -> Any:
-    from fastapi import HTTPException
     from fastapi.responses import StreamingResponse
-    from sglang.srt.managers.io_struct import GenerateReqInput
 
     req = parse_generate(await _body(request))
     tm = worker.tm
-    limit = max_request_tokens(tm)
+    await worker.ready()
+    limit = worker.max_request_tokens()
     if len(req.input_ids) + req.sampling.max_new_tokens > limit:
         raise WireError(f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
                         f"({req.sampling.max_new_tokens}) exceeds the context of {limit} "
@@ -203,134 +239,256 @@ async def generate(request: Any, worker: SGLangWorker) -> Any:
     if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
         raise WireError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary)")
     rid = req.rid or uuid.uuid4().hex
-    if rid in tm.rid_to_state:
+    if rid in tm.rid_to_state or rid in worker.samples:
         raise WireError(f"request id {rid!r} is already running")
-    await worker.ready()
-    t0 = time.perf_counter()
-    prep = None
-    if req.anchor is not None:
-        prep = await worker.call("prepare", {"rid": rid, "input_ids": list(req.input_ids),
-                                             "anchor": req.anchor.to_json()})
-    restore_ms = (time.perf_counter() - t0) * 1e3
-    obj = GenerateReqInput(rid=rid, input_ids=list(req.input_ids),
-                           sampling_params=_sglang_sampling(req.sampling), stream=req.stream)
-    run = _Run(worker, req, rid, prep, restore_ms)
+    run = _Run(worker, req, rid, request)
     if not req.stream:
-        ok = False
+        outputs: list[dict[str, Any]] = [{"rid": rid, "output_ids": []} for _ in run.samples]
         try:
-            out = await tm.generate_request(obj, request).__anext__()
-            run.add(out)
-            ok = run.finish_reason.get("type") != "abort"
-        except ValueError as e:  # SGLang's way of refusing a request (its 400)
-            raise WireError(str(e)) from None
-        except HTTPException as e:
-            raise SchedulerError(e.status_code, str(e.detail)) from None
-        finally:
-            meta = await asyncio.shield(run.meta(ok))
-        if not ok:
-            return _abort_error(run)
-        return _json({"rid": rid, "output_ids": run.output_ids, "meta_info": meta})
+            async for event in run.events():
+                out = outputs[event.get("index", 0)]
+                out["output_ids"].extend(event["output_ids"])
+                for key in ("output_token_logprobs", "output_top_logprobs"):
+                    if key in event:
+                        out.setdefault(key, []).extend(event[key])
+                if "meta_info" in event:
+                    out["meta_info"] = event["meta_info"]
+                    if "index" in event:
+                        out["index"] = event["index"]
+        except Aborted as e:
+            return _error(str(e), e.status)
+        return _json(outputs if len(outputs) > 1 else outputs[0])
 
     async def events() -> AsyncIterator[bytes]:
-        ok = False
         try:
-            async for out in tm.generate_request(obj, request):
-                new = run.add(out)
-                if new:
-                    yield b"data: " + orjson.dumps({"rid": rid, "output_ids": new}) + b"\n\n"
-            ok = run.finish_reason.get("type") != "abort"
-            if not ok:
-                await asyncio.shield(run.meta(False))
-                err = orjson.loads(_abort_error(run).body)
-                yield b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
-                return
-        except (asyncio.CancelledError, GeneratorExit):
-            await asyncio.shield(run.meta(False))
-            raise
+            async for event in run.events():
+                yield b"data: " + orjson.dumps(event) + b"\n\n"
+        except Aborted as e:
+            err = {"error": {"message": str(e), "type": "server_error", "code": "worker_error"}}
+            yield b"data: " + orjson.dumps(err) + b"\n\n"
+        except (WireError, SchedulerError) as e:
+            err = {"error": {"message": str(e), "type": "server_error", "code": "worker_error"}}
+            yield b"data: " + orjson.dumps(err) + b"\n\n"
         except Exception as e:
             log.exception("streamed generate failed")
-            await asyncio.shield(run.meta(False))
             err = {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
                              "code": "worker_error"}}
-            yield b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
-            return
-        meta = await asyncio.shield(run.meta(ok))
-        yield b"data: " + orjson.dumps({"rid": rid, "output_ids": [], "meta_info": meta}) + b"\n\n"
+            yield b"data: " + orjson.dumps(err) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 
-def max_request_tokens(tm: Any) -> int:
-    """Prompt + completion tokens one request may have: the model's context, or less when
-    SGLang's KV pool is smaller (SGLang refuses prompts of `max_req_input_len` tokens)."""
-    limit = int(tm.context_len)
-    pool = getattr(tm, "max_req_input_len", None)
-    return min(limit, int(pool)) if pool else limit
-
-
-def _abort_error(run: _Run) -> Any:
-    """The error reply for a request SGLang aborted: never a completion (its status when
-    SGLang gave one, e.g. 400 for a prompt over the pool; else a 502)."""
-    reason = run.sglang_meta.get("finish_reason") or {}
-    status = reason.get("status_code") if isinstance(reason, dict) else None
-    message = reason.get("message") if isinstance(reason, dict) else None
-    status = int(status) if isinstance(status, int) and 400 <= status < 600 else 502
-    text = f"SGLang aborted the request: {message or 'no reason given'}"
-    if status == 400 and "length" in text:
-        text += " (over the context SGLang's KV pool holds for one request)"
-    return _error(text, status)
+class _Sample:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.output_ids: list[int] = []
+        self.logprobs = 0  # how many of SGLang's cumulative logprob rows were sent
+        self.finish_reason: dict[str, Any] = {"type": "abort"}
+        self.sglang_meta: dict[str, Any] = {}
+        self.t_first: float | None = None
 
 
 class _Run:
-    """One contract request over SGLang's output chunks."""
+    """One contract request: the anchor `prepare`, SGLang's own generation of each sample
+    (`TokenizerManager.generate_request`, streamed internally so the first token's time is
+    known), and the anchor `finish`.
+
+    With `n > 1` the prompt is prefilled once first, under the request's own id (so its
+    snapshots are taken then); the samples, each its own SGLang request `rid-i` with seed
+    `seed + i`, then find the whole prompt in SGLang's tree but its last token, whose
+    logits each needs. SGLang batches them as it does any requests."""
 
     def __init__(self, worker: SGLangWorker, req: GenerateRequest, rid: str,
-                 prep: dict[str, Any] | None, restore_ms: float) -> None:
-        self.worker, self.req, self.rid, self.prep = worker, req, rid, prep
-        self.restore_ms = restore_ms
-        self.output_ids: list[int] = []
-        self.sglang_meta: dict[str, Any] = {}
-        self.finish_reason: dict[str, Any] = {"type": "abort"}
-        self._done: dict[str, Any] | None = None
+                 request: Any) -> None:
+        self.worker, self.req, self.rid, self.request = worker, req, rid, request
+        n = req.sampling.n
+        self.samples = [_Sample(rid if n == 1 else f"{rid}-{i}") for i in range(n)]
+        self.anchors: dict[str, Any] = {"restored": [], "restore_miss": [], "written": [],
+                                        "held": []}
+        self.cached_tokens: int | None = None  # of the prompt prefill (n > 1)
+        self.restore_ms = 0.0
         self.t0 = time.perf_counter()
+        self.prepared = False
+        self.finished = False
 
-    def add(self, out: dict[str, Any]) -> list[int]:
+    def _obj(self, rid: str, sampling: dict[str, Any]) -> Any:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        req = self.req
+        return GenerateReqInput(rid=rid, input_ids=list(req.input_ids),
+                                sampling_params=sampling, stream=True,
+                                return_logprob=req.return_logprob,
+                                top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0)
+
+    async def _stream(self, obj: Any) -> AsyncIterator[dict[str, Any]]:
+        """SGLang's outputs for one request; `Aborted` (or WireError: SGLang's way of refusing
+        a request is a ValueError) instead of an abort finish."""
+        from fastapi import HTTPException
+
+        try:
+            async for out in self.worker.tm.generate_request(obj, self.request):
+                meta = out.get("meta_info") or {}
+                reason = meta.get("finish_reason")
+                if isinstance(reason, dict) and reason.get("type") not in ("stop", "length"):
+                    raise Aborted(meta)
+                yield out
+        except ValueError as e:
+            raise WireError(str(e)) from None
+        except HTTPException as e:
+            raise SchedulerError(e.status_code, str(e.detail)) from None
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Contract events: new ids (and logprobs) per sample, then each sample's meta."""
+        self.worker.samples[self.rid] = [s.rid for s in self.samples]
+        ok = False
+        try:
+            req = self.req
+            if req.anchor is not None:
+                anchor = req.anchor
+                if len(self.samples) > 1:  # the samples' responses differ: none is saved
+                    anchor = replace(anchor, snapshot_response=False)
+                prep = await self.worker.call("prepare", {
+                    "rid": self.rid, "input_ids": list(req.input_ids),
+                    "anchor": anchor.to_json()})
+                self.prepared = True
+                self.anchors.update(prep["anchors"])
+                self.anchors["restored_tokens"] = prep["restored_tokens"]
+            self.restore_ms = (time.perf_counter() - self.t0) * 1e3
+            if len(self.samples) == 1:
+                sample = self.samples[0]
+                obj = self._obj(sample.rid, _sglang_sampling(req.sampling, 0))
+                async for out in self._stream(obj):
+                    event = self._add(sample, out)
+                    if event is not None:
+                        yield event
+                ok = True
+                await self._finish(True)
+                yield self._meta(0)
+            else:
+                await self._prefill()
+                await self._finish(True)
+                async for event in self._merged():
+                    yield event
+                ok = True
+        except BaseException:  # an error, or the client went away (cancelled, closed)
+            self._abort_samples()
+            raise
+        finally:
+            self.worker.samples.pop(self.rid, None)
+            if not self.finished:
+                await asyncio.shield(self._finish(ok))
+
+    async def _prefill(self) -> None:
+        """The prompt once (no token sampled), under the request's own id."""
+        obj = self._obj(self.rid, {"max_new_tokens": 0})
+        obj.return_logprob = False
+        obj.top_logprobs_num = 0
+        async for out in self._stream(obj):
+            meta = out.get("meta_info") or {}
+            if meta.get("finish_reason") is not None:
+                self.cached_tokens = int(meta.get("cached_tokens") or 0)
+
+    async def _merged(self) -> AsyncIterator[dict[str, Any]]:
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = \
+            asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                obj = self._obj(self.samples[i].rid, _sglang_sampling(self.req.sampling, i))
+                async for out in self._stream(obj):
+                    queue.put_nowait((i, out))
+                queue.put_nowait((i, None))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.samples))]
+        try:
+            live = len(tasks)
+            while live:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    live -= 1
+                    yield self._meta(i)
+                    continue
+                event = self._add(self.samples[i], item)
+                if event is not None:
+                    yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _add(self, sample: _Sample, out: dict[str, Any]) -> dict[str, Any] | None:
+        """Fold one SGLang output into `sample`; the contract event for its new ids."""
+        if sample.t_first is None:
+            sample.t_first = time.perf_counter()
+        incremental = getattr(self.worker.tm, "incremental_streaming_output", False)
         ids = list(out.get("output_ids") or [])
-        if getattr(self.worker.tm, "incremental_streaming_output", False) and self.req.stream:
-            new = ids
-        else:
-            new = ids[len(self.output_ids):]
-        self.output_ids.extend(new)
-        self.sglang_meta = out.get("meta_info") or {}
-        if self.sglang_meta.get("finish_reason") is not None:
-            self.finish_reason = _finish(self.sglang_meta, self.output_ids)
-        return new
+        new = ids if incremental else ids[len(sample.output_ids):]
+        sample.output_ids.extend(new)
+        meta = out.get("meta_info") or {}
+        sample.sglang_meta = meta
+        if meta.get("finish_reason") is not None:
+            sample.finish_reason = _finish(meta, sample.output_ids)
+        if not new:
+            return None
+        event: dict[str, Any] = {"rid": self.rid, "output_ids": new}
+        if len(self.samples) > 1:
+            event["index"] = self.samples.index(sample)
+        if self.req.return_logprob:
+            rows = meta.get("output_token_logprobs") or []
+            tops = meta.get("output_top_logprobs") or []
+            start = 0 if incremental else sample.logprobs
+            take = slice(start, start + len(new))
+            event["output_token_logprobs"] = [[lp, t, None] for lp, t, *_ in rows[take]]
+            if self.req.top_logprobs_num:
+                event["output_top_logprobs"] = [[[lp, t, None] for lp, t, *_ in top or []]
+                                                for top in tops[take]]
+            sample.logprobs += len(new)
+        return event
 
-    async def meta(self, ok: bool) -> dict[str, Any]:
-        if self._done is not None:
-            return self._done
-        anchors: dict[str, Any] = {"restored": [], "restore_miss": [], "written": [],
-                                   "held": []}
-        if self.prep is not None:
-            anchors.update(self.prep["anchors"])
+    async def _finish(self, ok: bool) -> None:
+        """Drop the restore lock; learn what the prefill saved."""
+        self.finished = True
+        if self.prepared:
             fin = await self.worker.call("finish", {"rid": self.rid, "ok": ok})
-            anchors["written"] = fin["written"]
-            anchors["held"] = [*anchors.get("held", []), *fin["held"]]
-            anchors["restored_tokens"] = self.prep["restored_tokens"]
-        m = self.sglang_meta
+            self.anchors["written"] = fin["written"]
+            self.anchors["held"] = [*self.anchors.get("held", []), *fin["held"]]
+
+    def _abort_samples(self) -> None:
+        tm = self.worker.tm
+        for rid in [self.rid, *(s.rid for s in self.samples)]:
+            if rid in tm.rid_to_state:
+                tm.abort_request(rid=rid)
+
+    def _meta(self, index: int) -> dict[str, Any]:
+        sample = self.samples[index]
         n = len(self.req.input_ids)
-        cached = int(m.get("cached_tokens") or 0)
-        self._done = {
-            "id": self.rid, "prompt_tokens": n, "completion_tokens": len(self.output_ids),
+        cached = self.cached_tokens
+        if cached is None:
+            cached = int(sample.sglang_meta.get("cached_tokens") or 0)
+        now = time.perf_counter()
+        first = sample.t_first or now
+        meta = {
+            "id": self.rid, "prompt_tokens": n, "completion_tokens": len(sample.output_ids),
             "cached_tokens": cached, "prefill_tokens": n - cached,
             "restore_ms": round(self.restore_ms, 3),
-            "prefill_ms": 0.0, "decode_ms": round((time.perf_counter() - self.t0) * 1e3, 3),
-            "finish_reason": self.finish_reason, "anchors": anchors,
+            # SGLang does not split a request's time: prefill is until its first output
+            # (queueing included), decode the rest
+            "prefill_ms": round((first - self.t0) * 1e3 - self.restore_ms, 3),
+            "decode_ms": round((now - first) * 1e3, 3),
+            "finish_reason": sample.finish_reason, "anchors": dict(self.anchors),
             "epoch": self.worker.epoch,
         }
-        return self._done
+        event: dict[str, Any] = {"rid": self.rid, "output_ids": [], "meta_info": meta}
+        if len(self.samples) > 1:
+            meta["index"] = index
+            event["index"] = index
+        return event
 
 
 # ---- other contract routes ---------------------------------------------------------------
@@ -338,7 +496,10 @@ class _Run:
 async def health(request: Any, worker: SGLangWorker) -> Any:
     if not await worker.ready():
         return _error("the scheduler is not ready", 503)
-    rids = [r for r in worker.tm.rid_to_state if not str(r).startswith("HEALTH_CHECK")]
+    samples = {r for rids in worker.samples.values() for r in rids}
+    rids = [r for r in worker.tm.rid_to_state
+            if not str(r).startswith("HEALTH_CHECK") and r not in samples]
+    rids += [r for r in worker.samples if r not in rids]
     return _json({"status": "ok", "epoch": worker.epoch, "running_requests": rids,
                   "queued_requests": []})
 
@@ -358,7 +519,7 @@ async def model_info(request: Any, worker: SGLangWorker) -> Any:
     archs = getattr(hf, "architectures", None) or [type(hf).__name__]
     return _json({"model_id": worker.model_id, "model_path": worker.model_path,
                   "tokenizer_path": worker.model_path, "is_generation": True,
-                  "architecture": archs[0], "max_context_tokens": max_request_tokens(tm),
+                  "architecture": archs[0], "max_context_tokens": worker.max_request_tokens(),
                   "eos_token_ids": sorted(eos), "hybrid": False,
                   "vocab_size": int(getattr(hf, "vocab_size", 0)), "backend": "sglang",
                   "epoch": worker.epoch})
@@ -378,9 +539,11 @@ async def abort_request(request: Any, worker: SGLangWorker) -> Any:
     rid = body.get("rid") if isinstance(body, dict) else None
     if not isinstance(rid, str):
         raise WireError("'rid' must be a string")
-    running = rid in worker.tm.rid_to_state
-    if running:
-        worker.tm.abort_request(rid=rid)
+    running = False
+    for r in {rid, *worker.samples.get(rid, ())}:
+        if r in worker.tm.rid_to_state:
+            worker.tm.abort_request(rid=r)
+            running = True
     dropped = (await worker.call("abort_request", {"rid": rid}))["dropped"]
     return _json({"rid": rid, "aborted": running or bool(dropped), "epoch": worker.epoch})
 

@@ -15,6 +15,9 @@ import sys
 
 
 def main(argv: list[str]) -> None:
+    # the contract's logprobs are the model's own distribution, before temperature and
+    # truncation (SGLang's default returns the processed one when sampling)
+    os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     from sglang.srt.entrypoints.http_server import app, launch_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args

@@ -8,7 +8,9 @@ device cache (`/flush_cache`), so a hit can only come from a restored anchor.
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import httpx
 import pytest
@@ -53,6 +55,16 @@ def worker(request):
             yield Worker("embedded", server.url)
     else:
         yield Worker("sglang", request.getfixturevalue("sglang").url)
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    """Both tiny models speak the real Qwen3 tokenizer."""
+    from transformers import AutoTokenizer
+
+    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
 
 
 def generate(worker, ids, plan=None):
@@ -254,3 +266,112 @@ def test_a_link_in_its_own_namespace(worker):
     # without the link's namespace the worker computes the plan's key and refuses it
     refused = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(root, 100),)))
     assert refused["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "key_mismatch"
+
+
+def run(worker, ids, sampling, plan=None, **extra):
+    body = {**GenerateRequest(input_ids=tuple(ids), sampling=sampling, anchor=plan).to_json(),
+            **extra}
+    resp = httpx.post(worker.url + "/generate", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_a_response_anchor_restores_the_next_turn(worker):
+    """A generation that stops on a stop token saves prompt + output as a response anchor
+    (SGLang: all of it but the stop token, whose row it never computed); the next turn's
+    prompt starts with it and restores it: output as cold."""
+    ids = prompt(13, 200)
+    probe = generate(worker, ids)["output_ids"]
+    k = next(i for i in range(2, len(probe)) if probe[i] not in probe[:i])
+    stop = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(probe[k],))
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(200, AnchorKind.CONVERSATION, Region.THICK),),
+                      snapshot_response=True)
+    out = run(worker, ids, stop, plan)
+    assert out["output_ids"] == probe[:k + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": probe[k]}
+    written = {w["kind"]: w for w in out["meta_info"]["anchors"]["written"]}
+    response = written["response"]
+    full = ids + out["output_ids"]
+    depth = len(full) - (1 if worker.backend == "sglang" else 0)
+    assert response["depth"] == depth
+    assert response["parent"] == written["conversation"]["key"]
+    assert response["key"] == anchor_keys(NS, worker.model_id, full, [depth])[depth].hex()
+    post(worker, "/anchor/confirm", {"slots": [w["slot"] for w in written.values()]})
+    following = full + prompt(14, 30)
+    worker.forget_device()
+    cold = generate(worker, following)
+    worker.forget_device()
+    warm = generate(worker, following, AnchorPlan(NS, restore=(
+        AnchorRef(bytes.fromhex(written["conversation"]["key"]), 200),
+        AnchorRef(bytes.fromhex(response["key"]), depth))))
+    assert warm["meta_info"]["cached_tokens"] == depth
+    assert warm["output_ids"] == cold["output_ids"]
+    # a length finish saves no response anchor
+    cut = run(worker, ids, SamplingParams(max_new_tokens=2, temperature=0.0),
+              AnchorPlan(NS, snapshot_response=True))
+    assert cut["meta_info"]["anchors"]["written"] == []
+
+
+def test_n_samples_share_one_prefill_and_a_seed_reproduces_them(worker):
+    """`n` samples from one prefill, sample i drawing from seed + i. SGLang honours
+    per-request seeds only under its own `--enable-deterministic-inference`, which its CPU
+    attention backend cannot combine with the radix cache: there the samples still share
+    the prefill, and differ, but a seed does not reproduce them (docs/sglang.md)."""
+    ids = prompt(15, 120)
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, seed=7, n=3)
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(100, AnchorKind.CONVERSATION, Region.THICK),),
+                      snapshot_response=True)
+    first = run(worker, ids, sampling, plan)
+    assert [o["index"] for o in first] == [0, 1, 2]
+    metas = [o["meta_info"] for o in first]
+    # one prefill: every sample reports the same prompt figures and the one snapshot
+    assert len({(m["prompt_tokens"], m["cached_tokens"], m["prefill_tokens"]) for m in metas}) == 1
+    assert [[w["depth"] for w in m["anchors"]["written"]] for m in metas] == [[100]] * 3
+    assert len({tuple(o["output_ids"]) for o in first}) > 1
+    post(worker, "/anchor/abort", {"slots": [w["slot"] for w in metas[0]["anchors"]["written"]]})
+    if worker.backend == "sglang":
+        # the prompt is in SGLang's tree now: a second request prefills its last token only
+        again = run(worker, ids, sampling)
+        assert {o["meta_info"]["cached_tokens"] for o in again} == {len(ids) - 1}
+        return
+    again = run(worker, ids, sampling)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
+    single = run(worker, ids, SamplingParams(max_new_tokens=6, temperature=1.0, seed=8))
+    assert single["output_ids"] == first[1]["output_ids"]  # sample i draws from seed + i
+
+
+def test_a_constraint_shapes_the_output_and_a_bad_one_is_a_400(worker, qwen_tokenizer):
+    ids = prompt(16, 80)
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.0, regex="[0-9]{3}-[a-c]{2}")
+    out = run(worker, ids, sampling)
+    text = qwen_tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", text), text
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    out = run(worker, ids, SamplingParams(max_new_tokens=8, temperature=0.0,
+                                          ebnf='root ::= "yes" | "no" | "maybe"'))
+    assert qwen_tokenizer.decode(out["output_ids"], skip_special_tokens=True) in {"yes", "no", "maybe"}
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "regex": "[0-9"}}
+    resp = httpx.post(worker.url + "/generate", json=body, timeout=120)
+    assert resp.status_code == 400, resp.text
+
+
+def test_logprobs_describe_the_output(worker):
+    ids = prompt(17, 80)
+    out = run(worker, ids, GREEDY, return_logprob=True, top_logprobs_num=3)
+    chosen = out["output_token_logprobs"]
+    tops = out["output_top_logprobs"]
+    assert [t for _, t, _ in chosen] == out["output_ids"]
+    assert len(tops) == len(chosen) and all(len(top) == 3 for top in tops)
+    for (lp, token, _), top in zip(chosen, tops, strict=True):
+        assert lp <= 0 and top[0][1] == token  # greedy: the chosen token is the likeliest
+        assert abs(top[0][0] - lp) < 1e-3 and top[0][0] >= top[1][0] >= top[2][0]
+    events = []
+    body = {**GenerateRequest(input_ids=tuple(ids), sampling=GREEDY, stream=True).to_json(),
+            "return_logprob": True, "top_logprobs_num": 0}
+    with httpx.stream("POST", worker.url + "/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    streamed = [row for e in events for row in e.get("output_token_logprobs", [])]
+    assert [t for _, t, _ in streamed] == out["output_ids"]
+    assert all(abs(a[0] - b[0]) < 1e-3 for a, b in zip(streamed, chosen, strict=True))

@@ -207,28 +207,66 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
 
 
 def test_pinned_anchor_survives_eviction_pressure(sglang, conversations):
+    """A pinned anchor stays in the host tier (the slot table never evicts it) and its
+    prefix stays locked in SGLang's tree (within the pin budget): after other conversations
+    overflowed both the slot table and the KV pool, it is still a device hit, while an
+    unpinned anchor is gone from both."""
     url = sglang.url
     post(url, "/anchor/flush")
     _, depth, p1, p2 = conversations[3]
     keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
     _, v_depth, v1, v2 = conversations[4]
     victim_keys, _ = save(url, v1, [(v_depth, AnchorKind.CONVERSATION, Region.THICK)])
-    assert post(url, "/anchor/pin", {"key": keys[depth].hex()})["pinned"]
-    slots = httpx.get(url + "/anchor/stats").json()["num_slots"]
-    # many other conversations' anchors: more than the table holds
+    flush_device(url)
+    pin = post(url, "/anchor/pin", {"key": keys[depth].hex()})
+    assert pin["pinned"] and pin["device"] == "locked"
+    stats = httpx.get(url + "/anchor/stats").json()
+    assert stats["device_pinned_tokens"] == depth <= stats["device_pin_budget_tokens"]
+    slots = stats["num_slots"]
+    # many other conversations' anchors (more than the table holds), then prompts that
+    # fill the 10,000-token pool twice over
     for seed in range(slots + 2):
         ids = [1000 + (seed * 7919 + i * 31) % 90000 for i in range(120)]
         save(url, ids, [(100, AnchorKind.CONVERSATION, Region.THICK)])
+    for seed in range(8):
+        generate(url, [2000 + (seed * 104729 + i * 37) % 90000 for i in range(2500)], max_new=1)
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["cached_tokens"] >= depth
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == 0  # it never left the device
     flush_device(url)
     cold = generate(url, p2)
-    flush_device(url)
-    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
-    assert warm["meta_info"]["cached_tokens"] == depth
     assert warm["output_ids"] == cold["output_ids"]
     gone = generate(url, v2,
                     AnchorPlan(NS, restore=(AnchorRef(victim_keys[v_depth], v_depth),)))
     assert gone["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
-    post(url, "/anchor/unpin", {"key": keys[depth].hex()})
+    assert gone["meta_info"]["cached_tokens"] < v_depth
+    # a device flush drops the lock; the next anchor operation puts the pin back
+    assert httpx.get(url + "/anchor/stats").json()["device_pinned_tokens"] == depth
+    assert post(url, "/anchor/unpin", {"key": keys[depth].hex()})["unpinned"]
+    assert httpx.get(url + "/anchor/stats").json()["device_pinned_tokens"] == 0
+
+
+def test_pins_stay_within_their_budget(sglang, conversations):
+    url = sglang.url
+    post(url, "/anchor/flush")
+    budget = httpx.get(url + "/anchor/stats").json()["device_pin_budget_tokens"]
+    info = httpx.get(url + "/model_info").json()
+    assert info["max_context_tokens"] <= 10000 - budget  # a request always fits beside them
+    pinned, refused = 0, []
+    for seed in range(12):
+        ids = [3000 + (seed * 7907 + i * 29) % 90000 for i in range(400)]
+        keys, _ = save(url, ids, [(350, AnchorKind.CONVERSATION, Region.THICK)])
+        reply = post(url, "/anchor/pin", {"key": keys[350].hex()})
+        assert reply["pinned"]  # the host tier pins it either way
+        if reply["device"] == "locked":
+            pinned += 350
+        else:
+            refused.append(reply["device"])
+    stats = httpx.get(url + "/anchor/stats").json()
+    assert stats["device_pinned_tokens"] == pinned <= budget
+    assert refused and set(refused) == {"over_budget"}
+    post(url, "/anchor/flush")
+    assert httpx.get(url + "/anchor/stats").json()["device_pinned_tokens"] == 0
 
 
 def test_restart_gives_a_new_epoch_and_no_restore_from_the_old(sglang, conversations):

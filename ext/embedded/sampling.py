@@ -1,6 +1,10 @@
 """Next-token choice from the last position's logits (grammar mask, greedy, temperature,
 top-k, top-p), and the logprobs reported for it.
 
+Under a grammar a choice that misspells forced text (`Mask.canonical`) is replaced by the
+next choice without it (the next most likely token, or a draw from the rest), a few times at
+most; the first choice stands if no allowed token is left.
+
 Logprobs are the model's own distribution (log-softmax of the raw logits), before the
 grammar mask, temperature or truncation: what OpenAI's `logprobs` report.
 """
@@ -13,11 +17,17 @@ import torch
 
 from anchorcache.wire import SamplingParams
 
+# Choices one step may replace for misspelling forced text (a choice among names or keys
+# rarely needs more than two or three)
+MAX_RESPELLINGS = 8
+
 
 class Mask(Protocol):
     """A grammar's token mask (grammar.TokenMask): forbid, then advance on the chosen token."""
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def canonical(self, token: int) -> bool: ...
 
     def accept(self, token: int) -> None: ...
 
@@ -53,6 +63,7 @@ class Sampler:
             logits = self.mask.apply(logits)
         token = self._choose(logits)
         if self.mask is not None:
+            token = self._spelled(logits, token)
             self.mask.accept(token)
         if not self.logprobs:
             return Pick(token)
@@ -62,6 +73,20 @@ class Sampler:
             values, ids = torch.topk(logp, min(self.top_logprobs, logp.numel()))
             top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
         return Pick(token, float(logp[token]), top)
+
+    def _spelled(self, masked: torch.Tensor, token: int) -> int:
+        """`token`, or the next choice while it misspells forced text. `masked`: the mask's
+        own copy of the logits (changed here)."""
+        assert self.mask is not None
+        first = token
+        for _ in range(MAX_RESPELLINGS):
+            if self.mask.canonical(token):
+                return token
+            masked[token] = float("-inf")
+            if not torch.isfinite(masked).any():
+                return first
+            token = self._choose(masked)
+        return token
 
     def _choose(self, logits: torch.Tensor) -> int:
         p = self.params

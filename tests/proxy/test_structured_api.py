@@ -65,11 +65,10 @@ def validate_calls(message: Any, tools: list[dict]) -> None:
 
 
 def test_forced_calls_over_agent_tools_parse_and_validate(openai_client) -> None:
-    """20 agent turns, tool_choice required / named: every reply is a call whose arguments
-    validate, except where the 135M model loops inside a free string argument (the schema
-    allows any string) until max_tokens: then the reply must still be well formed (length,
-    tool_call_error, no markup). Measured: 19 of 20 complete."""
-    complete = 0
+    """20 agent turns, tool_choice required / named: every reply is one call whose arguments
+    validate. (With the mask alone, one turn looped inside a free string argument until
+    max_tokens: greedy decoding had spelled a forced tool name with a token the tokenizer
+    never writes there; forced text is now spelled the tokenizer's way, grammar.py.)"""
     for i, (msgs, tools, name) in enumerate(agent_cases(20)):
         choice: Any = "required" if i % 2 else {"type": "function", "function": {"name": name}}
         reply = openai_client.chat.completions.create(
@@ -77,17 +76,11 @@ def test_forced_calls_over_agent_tools_parse_and_validate(openai_client) -> None
             max_tokens=80, parallel_tool_calls=False)
         c = reply.choices[0]
         assert c.message.content is None, (i, c)
-        if c.finish_reason == "length":
-            assert c.message.tool_calls is None
-            assert "cut off by max_tokens" in c.model_extra["tool_call_error"]
-            continue
         assert c.finish_reason == "tool_calls", (i, c)
         validate_calls(c.message, tools)
         assert len(c.message.tool_calls) == 1
         if choice != "required":
             assert c.message.tool_calls[0].function.name == name
-        complete += 1
-    assert complete >= 18
 
 
 def test_response_format_json_schema_validates(openai_client) -> None:

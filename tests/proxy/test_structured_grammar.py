@@ -1,7 +1,8 @@
 """The grammars the proxy builds, checked with xgrammar itself (no model): for every adapter
 family, the call markup the adapter renders and parses is exactly what the grammar allows,
-arguments must validate, `auto` leaves text free but completes a started call; bad schemas
-are 400s naming the field."""
+arguments must validate, `auto` leaves text free but completes a started call, the
+embedded worker spells forced text the tokenizer's way; bad schemas are 400s naming the
+field."""
 
 from __future__ import annotations
 
@@ -119,6 +120,44 @@ def test_auto_completes_a_started_call(compiler) -> None:
     assert not matcher.accept_string('{"town": "Paris"}')  # not the tool's schema
     assert matcher.accept_string('{"city": "Paris"}}\n</tool_call>')
     assert not matcher.accept_string("<tool_call>\n{\"name\": \"nope\"")  # unknown tool
+
+
+def test_forced_text_is_spelled_the_tokenizers_way() -> None:
+    """The embedded worker's mask and greedy sampler (no model): where the grammar forces
+    a name, a token shorter than the tokenizer's own first one is refused and the next
+    choice taken; inside a string any token goes."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from anchorcache.ext.embedded.grammar import Grammars
+    from anchorcache.ext.embedded.model_store import prepare_default_model
+    from anchorcache.ext.embedded.sampling import Sampler
+    from anchorcache.wire import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(prepare_default_model())
+    grammars = Grammars(tok, len(tok))
+    c = build_constraint(adapter="chatml", tools=TOOLS, mode="required", function=None,
+                         response_format=None, grammar=None)
+    assert c is not None
+    mask = grammars.mask(grammars.compile(c.kind, c.text), [tok.eos_token_id])
+    flat = torch.zeros(len(tok))
+
+    def write(text: str) -> None:
+        for token in tok.encode(text, add_special_tokens=False):
+            mask.apply(flat)
+            assert mask.canonical(token), tok.decode([token])
+            mask.accept(token)
+
+    g, get = tok.convert_tokens_to_ids(["g", "get"])
+    write('<tool_call>\n{"name": "')
+    assert torch.isfinite(mask.apply(flat)[[g, get]]).all()  # the mask allows both
+    assert not mask.canonical(g) and mask.canonical(get)
+    logits = flat.clone()
+    logits[g], logits[get] = 5.0, 1.0
+    assert Sampler(SamplingParams(temperature=0.0), mask=mask)(logits).token == get
+    write('_weather", "arguments": {"city": "')
+    mask.apply(flat)
+    assert mask.canonical(g)  # free text
 
 
 def test_qwen3_thinking_comes_before_the_call(compiler) -> None:

@@ -103,6 +103,19 @@ def ask(client: httpx.Client, target: Target, messages: Messages, tools: list[di
                             "stream_options": {"include_usage": True}}
     if tools:
         body["tools"] = tools
+    return _stream(client, target, "/v1/chat/completions", body)
+
+
+def ask_tokens(client: httpx.Client, target: Target, input_ids: list[int],
+               max_tokens: int) -> Reply:
+    """The same, as a `/v1/completions` request whose prompt is token ids: what an engine's
+    own OpenAI server serves with no rendering in front of it."""
+    body = {"model": "default", "prompt": input_ids, "temperature": 0,
+            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    return _stream(client, target, "/v1/completions", body)
+
+
+def _stream(client: httpx.Client, target: Target, path: str, body: dict[str, Any]) -> Reply:
     content: list[str] = []
     calls: dict[int, dict[str, str]] = {}
     usage: dict[str, Any] | None = None
@@ -110,7 +123,7 @@ def ask(client: httpx.Client, target: Target, messages: Messages, tools: list[di
     ttft = None
     t0 = time.perf_counter()
     try:
-        with client.stream("POST", target.url.rstrip("/") + "/v1/chat/completions", json=body,
+        with client.stream("POST", target.url.rstrip("/") + path, json=body,
                            headers=target.headers()) as resp:
             if resp.status_code != 200:
                 resp.read()
@@ -118,8 +131,6 @@ def ask(client: httpx.Client, target: Target, messages: Messages, tools: list[di
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
                 if line == "data: [DONE]":
                     break
                 event = json.loads(line[6:])
@@ -128,7 +139,10 @@ def ask(client: httpx.Client, target: Target, messages: Messages, tools: list[di
                 usage = event.get("usage") or usage
                 for choice in event.get("choices", ()):
                     delta = choice.get("delta") or {}
-                    content.append(delta.get("content") or "")
+                    if ttft is None and (delta.get("content") or delta.get("tool_calls")
+                                         or choice.get("text") or choice.get("finish_reason")):
+                        ttft = time.perf_counter() - t0  # the first output, not a role chunk
+                    content.append(delta.get("content") or choice.get("text") or "")
                     for tc in delta.get("tool_calls") or ():
                         call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
                         fn = tc.get("function") or {}

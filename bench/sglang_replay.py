@@ -13,9 +13,13 @@ bench/results/<name>.json and .png.
 
     .venv/bin/python bench/sglang_replay.py [--conversations 6] [--turns 5] [--concurrent 8]
 
-With `--concurrent N` (default 8) it then runs N conversations at once (each its turns in
-order) through the anchors proxy and straight to SGLang's own `/v1/chat/completions` on the
-same worker (its device tree flushed first): requests/s and TTFT.
+With `--concurrent N` (default 8) it then measures the proxy's overhead: a second SGLang
+worker with a pool large enough for every conversation (so eviction plays no part), and N
+conversations at once (each its turns in order, every side from an empty device tree)
+sent three ways: straight to SGLang's own `/v1/completions` as the token ids the proxy
+renders (the same prompts, nothing in front of SGLang), through a `--no-anchors` proxy,
+and through an `--anchors` proxy. The sides alternate over `--rounds` rounds;
+requests/s and TTFT per side are the medians over the rounds.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -60,27 +65,77 @@ def run_pass(client: httpx.Client, target: bench.Target, worker: str, convs, tur
     return out
 
 
-def concurrent(url: str, convs, turns: int, max_tokens: int, worker: str) -> dict:
-    """Every conversation in its own thread (its turns in order): requests/s and TTFT."""
+def concurrent(url: str, convs, turns: int, max_tokens: int, worker: str,
+               tokenize=None) -> dict:
+    """Every conversation in its own thread (its turns in order): requests/s and TTFT.
+    With `tokenize`, the prompts go as token ids to `/v1/completions` (SGLang's own
+    server, nothing rendered in front of it), else as chats to `/v1/chat/completions`."""
     import concurrent.futures as cf
-    import statistics
     import time
 
     httpx.post(worker + "/flush_cache", timeout=60).raise_for_status()
 
-    def one(conv) -> list[float]:
+    def one(conv) -> list[bench.Reply]:
+        target = bench.Target(url)
         with httpx.Client(timeout=900) as client:
-            return [bench.ask(client, bench.Target(url), m, conv["tools"], max_tokens).ttft_s
+            if tokenize is not None:
+                return [bench.ask_tokens(client, target, list(tokenize(m, conv["tools"])),
+                                         max_tokens) for m in turn_requests(conv, turns)]
+            return [bench.ask(client, target, m, conv["tools"], max_tokens)
                     for m in turn_requests(conv, turns)]
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(len(convs)) as pool:
-        ttfts = [t for ts in pool.map(one, convs) for t in ts]
+        replies = [r for rs in pool.map(one, convs) for r in rs]
     wall = time.perf_counter() - t0
-    return {"requests": len(ttfts), "wall_s": round(wall, 2),
-            "requests_per_s": round(len(ttfts) / wall, 3),
+    ttfts = [r.ttft_s for r in replies]
+    return {"requests": len(replies), "wall_s": round(wall, 2),
+            "requests_per_s": round(len(replies) / wall, 3),
             "ttft_median_s": round(statistics.median(ttfts), 3),
-            "ttft_max_s": round(max(ttfts), 3)}
+            "ttft_max_s": round(max(ttfts), 3),
+            "prompt_tokens": sum(r.usage["prompt_tokens"] for r in replies),
+            "completion_tokens": sum(r.usage["completion_tokens"] for r in replies)}
+
+
+def overhead(model: str, convs, turns: int, max_tokens: int, longest: int, rounds: int,
+             anchor_bytes: int, tokenize) -> dict:
+    """Proxy (anchors off, on) vs SGLang directly, N conversations at once, on one worker
+    whose pool holds them all; sides alternate, medians over the rounds. SGLang directly
+    gets the very token ids the proxy renders, through its own `/v1/completions`."""
+    pool = math.ceil(1.2 * longest * len(convs))
+    sides: dict[str, list[dict]] = {"sglang_direct": [], "proxy_no_anchors": [],
+                                    "proxy_anchors": []}
+    with ExitStack() as stack:
+        state = stack.enter_context(tempfile.TemporaryDirectory(prefix="anchorcache-bench-"))
+        worker = stack.enter_context(spawn(
+            "worker", "--backend", "sglang", "--model", model, "--anchor-bytes",
+            str(anchor_bytes), tail=("--", "--max-total-tokens", str(pool))))
+        urls = {"sglang_direct": worker,
+                "proxy_no_anchors": stack.enter_context(spawn(
+                    "proxy", "--worker", worker, "--no-anchors", "--state-dir", state + "/off")),
+                "proxy_anchors": stack.enter_context(spawn(
+                    "proxy", "--worker", worker, "--anchors", "--state-dir", state + "/on"))}
+        for r in range(rounds):
+            names = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for name in names:
+                if name == "proxy_anchors":  # every round from an empty host tier too
+                    httpx.post(worker + "/anchor/flush", timeout=60).raise_for_status()
+                sides[name].append(concurrent(urls[name], convs, turns, max_tokens, worker,
+                                              tokenize if name == "sglang_direct" else None))
+                print(name, json.dumps(sides[name][-1]), flush=True)
+    out: dict = {"conversations": len(convs), "turns": turns, "rounds": rounds,
+                 "sglang_max_total_tokens": pool}
+    for name, runs in sides.items():
+        out[name] = {"requests_per_s": statistics.median(x["requests_per_s"] for x in runs),
+                     "ttft_median_s": statistics.median(x["ttft_median_s"] for x in runs),
+                     "prompt_tokens": runs[0]["prompt_tokens"],
+                     "completion_tokens": runs[0]["completion_tokens"], "runs": runs}
+    direct = out["sglang_direct"]
+    for name in ("proxy_no_anchors", "proxy_anchors"):
+        out[name]["throughput_vs_direct"] = round(
+            out[name]["requests_per_s"] / direct["requests_per_s"], 3)
+        out[name]["ttft_vs_direct"] = round(out[name]["ttft_median_s"] / direct["ttft_median_s"], 3)
+    return out
 
 
 def main() -> None:
@@ -93,8 +148,9 @@ def main() -> None:
                     help="SGLang's --max-total-tokens over the longest request")
     ap.add_argument("--anchor-gib", type=float, default=2.0, help="host tier size")
     ap.add_argument("--concurrent", type=int, default=8,
-                    help="then N conversations at once: proxy (anchors) vs SGLang's own "
-                         "/v1/chat/completions (0: skip)")
+                    help="then N conversations at once: SGLang's own /v1/chat/completions "
+                         "vs the proxy, anchors off and on (0: skip)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the overhead check")
     ap.add_argument("--name", default="sglang_replay_tiny_qwen3")
     args = ap.parse_args()
 
@@ -139,14 +195,16 @@ def main() -> None:
                               args.max_tokens)
         info = httpx.get(worker + "/model_info").json()
         stats = httpx.get(worker + "/anchor/stats").json()
-        load = {}
-        if args.concurrent:
-            cconvs = pick(args.concurrent, args.turns, tokenize)
-            load = {"conversations": len(cconvs), "turns": args.turns,
-                    "proxy_anchors": concurrent(on, cconvs, args.turns, args.max_tokens, worker),
-                    "sglang_direct": concurrent(worker, cconvs, args.turns, args.max_tokens,
-                                                worker)}
-            print(json.dumps(load, indent=1), flush=True)
+    load = {}
+    if args.concurrent:
+        cconvs = pick(args.concurrent, args.turns, tokenize)
+        clongest = max(len(tokenize(m, c["tools"])) for c in cconvs
+                       for m in turn_requests(c, args.turns)) + args.max_tokens
+        load = overhead(model, cconvs, args.turns, args.max_tokens, clongest, args.rounds,
+                        int(args.anchor_gib * (1 << 30)), tokenize)
+        print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "runs"}
+                          if isinstance(v, dict) else v for k, v in load.items()}, indent=1),
+              flush=True)
 
     rows = []
     for c, t in order:

@@ -27,11 +27,13 @@ first rewritten to JSON Schema types.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+import orjson
 
 from .errors import ApiError
 
@@ -137,12 +139,30 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
         raise _bad("a JSON schema must be an object", param)
     schema = normalize_schema(schema)
     try:
+        canonical = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, TypeError):
+        error = _schema_error_of(schema)
+    else:
+        error = _schema_error(canonical)
+    if error is not None:
+        raise _bad(error, param)
+    return schema
+
+
+@functools.lru_cache(maxsize=4096)
+def _schema_error(canonical: bytes) -> str | None:
+    """Checking against the metaschema is most of the proxy's time per request, and agents
+    send the same tools every turn: cached by the schema's canonical JSON."""
+    return _schema_error_of(orjson.loads(canonical))
+
+
+def _schema_error_of(schema: dict[str, Any]) -> str | None:
+    try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
-        raise _bad(f"invalid JSON schema{f' at {where}' if where else ''}: {e.message}",
-                   param) from None
-    return schema
+        return f"invalid JSON schema{f' at {where}' if where else ''}: {e.message}"
+    return None
 
 
 # ---- building the constraint -------------------------------------------------------------

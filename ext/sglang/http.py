@@ -179,7 +179,8 @@ def _handler(fn: Callable[[Any, SGLangWorker], Awaitable[Any]], worker: SGLangWo
 
 
 async def _body(request: Any) -> Any:
-    return orjson.loads(await request.body())
+    raw = await request.body()
+    return orjson.loads(raw) if raw.strip() else {}
 
 
 # ---- /generate ---------------------------------------------------------------------------

@@ -181,3 +181,23 @@ def test_a_worker_abort_is_an_error_not_a_stop(sglang_stack):
             for _ in chat(proxy, messages, None, stream=True):
                 pass
         assert "abort" in str(e.value), e.value
+
+
+def test_n_choices_with_logprobs_through_the_proxy(sglang_stack):
+    """`n = 3` and `logprobs` reach SGLang: three choices from one prompt prefill, each
+    with one logprob entry (and its two alternatives) per completion token."""
+    _, on, _ = sglang_stack
+    conv = conversations("base")[0]
+    messages = turn_requests(conv, 1)[0]
+    reply = client(on).chat.completions.create(
+        model="default", messages=messages, temperature=1.0, seed=3, max_tokens=6, n=3,
+        logprobs=True, top_logprobs=2)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    single = chat(on, messages, None, max_tokens=6)
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens
+    for c in reply.choices:
+        entries = c.logprobs.content
+        assert entries and all(len(e.top_logprobs) == 2 for e in entries)
+        assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+                   for e in entries)
+        assert "".join(e.token for e in entries) == (c.message.content or "")

@@ -64,16 +64,16 @@ def test_worker_dying_mid_stream_ends_with_error_event(own_worker):
         assert "worker" in str(err.value).lower()
 
 
-def test_worker_error_mid_request_is_502(own_worker):
-    with proxy_process(own_worker.url) as proxy:
-        httpx.post(own_worker.url + "/debug/fault", json={"where": "decode"}).raise_for_status()
-        resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=60,
-                          json={"model": "default", "messages": LONG, "max_tokens": 20})
-        assert resp.status_code == 502
-        assert resp.json()["error"]["code"] == "worker_error"
-        ok = httpx.post(proxy.url + "/v1/chat/completions", timeout=60,
-                        json={"model": "default", "messages": LONG, "max_tokens": 3})
-        assert ok.status_code == 200
+def test_worker_error_mid_request_is_502(worker, proxy):
+    """The session's worker runs with `--fault-injection`: the next decode step raises."""
+    httpx.post(worker.url + "/debug/fault", json={"where": "decode"}).raise_for_status()
+    resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "default", "messages": LONG, "max_tokens": 20})
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "worker_error"
+    ok = httpx.post(proxy.url + "/v1/chat/completions", timeout=60,
+                    json={"model": "default", "messages": LONG, "max_tokens": 3})
+    assert ok.status_code == 200
 
 
 async def test_client_disconnect_aborts_the_worker_request(worker, proxy):

@@ -89,9 +89,9 @@ def snapshot_plan(*specs):
     return AnchorPlan(NS, snapshot=tuple(SnapshotSpec(d, k, r) for d, k, r in specs))
 
 
-def save(url, ids, specs):
+def save(url, ids, specs, max_new=6):
     """Snapshot and confirm; {depth: key} of the anchors written or already held."""
-    out = generate(url, ids, snapshot_plan(*specs))
+    out = generate(url, ids, snapshot_plan(*specs), max_new=max_new)
     anchors = out["meta_info"]["anchors"]
     post(url, "/anchor/confirm", {"slots": [w["slot"] for w in anchors["written"]]})
     return {w["depth"]: bytes.fromhex(w["key"]) for w in anchors["written"] + anchors["held"]}, out
@@ -227,7 +227,7 @@ def test_pinned_anchor_survives_eviction_pressure(sglang, conversations):
     # fill the 10,000-token pool twice over
     for seed in range(slots + 2):
         ids = [1000 + (seed * 7919 + i * 31) % 90000 for i in range(120)]
-        save(url, ids, [(100, AnchorKind.CONVERSATION, Region.THICK)])
+        save(url, ids, [(100, AnchorKind.CONVERSATION, Region.THICK)], max_new=1)
     for seed in range(8):
         generate(url, [2000 + (seed * 104729 + i * 37) % 90000 for i in range(2500)], max_new=1)
     warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
@@ -255,7 +255,7 @@ def test_pins_stay_within_their_budget(sglang, conversations):
     pinned, refused = 0, []
     for seed in range(12):
         ids = [3000 + (seed * 7907 + i * 29) % 90000 for i in range(400)]
-        keys, _ = save(url, ids, [(350, AnchorKind.CONVERSATION, Region.THICK)])
+        keys, _ = save(url, ids, [(350, AnchorKind.CONVERSATION, Region.THICK)], max_new=1)
         reply = post(url, "/anchor/pin", {"key": keys[350].hex()})
         assert reply["pinned"]  # the host tier pins it either way
         if reply["device"] == "locked":

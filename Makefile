@@ -49,7 +49,7 @@ serve: setup
 	$(PY) -m anchorcache.cli serve
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

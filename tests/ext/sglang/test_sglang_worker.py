@@ -157,9 +157,10 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
     url = sglang.url
     convs = conversations[:8]
     cold = []
+    # long enough decodes (48 tokens) that requests arriving one RPC apart overlap
     for *_, p2 in convs:
         flush_device(url)
-        cold.append(generate(url, p2, max_new=8)["output_ids"])
+        cold.append(generate(url, p2, max_new=48)["output_ids"])
     flush_device(url)
     post(url, "/anchor/flush")
     # turn 1 of each (tool + conversation anchors); conversations sharing a tool block
@@ -174,7 +175,7 @@ def test_eight_concurrent_conversations_match_cold_and_are_batched(sglang, conve
         *_, p2 = convs[i]
         plan = AnchorPlan(NS, restore=chains[i],
                           snapshot=(SnapshotSpec(len(p2), AnchorKind.CONVERSATION),))
-        return generate(url, p2, plan, max_new=8)
+        return generate(url, p2, plan, max_new=48)
 
     # Whether two requests overlap depends on the machine's load: up to three rounds, each
     # checked in full, until one shows SGLang running several of them in one batch.

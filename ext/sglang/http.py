@@ -240,9 +240,9 @@ async def generate(request: Any, worker: SGLangWorker) -> Any:
     if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
         raise WireError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary)")
     rid = req.rid or uuid.uuid4().hex
-    if rid in tm.rid_to_state or rid in worker.samples:
-        raise WireError(f"request id {rid!r} is already running")
     run = _Run(worker, req, rid, request)
+    if rid in worker.samples or any(r in tm.rid_to_state for r in run.sglang_rids()):
+        raise WireError(f"request id {rid!r} (or one of its samples' ids) is already running")
     if not req.stream:
         outputs: list[dict[str, Any]] = [{"rid": rid, "output_ids": []} for _ in run.samples]
         try:
@@ -313,6 +313,10 @@ class _Run:
         self.t0 = time.perf_counter()
         self.prepared = False
         self.finished = False
+
+    def sglang_rids(self) -> list[str]:
+        """The ids this run gives SGLang: its own (the prefill when n > 1) and the samples'."""
+        return list(dict.fromkeys([self.rid, *(s.rid for s in self.samples)]))
 
     def _obj(self, rid: str, sampling: dict[str, Any]) -> Any:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -462,7 +466,7 @@ class _Run:
 
     def _abort_samples(self) -> None:
         tm = self.worker.tm
-        for rid in [self.rid, *(s.rid for s in self.samples)]:
+        for rid in self.sglang_rids():
             if rid in tm.rid_to_state:
                 tm.abort_request(rid=rid)
 

@@ -340,3 +340,24 @@ def test_an_aborted_request_is_an_error_never_a_completion(sglang, conversations
         fut.result()
     assert "error" in events[-1], events[-1]
     assert not any("meta_info" in e for e in events)
+
+
+def test_a_sample_id_taken_by_a_running_request_is_a_400(sglang, conversations):
+    """`n > 1` runs its samples as SGLang requests `rid-i`: an id another running request
+    holds is refused up front, never handed to SGLang twice."""
+    url = sglang.url
+    ids = conversations[2][2]
+    sampling = SamplingParams(max_new_tokens=3000, temperature=0.0, ignore_eos=True)
+    long = GenerateRequest(input_ids=tuple(ids), sampling=sampling, rid="dup-1")
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, url + "/generate", json=long.to_json(), timeout=300)
+        for _ in range(600):
+            if "dup-1" in httpx.get(url + "/health", timeout=30).json()["running_requests"]:
+                break
+            threading.Event().wait(0.05)
+        twin = GenerateRequest(input_ids=tuple(ids[:50]), rid="dup",
+                               sampling=SamplingParams(max_new_tokens=2, n=2))
+        resp = httpx.post(url + "/generate", json=twin.to_json(), timeout=60)
+        post(url, "/abort_request", {"rid": "dup-1"})
+        fut.result()
+    assert resp.status_code == 400 and "already running" in resp.json()["error"]["message"]

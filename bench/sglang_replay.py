@@ -48,7 +48,7 @@ from tests.data import conversations, turn_requests  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 
 
-def pick(n: int, turns: int, tokenize) -> list[dict]:
+def pick(n: int, turns: int) -> list[dict]:
     """The first n conversations with at least `turns` turns."""
     return [c for c in conversations("base") if len(turn_requests(c, turns)) == turns][:n]
 
@@ -165,7 +165,7 @@ def main() -> None:
     def tokenize(messages, tools):
         return adapter.split(messages, tools or None).input_ids
 
-    convs = pick(args.conversations, args.turns, tokenize)
+    convs = pick(args.conversations, args.turns)
     ids = {(c, t): tokenize(turn_requests(conv, args.turns)[t], conv["tools"])
            for c, conv in enumerate(convs) for t in range(args.turns)}
     longest = max(len(v) for v in ids.values()) + args.max_tokens
@@ -197,7 +197,7 @@ def main() -> None:
         stats = httpx.get(worker + "/anchor/stats").json()
     load = {}
     if args.concurrent:
-        cconvs = pick(args.concurrent, args.turns, tokenize)
+        cconvs = pick(args.concurrent, args.turns)
         clongest = max(len(tokenize(m, c["tools"])) for c in cconvs
                        for m in turn_requests(c, args.turns)) + args.max_tokens
         load = overhead(model, cconvs, args.turns, args.max_tokens, clongest, args.rounds,

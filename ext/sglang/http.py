@@ -264,10 +264,7 @@ async def generate(request: Any, worker: SGLangWorker) -> Any:
         try:
             async for event in run.events():
                 yield b"data: " + orjson.dumps(event) + b"\n\n"
-        except Aborted as e:
-            err = {"error": {"message": str(e), "type": "server_error", "code": "worker_error"}}
-            yield b"data: " + orjson.dumps(err) + b"\n\n"
-        except (WireError, SchedulerError) as e:
+        except (Aborted, WireError, SchedulerError) as e:
             err = {"error": {"message": str(e), "type": "server_error", "code": "worker_error"}}
             yield b"data: " + orjson.dumps(err) + b"\n\n"
         except Exception as e:
@@ -285,7 +282,6 @@ class _Sample:
     def __init__(self, rid: str) -> None:
         self.rid = rid
         self.output_ids: list[int] = []
-        self.logprobs = 0  # how many of SGLang's cumulative logprob rows were sent
         self.finish_reason: dict[str, Any] = {"type": "abort"}
         self.sglang_meta: dict[str, Any] = {}
         self.t_first: float | None = None
@@ -433,7 +429,8 @@ class _Run:
             sample.t_first = time.perf_counter()
         incremental = getattr(self.worker.tm, "incremental_streaming_output", False)
         ids = list(out.get("output_ids") or [])
-        new = ids if incremental else ids[len(sample.output_ids):]
+        sent = len(sample.output_ids)  # SGLang's ids and logprob rows are cumulative
+        new = ids if incremental else ids[sent:]
         sample.output_ids.extend(new)
         meta = out.get("meta_info") or {}
         sample.sglang_meta = meta
@@ -447,13 +444,12 @@ class _Run:
         if self.req.return_logprob:
             rows = meta.get("output_token_logprobs") or []
             tops = meta.get("output_top_logprobs") or []
-            start = 0 if incremental else sample.logprobs
+            start = 0 if incremental else sent
             take = slice(start, start + len(new))
             event["output_token_logprobs"] = [[lp, t, None] for lp, t, *_ in rows[take]]
             if self.req.top_logprobs_num:
                 event["output_top_logprobs"] = [[[lp, t, None] for lp, t, *_ in top or []]
                                                 for top in tops[take]]
-            sample.logprobs += len(new)
         return event
 
     async def _finish(self, ok: bool) -> None:

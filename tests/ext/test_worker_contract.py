@@ -57,16 +57,6 @@ def worker(request):
         yield Worker("sglang", request.getfixturevalue("sglang").url)
 
 
-@pytest.fixture(scope="module")
-def qwen_tokenizer():
-    """Both tiny models speak the real Qwen3 tokenizer."""
-    from transformers import AutoTokenizer
-
-    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
-
-
 def generate(worker, ids, plan=None):
     req = GenerateRequest(input_ids=tuple(ids), sampling=GREEDY, anchor=plan)
     resp = httpx.post(worker.url + "/generate", json=req.to_json(), timeout=120)
@@ -340,16 +330,16 @@ def test_n_samples_share_one_prefill_and_a_seed_reproduces_them(worker):
     assert single["output_ids"] == first[1]["output_ids"]  # sample i draws from seed + i
 
 
-def test_a_constraint_shapes_the_output_and_a_bad_one_is_a_400(worker, qwen_tokenizer):
+def test_a_constraint_shapes_the_output_and_a_bad_one_is_a_400(worker, qwen3_tokenizer):
     ids = prompt(16, 80)
     sampling = SamplingParams(max_new_tokens=12, temperature=0.0, regex="[0-9]{3}-[a-c]{2}")
     out = run(worker, ids, sampling)
-    text = qwen_tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    text = qwen3_tokenizer.decode(out["output_ids"], skip_special_tokens=True)
     assert re.fullmatch("[0-9]{3}-[a-c]{2}", text), text
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
     out = run(worker, ids, SamplingParams(max_new_tokens=8, temperature=0.0,
                                           ebnf='root ::= "yes" | "no" | "maybe"'))
-    assert qwen_tokenizer.decode(out["output_ids"], skip_special_tokens=True) in {"yes", "no", "maybe"}
+    assert qwen3_tokenizer.decode(out["output_ids"], skip_special_tokens=True) in {"yes", "no", "maybe"}
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "regex": "[0-9"}}
     resp = httpx.post(worker.url + "/generate", json=body, timeout=120)
     assert resp.status_code == 400, resp.text

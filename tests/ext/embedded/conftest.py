@@ -15,15 +15,6 @@ BFCL_FILE = DATA_DIR / "bfcl_multi_turn_base.conversations.json"
 
 
 @pytest.fixture(scope="session")
-def qwen3_tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
-
-
-@pytest.fixture(scope="session")
 def bfcl_conversations() -> list[dict[str, Any]]:
     return json.loads(BFCL_FILE.read_text())
 

@@ -35,16 +35,7 @@ BFCL = Path(__file__).resolve().parents[3].parent / "shared" / "data" / \
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
-
-
-@pytest.fixture(scope="module")
-def conversations(tokenizer):
+def conversations(qwen3_tokenizer):
     """Per conversation: (tool anchor depth, conversation anchor depth, turn-1 prompt ids,
     turn-2 prompt ids). The tool anchor ends after the system block (tools), turn 1 is
     system + first user message, turn 2 appends the assistant's tool calls and the tool
@@ -53,12 +44,12 @@ def conversations(tokenizer):
     out = []
     for conv in data[:8]:
         tools, msgs = conv["tools"][:2], conv["messages"]
-        sys_ids = tokenizer.apply_chat_template(msgs[:1], tools=tools, tokenize=False)
-        t1 = tokenizer.apply_chat_template(msgs[:2], tools=tools, tokenize=False,
+        sys_ids = qwen3_tokenizer.apply_chat_template(msgs[:1], tools=tools, tokenize=False)
+        t1 = qwen3_tokenizer.apply_chat_template(msgs[:2], tools=tools, tokenize=False,
                                            add_generation_prompt=True)
-        t2 = tokenizer.apply_chat_template(msgs[:5], tools=tools, tokenize=False,
+        t2 = qwen3_tokenizer.apply_chat_template(msgs[:5], tools=tools, tokenize=False,
                                            add_generation_prompt=True)
-        enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        enc = lambda s: qwen3_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
         system, p1, p2 = enc(sys_ids), enc(t1), enc(t2)
         tool_depth = len(system)
         conv_depth = next(i for i, (a, b) in enumerate(zip(p1, p2, strict=False)) if a != b)

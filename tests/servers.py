@@ -75,7 +75,8 @@ def sglang_worker_process(*extra: str, model: str, anchor_slots: int = 64,
                           ) -> Iterator[Server]:
     """SGLang 0.5.23 with the anchorcache plugin (CPU recipe applied by the CLI); `extra`
     goes to SGLang verbatim. Start-up takes 25-70 s on an idle 2-core machine."""
-    args = ["worker", "--backend", "sglang", "--model", model, "--anchor-slots", str(anchor_slots)]
+    args = ["worker", "--backend", "sglang", "--model", model, "--anchor-slots", str(anchor_slots),
+            "--fault-injection"]
     server = _spawn(args, port or free_port(), env, tail=("--", *SGLANG_TEST_ARGS, *extra),
                     timeout_s=900)
     try:

@@ -112,6 +112,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         self._pinned_tokens = 0
         self._pin_budget = int(config.pin_budget_fraction * self._pool_tokens)
         self._repin: set[bytes] = set()  # pins a device flush dropped, placed again lazily
+        self._fault: str | None = None  # one armed fault (`--fault-injection` only)
         self._zmq: zmq.Context[Any] = zmq.Context.instance()
         self._reply: dict[str, zmq.Socket[Any]] = {}
 
@@ -214,6 +215,37 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         for key in list(self._pins) + list(self._repin):
             self._unpin_device(key)
         return {"flushed_anchors": self.anchors.flush()}
+
+    def _op_verify(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Compare, byte for byte, the rows SGLang's tree holds on the device for a committed
+        anchor's prefix with the anchor's host slabs: after a restore they must be equal.
+        `device_tokens` is how much of the prefix the tree still holds (only that is compared);
+        `mismatch` the first differing token position, or None."""
+        key = _key(body)
+        found = self.anchors.prefix_of(key)
+        if found is None:
+            raise WireError(f"no committed anchor {key.hex()} with its tokens in this worker")
+        chain, ids = found
+        match = self.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids))))
+        n = int(match.device_prefix_len)
+        rows = self.path_device_indices(match.last_device_node)[:n].to(torch.int64)
+        device = ops.snapshot_kv(self._k, self._v, rows.contiguous(), layout="thd")
+        host = torch.cat([s.kv for s in chain if s.kv is not None], dim=2)[:, :, :n]
+        same = (device.view(torch.uint8) == host.contiguous().view(torch.uint8))
+        per_token = same.flatten(3).all(dim=3).all(dim=1).all(dim=0)  # [n]
+        bad = (~per_token).nonzero()
+        return {"key": key.hex(), "depth": len(ids), "device_tokens": n,
+                "mismatch": int(bad[0, 0]) if len(bad) else None}
+
+    def _op_fault(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Arm one fault for the next restore (tests): `restore_shift_row` scatters a
+        chain's middle row with its neighbour's bytes."""
+        if not self.anchor_config.fault_injection:
+            raise WireError("fault injection is off (start the worker with --fault-injection)")
+        if body.get("where") != "restore_shift_row":
+            raise WireError("'where' must be 'restore_shift_row'")
+        self._fault = body["where"]
+        return {"armed": self._fault}
 
     # ---- device pins --------------------------------------------------------------------
     def _pin_device(self, key: bytes) -> str:
@@ -329,6 +361,12 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             kv = slab.kv if a == slab.start else slab.kv[:, :, a - slab.start:].contiguous()
             slabs.append(kv)
             where.append(rows[a - skip: slab.depth - skip].contiguous())
+        if self._fault == "restore_shift_row" and slabs and slabs[-1].shape[2] > 1:
+            self._fault = None
+            kv = slabs[-1].clone()
+            mid = kv.shape[2] // 2
+            kv[:, :, mid] = kv[:, :, mid - 1]
+            slabs[-1] = kv
         ops.restore_chain(slabs, where, self._k, self._v, layout="thd")
 
     def _unlock(self, p: _Pending) -> None:

@@ -27,6 +27,9 @@ class SGLangAnchorConfig:
     # pinned anchors' prefixes stay locked in the tree; at most this share of the pool,
     # which the contract keeps out of every request's limit (0: pins stay host-only)
     pin_budget_fraction: float = 0.1
+    # POST /debug/fault arms one fault in the scheduler's cache (tests show that the checks
+    # catch a wrong restore); off unless the worker is started with --fault-injection
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if self.anchor_slots < 1 or not 0 <= self.pinned_slots < self.anchor_slots:

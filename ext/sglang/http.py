@@ -35,6 +35,8 @@ import zmq.asyncio
 
 from anchorcache.wire import GenerateRequest, SamplingParams, WireError, parse_generate
 
+from .config import SGLangAnchorConfig
+
 log = logging.getLogger("anchorcache.sglang")
 
 RPC_TIMEOUT_S = 120.0
@@ -583,5 +585,8 @@ def install(app: Any, worker: SGLangWorker) -> None:
                              ("/anchor/pin", "pin", "POST"),
                              ("/anchor/unpin", "unpin", "POST"),
                              ("/anchor/evict", "evict", "POST"),
-                             ("/anchor/flush", "flush_anchors", "POST")]:
+                             ("/anchor/flush", "flush_anchors", "POST"),
+                             ("/anchor/verify", "verify", "POST")]:
         add(path, _anchor_route(op, method == "POST"), method)
+    if SGLangAnchorConfig.from_env().fault_injection:
+        add("/debug/fault", _anchor_route("fault", True), "POST")

@@ -1,0 +1,275 @@
+"""One contract `/generate` on SGLang (`Run`): the anchor `prepare` (scheduler RPC), SGLang's
+own generation of each sample (`TokenizerManager.generate_request`, as its `/generate`
+route calls it, so requests are batched by SGLang as usual), and the anchor `finish`.
+Sampling parameters (constraints, seed, logprobs) pass through under SGLang's names."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from anchorcache.wire import GenerateRequest, SamplingParams, WireError
+
+from .rpc import SchedulerError
+from .worker import SGLangWorker
+
+
+def sglang_sampling(p: SamplingParams, index: int) -> dict[str, Any]:
+    """SGLang's sampling parameters for sample `index` (its seed is `seed + index`); the
+    constraint passes through under SGLang's own name, compiled by SGLang's grammar backend."""
+    out: dict[str, Any] = {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature,
+                           "top_p": p.top_p, "top_k": p.top_k,
+                           "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos}
+    if p.seed is not None:
+        out["sampling_seed"] = p.seed + index
+    if p.constraint is not None:
+        kind, value = p.constraint
+        out[kind] = value
+    return out
+
+
+def finish_reason(meta: dict[str, Any], output_ids: list[int]) -> dict[str, Any]:
+    reason = meta.get("finish_reason") or {"type": "abort"}
+    kind = reason.get("type")
+    if kind == "stop":
+        matched = reason.get("matched")
+        return {"type": "stop", "matched": matched if isinstance(matched, int) else None}
+    if kind == "length":
+        return {"type": "length", "length": len(output_ids)}
+    return {"type": "abort"}
+
+
+class Aborted(Exception):
+    """SGLang aborted a request: an error reply, never a completion."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        reason = meta.get("finish_reason") or {}
+        status = reason.get("status_code") if isinstance(reason, dict) else None
+        message = reason.get("message") if isinstance(reason, dict) else None
+        self.status = int(status) if isinstance(status, int) and 400 <= status < 600 else 502
+        text = f"SGLang aborted the request: {message or 'no reason given'}"
+        if self.status == 400 and "length" in text:
+            text += " (over the context SGLang's KV pool holds for one request)"
+        super().__init__(text)
+
+
+
+
+class Sample:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.output_ids: list[int] = []
+        self.finish_reason: dict[str, Any] = {"type": "abort"}
+        self.sglang_meta: dict[str, Any] = {}
+        self.t_first: float | None = None
+
+
+class Run:
+    """One contract request: the anchor `prepare`, SGLang's own generation of each sample
+    (`TokenizerManager.generate_request`, streamed internally so the first token's time is
+    known), and the anchor `finish`.
+
+    With `n > 1` the prompt is prefilled once first, under the request's own id (so its
+    snapshots are taken then); the samples, each its own SGLang request `rid-i` with seed
+    `seed + i`, then find the whole prompt in SGLang's tree but its last token, whose
+    logits each needs. SGLang batches them as it does any requests."""
+
+    def __init__(self, worker: SGLangWorker, req: GenerateRequest, rid: str,
+                 request: Any) -> None:
+        self.worker, self.req, self.rid, self.request = worker, req, rid, request
+        n = req.sampling.n
+        self.samples = [Sample(rid if n == 1 else f"{rid}-{i}") for i in range(n)]
+        self.anchors: dict[str, Any] = {"restored": [], "restore_miss": [], "written": [],
+                                        "held": []}
+        self.cached_tokens: int | None = None  # of the prompt prefill (n > 1)
+        self.restore_ms = 0.0
+        self.t0 = time.perf_counter()
+        self.prepared = False
+        self.finished = False
+
+    def sglang_rids(self) -> list[str]:
+        """The ids this run gives SGLang: its own (the prefill when n > 1) and the samples'."""
+        return list(dict.fromkeys([self.rid, *(s.rid for s in self.samples)]))
+
+    def _obj(self, rid: str, sampling: dict[str, Any]) -> Any:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        req = self.req
+        return GenerateReqInput(rid=rid, input_ids=list(req.input_ids),
+                                sampling_params=sampling, stream=True,
+                                return_logprob=req.return_logprob,
+                                top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0)
+
+    async def _stream(self, obj: Any) -> AsyncIterator[dict[str, Any]]:
+        """SGLang's outputs for one request; `Aborted` (or WireError: SGLang's way of refusing
+        a request is a ValueError) instead of an abort finish."""
+        from fastapi import HTTPException
+
+        try:
+            async for out in self.worker.tm.generate_request(obj, self.request):
+                meta = out.get("meta_info") or {}
+                reason = meta.get("finish_reason")
+                if isinstance(reason, dict) and reason.get("type") not in ("stop", "length"):
+                    raise Aborted(meta)
+                yield out
+        except ValueError as e:
+            raise WireError(str(e)) from None
+        except HTTPException as e:
+            raise SchedulerError(e.status_code, str(e.detail)) from None
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Contract events: new ids (and logprobs) per sample, then each sample's meta."""
+        self.worker.samples[self.rid] = [s.rid for s in self.samples]
+        ok = False
+        try:
+            req = self.req
+            if req.anchor is not None:
+                anchor = req.anchor
+                if len(self.samples) > 1:  # the samples' responses differ: none is saved
+                    anchor = replace(anchor, snapshot_response=False)
+                # before the call: one that times out or is cancelled may still have run
+                # on the scheduler, and its restore lock must be dropped (`finish` of a
+                # request the scheduler never prepared is a no-op)
+                self.prepared = True
+                prep = await self.worker.call("prepare", {
+                    "rid": self.rid, "input_ids": list(req.input_ids),
+                    "anchor": anchor.to_json()})
+                self.anchors.update(prep["anchors"])
+                self.anchors["restored_tokens"] = prep["restored_tokens"]
+            self.restore_ms = (time.perf_counter() - self.t0) * 1e3
+            if len(self.samples) == 1:
+                sample = self.samples[0]
+                obj = self._obj(sample.rid, sglang_sampling(req.sampling, 0))
+                async for out in self._stream(obj):
+                    event = self._add(sample, out)
+                    if event is not None:
+                        yield event
+                ok = True
+                await self._finish(True)
+                yield self._meta(0)
+            else:
+                await self._prefill()
+                await self._finish(True)
+                async for event in self._merged():
+                    yield event
+                ok = True
+        except BaseException:  # an error, or the client went away (cancelled, closed)
+            self._abort_samples()
+            raise
+        finally:
+            self.worker.samples.pop(self.rid, None)
+            if not self.finished:
+                await asyncio.shield(self._finish(ok))
+
+    async def _prefill(self) -> None:
+        """The prompt once (no token sampled), under the request's own id."""
+        obj = self._obj(self.rid, {"max_new_tokens": 0})
+        obj.return_logprob = False
+        obj.top_logprobs_num = 0
+        async for out in self._stream(obj):
+            meta = out.get("meta_info") or {}
+            if meta.get("finish_reason") is not None:
+                self.cached_tokens = int(meta.get("cached_tokens") or 0)
+
+    async def _merged(self) -> AsyncIterator[dict[str, Any]]:
+        queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = \
+            asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                obj = self._obj(self.samples[i].rid, sglang_sampling(self.req.sampling, i))
+                async for out in self._stream(obj):
+                    queue.put_nowait((i, out))
+                queue.put_nowait((i, None))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.samples))]
+        try:
+            live = len(tasks)
+            while live:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    live -= 1
+                    yield self._meta(i)
+                    continue
+                event = self._add(self.samples[i], item)
+                if event is not None:
+                    yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _add(self, sample: Sample, out: dict[str, Any]) -> dict[str, Any] | None:
+        """Fold one SGLang output into `sample`; the contract event for its new ids."""
+        if sample.t_first is None:
+            sample.t_first = time.perf_counter()
+        incremental = getattr(self.worker.tm, "incremental_streaming_output", False)
+        ids = list(out.get("output_ids") or [])
+        sent = len(sample.output_ids)  # SGLang's ids and logprob rows are cumulative
+        new = ids if incremental else ids[sent:]
+        sample.output_ids.extend(new)
+        meta = out.get("meta_info") or {}
+        sample.sglang_meta = meta
+        if meta.get("finish_reason") is not None:
+            sample.finish_reason = finish_reason(meta, sample.output_ids)
+        if not new:
+            return None
+        event: dict[str, Any] = {"rid": self.rid, "output_ids": new}
+        if len(self.samples) > 1:
+            event["index"] = self.samples.index(sample)
+        if self.req.return_logprob:
+            rows = meta.get("output_token_logprobs") or []
+            tops = meta.get("output_top_logprobs") or []
+            start = 0 if incremental else sent
+            take = slice(start, start + len(new))
+            event["output_token_logprobs"] = [[lp, t, None] for lp, t, *_ in rows[take]]
+            if self.req.top_logprobs_num:
+                event["output_top_logprobs"] = [[[lp, t, None] for lp, t, *_ in top or []]
+                                                for top in tops[take]]
+        return event
+
+    async def _finish(self, ok: bool) -> None:
+        """Drop the restore lock; learn what the prefill saved."""
+        self.finished = True
+        if self.prepared:
+            fin = await self.worker.call("finish", {"rid": self.rid, "ok": ok})
+            self.anchors["written"] = fin["written"]
+            self.anchors["held"] = [*self.anchors.get("held", []), *fin["held"]]
+
+    def _abort_samples(self) -> None:
+        tm = self.worker.tm
+        for rid in self.sglang_rids():
+            if rid in tm.rid_to_state:
+                tm.abort_request(rid=rid)
+
+    def _meta(self, index: int) -> dict[str, Any]:
+        sample = self.samples[index]
+        n = len(self.req.input_ids)
+        cached = self.cached_tokens
+        if cached is None:
+            cached = int(sample.sglang_meta.get("cached_tokens") or 0)
+        now = time.perf_counter()
+        first = sample.t_first or now
+        meta = {
+            "id": self.rid, "prompt_tokens": n, "completion_tokens": len(sample.output_ids),
+            "cached_tokens": cached, "prefill_tokens": n - cached,
+            "restore_ms": round(self.restore_ms, 3),
+            # SGLang does not split a request's time: prefill is until its first output
+            # (queueing included), decode the rest
+            "prefill_ms": round((first - self.t0) * 1e3 - self.restore_ms, 3),
+            "decode_ms": round((now - first) * 1e3, 3),
+            "finish_reason": sample.finish_reason, "anchors": dict(self.anchors),
+            "epoch": self.worker.epoch,
+        }
+        event: dict[str, Any] = {"rid": self.rid, "output_ids": [], "meta_info": meta}
+        if len(self.samples) > 1:
+            meta["index"] = index
+            event["index"] = index
+        return event

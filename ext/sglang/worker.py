@@ -1,0 +1,78 @@
+"""The SGLang worker's state in SGLang's HTTP process: the scheduler RPC, the worker's
+epoch (the scheduler's, learnt from every reply), and the limits a request must fit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from anchorcache.wire import GenerateRequest, WireError
+
+from .rpc import SchedulerError, SchedulerRpc
+
+
+class SGLangWorker:
+    """What the contract routes need in SGLang's HTTP process."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.model_id = Path(model_path).name
+        self.rpc: SchedulerRpc | None = None
+        self.epoch: str | None = None
+        self.pin_budget_tokens = 0  # the scheduler's (hello): kept out of every request
+        self.samples: dict[str, list[str]] = {}  # running request → its SGLang requests
+
+    def init_tokenizer_manager(self, server_args: Any, port_args: Any, *args: Any) -> Any:
+        """`launch_server`'s tokenizer-manager factory: SGLang's own, plus the RPC socket name."""
+        from sglang.srt.entrypoints.engine import init_tokenizer_manager
+
+        self.rpc = SchedulerRpc(port_args.rpc_ipc_name)
+        return init_tokenizer_manager(server_args, port_args, *args)
+
+    @property
+    def tm(self) -> Any:
+        from sglang.srt.entrypoints.http_server import get_global_state
+
+        return get_global_state().tokenizer_manager
+
+    async def call(self, op: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self.rpc is None:
+            raise SchedulerError(503, "the scheduler RPC channel is not set up")
+        reply = await self.rpc.call(op, body or {})
+        self.epoch = reply.pop("epoch", self.epoch)
+        return reply
+
+    async def ready(self) -> bool:
+        if self.epoch is None:
+            try:
+                hello = await self.call("hello")
+            except (SchedulerError, asyncio.TimeoutError):
+                return False
+            self.pin_budget_tokens = int(hello.get("pin_budget_tokens", 0))
+        return self.epoch is not None
+
+    def max_request_tokens(self) -> int:
+        """Prompt + completion tokens one request may have: the model's context, or less
+        when SGLang's KV pool is smaller (SGLang refuses prompts of `max_req_input_len`
+        tokens), less the share of the pool pinned anchors may lock (so a request that is
+        admitted always fits beside them)."""
+        tm = self.tm
+        limit = int(tm.context_len)
+        pool = getattr(tm, "max_req_input_len", None)
+        if pool:
+            limit = min(limit, int(pool) - self.pin_budget_tokens)
+        return limit
+
+    def check_input(self, req: GenerateRequest) -> None:
+        """WireError (400) for a request SGLang could not serve whole: over the context or
+        the pool, or ids outside the vocabulary."""
+        limit = self.max_request_tokens()
+        if len(req.input_ids) + req.sampling.max_new_tokens > limit:
+            raise WireError(f"prompt ({len(req.input_ids)} tokens) + max_new_tokens "
+                            f"({req.sampling.max_new_tokens}) exceeds the context of {limit} "
+                            f"tokens (the model's context or what SGLang's KV pool holds for "
+                            f"one request, whichever is smaller)")
+        vocab = int(self.tm.model_config.hf_config.vocab_size)
+        if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
+            raise WireError(f"input_ids must lie in [0, {vocab}) (the model's vocabulary)")

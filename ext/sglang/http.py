@@ -117,11 +117,13 @@ async def generate(request: Any, worker: SGLangWorker) -> Any:
 # ---- other contract routes ---------------------------------------------------------------
 
 async def health(request: Any, worker: SGLangWorker) -> Any:
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
     if not await worker.ready():
         return _error("the scheduler is not ready", 503)
     samples = {r for rids in worker.samples.values() for r in rids}
     rids = [r for r in worker.tm.rid_to_state
-            if not str(r).startswith("HEALTH_CHECK") and r not in samples]
+            if not str(r).startswith(HEALTH_CHECK_RID_PREFIX) and r not in samples]
     rids += [r for r in worker.samples if r not in rids]
     return _json({"status": "ok", "epoch": worker.epoch, "running_requests": rids,
                   "queued_requests": []})

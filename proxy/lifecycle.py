@@ -9,7 +9,9 @@ worker client, and is the only code that changes any of them for anchors:
 - `settle()` (success) records what the worker wrote as reserved, confirms it, commits what
   the worker acknowledged, learns the anchors the worker reported already held, and closes
   the reservation; `fail()` closes it aborted, with a reason (the pipeline aborts the
-  worker request by rid, which drops its staged snapshots).
+  worker request by rid, which drops its staged snapshots); `keep_prompt_anchors()` settles
+  a request a client stop sequence ended before the worker did (its prompt anchors are
+  kept, found by key among the worker's staged slots) before the pipeline aborts it.
 - It watches the worker's epoch on every reply: a new epoch forgets the index, reconciles
   the ledger against the worker's slot listing and re-warms pinned toolsets, in the
   background. `start()` reconciles once at proxy start, then loads the committed anchors
@@ -37,6 +39,7 @@ from anchorcache.state.records import (
 )
 from anchorcache.wire import (
     AnchorKind,
+    AnchorReport,
     AnchorWritten,
     GenerateMeta,
     GenerateRequest,
@@ -215,11 +218,14 @@ class AnchorLifecycle:
             await self._settle(flight, meta)
         finally:
             self._release(flight)
+        await self._enforce_quota(flight.caller)
+
+    async def _enforce_quota(self, caller: Caller) -> None:
         try:
-            await self._enforce_bytes(flight.caller)
+            await self._enforce_bytes(caller)
         except ApiError as e:
             log.warning("could not enforce the anchor-bytes quota of %s: %s",
-                        flight.caller.tenant, e.message)
+                        caller.tenant, e.message)
 
     async def _enforce_bytes(self, caller: Caller) -> None:
         """Keep a tenant under its anchor-bytes quota: evict its least recently hit anchors
@@ -242,16 +248,67 @@ class AnchorLifecycle:
                 await self.evict(row.key)
                 used -= row.nbytes
 
+    async def keep_prompt_anchors(self, flight: Flight) -> bool:
+        """The request ended well before the worker finished it (a client stop sequence):
+        keep the anchors its prefill wrote, all prefixes of its prompt.
+
+        They are complete once staged, but the worker names them only in its final meta
+        info, which a request aborted mid-generation never sends. So they are found by key
+        (and depth) among the worker's staged slots and confirmed; the caller then aborts
+        the worker request, which drops the rest (the response anchor, which the worker
+        writes only at a stop token). A key staged twice (another request with the same
+        prefix) is left alone: it cannot be told whose it is. Returns whether the
+        reservation closed confirmed; on a worker failure it closes aborted (the request
+        itself is still served)."""
+        if flight.closed:
+            return False
+        try:
+            kept = await self._keep(flight)
+        except ApiError as e:
+            log.warning("keeping the prompt anchors of request %s failed: %s", flight.rid,
+                        e.message)
+            self.ledger.close_reservation(flight.rid, ReservationOutcome.ABORTED, "keep_failed")
+            return False
+        finally:
+            self._release(flight)
+        if kept:
+            await self._enforce_quota(flight.caller)
+        return kept
+
+    async def _keep(self, flight: Flight) -> bool:
+        specs = flight.plan.request.snapshot if flight.plan.request is not None else ()
+        keys = anchor_keys(flight.plan.namespace, self.planner.model_id, flight.input_ids,
+                           [s.depth for s in specs])
+        wanted = {keys[s.depth]: s for s in specs}
+        listing = await self.worker.slots()
+        self.observe_epoch(listing.epoch)
+        if listing.epoch != self.epoch:
+            self.ledger.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
+            return False
+        staged = [s for s in listing.slots if s.state == "reserved" and s.key in wanted
+                  and s.depth == wanted[s.key].depth]
+        twice = {k for k, n in Counter(s.key for s in staged).items() if n > 1}
+        written = tuple(AnchorWritten(s.slot, s.key, s.depth, s.parent, s.nbytes,
+                                      wanted[s.key].kind) for s in staged if s.key not in twice)
+        return await self._commit(flight, AnchorReport(written=written), listing.epoch,
+                                  reason="stop_sequence")
+
     async def _settle(self, flight: Flight, meta: GenerateMeta) -> None:
-        caller, report, led = flight.caller, meta.anchors, self.ledger
         if not flight.rid.startswith("warm-"):
             self.counters.update(count=1, hits=int(meta.cached_tokens > 0),
                                  prompt_tokens=meta.prompt_tokens, cached_tokens=meta.cached_tokens)
         self.observe_epoch(meta.epoch)
         if meta.epoch != self.epoch:
-            led.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
+            self.ledger.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
             return
-        epoch = meta.epoch
+        await self._commit(flight, meta.anchors, meta.epoch)
+
+    async def _commit(self, flight: Flight, report: AnchorReport, epoch: str, *,
+                      reason: str | None = None) -> bool:
+        """Record what the worker wrote for `flight`, confirm it, commit what the worker
+        acknowledged and close the reservation (`reason`: why, when it closes confirmed).
+        Returns whether it closed confirmed."""
+        caller, led = flight.caller, self.ledger
         if report.written:
             led.record_written(flight.rid, self.worker_id, epoch, caller.namespace, caller.tenant,
                                _new(report.written))
@@ -263,11 +320,11 @@ class AnchorLifecycle:
             except ApiError as e:  # the request succeeded; only these anchors are lost
                 log.warning("anchor confirm failed: %s", e.message)
                 led.close_reservation(flight.rid, ReservationOutcome.ABORTED, "confirm_failed")
-                return
+                return False
             self.observe_epoch(reply.epoch)
             if reply.epoch != epoch:
                 led.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
-                return
+                return False
             confirmed, evicted = reply.confirmed, reply.evicted
         settled = self.planner.record(caller.namespace, report, confirmed, evicted)
         ok = set(confirmed)
@@ -279,12 +336,13 @@ class AnchorLifecycle:
         if report.restored:
             led.record_hits(self.worker_id, epoch, [h.key for h in report.restored])
         led.close_reservation(flight.rid, ReservationOutcome.CONFIRMED,
-                              None if ok == {w.slot for w in report.written} else "confirm_refused")
+                              reason if ok == {w.slot for w in report.written} else "confirm_refused")
         if caller.own_namespace and caller.tenant != SHARED_TENANT:
             for rec in settled.committed:
                 if rec.kind == AnchorKind.INSTRUCTION and rec.namespace == caller.namespace:
                     led.put_toolset(caller.tenant, rec.namespace, rec.key,
                                     flight.input_ids[:rec.depth])
+        return True
 
     # ---- warming, pinning, evicting -----------------------------------------------------
     def live(self, key: bytes) -> AnchorRecord | None:

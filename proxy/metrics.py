@@ -3,6 +3,7 @@
 Three sources feed it:
 - `metrics_middleware` (outermost): every request by method, route template and status.
 - the request pipeline, once per request as it ends (`Completion._observe`): `record_ttft`,
+  `record_completion_tokens` (every choice's, as the reply's usage counts them),
   `record_generation` (the worker's prefill, restore and snapshot times, anchor hits by
   kind, misses by kind and reason, prompt tokens prefilled vs restored, snapshot and
   restore bytes) and `record_reservations` (how the request's reserved snapshot slots
@@ -148,8 +149,8 @@ class ProxyMetrics:
         self.prompt_tokens = Counter("anchorcache_prompt_tokens",
                                      "prompt tokens by source: prefilled or restored",
                                      ["tenant", "source"], registry=r)
-        self.completion_tokens = Counter("anchorcache_completion_tokens", "generated tokens",
-                                         ["tenant"], registry=r)
+        self.completion_tokens = Counter("anchorcache_completion_tokens",
+                                         "generated tokens (all choices)", ["tenant"], registry=r)
         self.restore_bytes = Counter("anchorcache_restore_bytes", "anchor bytes restored",
                                      ["tenant"], registry=r)
         self.snapshots = Counter("anchorcache_snapshots", "anchor snapshots written (staged)",
@@ -170,7 +171,6 @@ class ProxyMetrics:
         self.prefill_seconds.labels(t).observe(meta.prefill_ms / 1e3)
         self.prompt_tokens.labels(t, "prefilled").inc(meta.prefill_tokens)
         self.prompt_tokens.labels(t, "restored").inc(meta.cached_tokens)
-        self.completion_tokens.labels(t).inc(meta.completion_tokens)
         if not plan.namespace:  # anchors off
             return
         report = meta.anchors
@@ -192,6 +192,11 @@ class ProxyMetrics:
             self.snapshot_bytes.labels(t, w.kind.value).inc(w.nbytes)
         if report.written and meta.snapshot_ms is not None:
             self.snapshot_seconds.labels(t).observe(meta.snapshot_ms / 1e3)
+
+    def record_completion_tokens(self, tenant: str, num_tokens: int) -> None:
+        """The tokens one request generated, every choice of it (`n > 1`) together: the
+        worker's meta info is per sample, so this count is the pipeline's."""
+        self.completion_tokens.labels(self.tenant(tenant)).inc(num_tokens)
 
     def record_reservations(self, tenant: str, outcome: str, reason: str, count: int = 1) -> None:
         """`outcome` "confirmed" (reason "ok") or "aborted" (reason: why)."""

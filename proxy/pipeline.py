@@ -8,13 +8,16 @@ Nothing here knows a wire format.
 One generator (`Completion.choice_deltas`) drives the worker; streaming and non-streaming
 replies are two consumers of it, so both see the same tokens. Whatever ends the request
 early (client gone, stop sequence, worker failure), its `finally` aborts the worker request,
-and the worker drops every anchor it staged for it.
+and the worker drops every anchor it staged for it; a stop sequence first keeps the prompt
+anchors (`AnchorLifecycle.keep_prompt_anchors`), so the next turn restores them.
 
 Structured output (`structured.py`): the request's constraint goes to the worker as an
 SGLang sampling parameter; a tool grammar replaces the adapter's forced prefix. `n > 1`
 choices come from one worker request (one prefill); each has its own detokenizer, parser
 and `Outcome`. A tool call the parser cannot read never reaches the client as content: the
-text before it is kept, the rest dropped, and the choice records `tool_call_error`.
+text before it is kept, the rest dropped, and the choice records `tool_call_error`. A call
+cut short by max_tokens whose name is whole comes back partial (`ToolCall.partial`: its
+arguments so far) with finish reason `length`, as OpenAI returns it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from anchorcache.wire import AnchorKind, GenerateMeta, GenerateRequest, SamplingParams
 
@@ -362,7 +365,7 @@ class Completion:
         flight: Flight | None = None
         if state.anchors_on and gen.anchors:  # opens the reservation: the `finally` closes it
             flight = await state.lifecycle.begin(self.rid, self.caller, self.split)
-        settled = False
+        settled = kept = False  # kept: a stop sequence ended it, its prompt anchors kept
         samples_done = 0  # samples the worker has finished
         reason = "cancelled"  # why the reservation is aborted, if it is
         plan: Plan | None = None
@@ -371,21 +374,27 @@ class Completion:
             req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
                                   stream=True, anchor=plan.request,
                                   return_logprob=gen.logprobs, top_logprobs_num=gen.top_logprobs)
-            async for chunk in state.worker.generate(req):
-                if not 0 <= chunk.index < len(choices):
-                    raise ApiError("worker_error", f"worker sent choice {chunk.index} of {gen.n}")
-                if self.ttft_s is None and chunk.output_ids:
-                    self.ttft_s = time.perf_counter() - self.started
-                samples_done += chunk.meta is not None
-                if chunk.meta is not None:
-                    self.meta = chunk.meta
-                c = choices[chunk.index]
-                if not c.closed:
-                    for piece in c.feed(chunk):
-                        yield piece
-                if all(c.closed for c in choices) and samples_done < len(choices):
-                    reason = "stop_sequence"
-                    break  # stop sequences ended what the worker still generates
+            # held open until the anchors are kept: a dropped stream aborts the worker request
+            chunks = cast(AsyncGenerator[Chunk, None], state.worker.generate(req))
+            async with contextlib.aclosing(chunks) as stream:
+                async for chunk in stream:
+                    if not 0 <= chunk.index < len(choices):
+                        raise ApiError("worker_error",
+                                       f"worker sent choice {chunk.index} of {gen.n}")
+                    if self.ttft_s is None and chunk.output_ids:
+                        self.ttft_s = time.perf_counter() - self.started
+                    samples_done += chunk.meta is not None
+                    if chunk.meta is not None:
+                        self.meta = chunk.meta
+                    c = choices[chunk.index]
+                    if not c.closed:
+                        for piece in c.feed(chunk):
+                            yield piece
+                    if all(c.closed for c in choices) and samples_done < len(choices):
+                        reason = "stop_sequence"
+                        break  # stop sequences ended what the worker still generates
+                if reason == "stop_sequence" and flight is not None:
+                    kept = await asyncio.shield(state.lifecycle.keep_prompt_anchors(flight))
             for c in choices:  # a worker that ended without a choice's finish
                 if not c.closed:
                     for d in c._close():
@@ -408,20 +417,23 @@ class Completion:
                         state.lifecycle.fail(flight, reason)
                     await asyncio.shield(self._abort())
             finally:
-                self._observe(plan, flight is not None, None if settled else reason)
+                self._observe(plan, flight is not None, "ok" if settled else reason,
+                              settled or kept)
 
-    def _observe(self, plan: Plan | None, reserved: bool, aborted: str | None) -> None:
-        """The one place the pipeline feeds the metrics (`aborted`: why it was not settled).
-        Never raises: a metrics bug must not turn a served request into an error."""
+    def _observe(self, plan: Plan | None, reserved: bool, reason: str, confirmed: bool) -> None:
+        """The one place the pipeline feeds the metrics (`reason`: why the reservation
+        ended, `confirmed`: whether it kept anything). Never raises: a metrics bug must not
+        turn a served request into an error."""
         metrics, tenant = self.state.metrics, self.caller.tenant
         try:
             if self.ttft_s is not None:
                 metrics.record_ttft(tenant, self.ttft_s)
+            metrics.record_completion_tokens(tenant, sum(o.completion_tokens for o in self.outcomes))
             if self.meta is not None and plan is not None:
                 metrics.record_generation(tenant, plan, self.meta)
             if reserved:  # anchors on: the request held a reservation
-                metrics.record_reservations(tenant, "aborted" if aborted else "confirmed",
-                                            aborted or "ok")
+                metrics.record_reservations(tenant, "confirmed" if confirmed else "aborted",
+                                            reason)
         except Exception:
             log.exception("recording metrics of request %s failed", self.rid)
 

@@ -287,3 +287,18 @@ def test_the_anthropic_route_feeds_the_same_metrics(metered: Server):
         usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["cache_read_input_tokens"]
     assert value(d, "anchorcache_reservations_total", tenant=DEFAULT_TENANT, outcome="confirmed",
                  reason="ok") == 1
+
+
+@pytest.mark.slow
+def test_completion_tokens_count_every_choice_of_n(metered: Server):
+    before = scrape(metered)
+    resp = httpx.post(metered.url + CHAT, timeout=300, json={
+        "model": "default", "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 6,
+        "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}]})
+    assert resp.status_code == 200, resp.text
+    reply = resp.json()
+    assert len(reply["choices"]) == 3
+    completion_tokens = reply["usage"]["completion_tokens"]
+    assert completion_tokens > 6  # more than one choice can write: the usage counts them all
+    d = delta(scrape(metered), before)
+    assert value(d, "anchorcache_completion_tokens_total", tenant=DEFAULT_TENANT) == completion_tokens

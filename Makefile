@@ -54,7 +54,7 @@ $(PY) -c 'import sys; t = __import__("tomllib" if sys.version_info >= (3, 11) el
 	wait $$deps && test $$built = 0
 endef
 
-.PHONY: setup setup-serve setup-sglang serve test test-fast lint bench model clean stub-libcuda
+.PHONY: setup setup-serve setup-sglang current-sdk serve test test-fast lint bench model clean stub-libcuda
 
 setup: $(FULL_STAMP) model
 
@@ -91,7 +91,19 @@ model: $(STAMP)
 serve: setup-serve
 	$(PY) -m anchorcache.cli serve
 
-test: setup
+# The client SDKs a newcomer installs today, beside the venv (whose openai SGLang pins to
+# 2.8): tests/proxy/test_current_sdk.py runs them in a subprocess, PYTHONPATH=$(CURRENT_SDK).
+CURRENT_SDK := $(VENV)/current-sdk
+CURRENT_SDK_SPEC ?= openai>=3 anthropic>=2
+$(CURRENT_SDK)/.installed: | $(STAMP)
+	rm -rf $(CURRENT_SDK)
+	$(PIP) install -q --no-warn-conflicts --target $(CURRENT_SDK) \
+		$(foreach s,$(CURRENT_SDK_SPEC),'$(s)')
+	touch $@
+
+current-sdk: $(CURRENT_SDK)/.installed
+
+test: setup current-sdk
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: setup

@@ -59,6 +59,11 @@ Anonymous = Annotated[bool | None, typer.Option("--anonymous/--no-anonymous",
                                                 help="Serve requests without an API key as the "
                                                      "anonymous tenant (default: on when "
                                                      "listening on loopback).")]
+StrictKeys = Annotated[bool, typer.Option("--strict-keys/--placeholder-keys",
+                                          envvar="ANCHORCACHE_STRICT_KEYS",
+                                          help="Refuse unknown API keys even while no tenant "
+                                               "exists (default: until the first tenant, any "
+                                               "key is the anonymous tenant, like no key).")]
 MaxInFlight = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_IN_FLIGHT", min=1,
                                           help="Default per-tenant requests in flight (429 past it).")]
 MaxPinned = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_PINNED_TOOLSETS", min=0,
@@ -173,6 +178,7 @@ def proxy(
     state_dir: StateDir = str(default_state_dir()),
     admin_token: AdminToken = None,
     anonymous: Anonymous = None,
+    strict_keys: StrictKeys = False,
     max_in_flight: MaxInFlight = 64,
     max_pinned_toolsets: MaxPinned = 8,
     pin_budget_bytes: PinBudget = 1 << 30,
@@ -189,7 +195,7 @@ def proxy(
     config = ProxyConfig(worker_url=worker, host=host, port=port, anchors=anchors, adapter=adapter,
                          canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
                          state_dir=state_dir, admin_token=admin_token or None,
-                         anonymous=anonymous,
+                         anonymous=anonymous, strict_keys=strict_keys,
                          default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
                                                max_in_flight=max_in_flight),
                          pin_budget_bytes=pin_budget_bytes,
@@ -235,6 +241,7 @@ def serve(
     state_dir: StateDir = str(default_state_dir()),
     admin_token: AdminToken = None,
     anonymous: Anonymous = None,
+    strict_keys: StrictKeys = False,
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     log_level: LogLevel = "info",
@@ -266,7 +273,7 @@ def serve(
                          anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
                          max_body_bytes=max_body_bytes, state_dir=state_dir,
                          admin_token=admin_token or None, anonymous=anonymous,
-                         metrics_max_tenants=metrics_max_tenants,
+                         strict_keys=strict_keys, metrics_max_tenants=metrics_max_tenants,
                          metrics_worker_timeout_s=metrics_worker_timeout_s)
     try:
         asyncio.run(_serve_supervised(cmd, config))

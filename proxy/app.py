@@ -102,6 +102,7 @@ def create_app(config: ProxyConfig, *,
                 app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, splits,
                                         budget, ledger, anchors, app[METRICS])
                 app[TENANTS] = Tenants(ledger, anonymous=config.anonymous_access,
+                                       placeholder_keys=config.placeholder_keys,
                                        default_quotas=config.default_quotas)
                 if config.anchors:
                     await anchors.start()

@@ -28,6 +28,9 @@ class ProxyConfig:
     state_dir: str = str(default_state_dir())  # the ledger's directory
     admin_token: str | None = None  # None: the admin API is off
     anonymous: bool | None = None  # None: on when listening on loopback, off otherwise
+    # An unknown API key is a 401 even while no tenant exists. Off: with anonymous access on
+    # and no tenant yet, any key (`EMPTY`, `sk-no-key`) runs as the anonymous tenant.
+    strict_keys: bool = False
     default_quotas: Quotas = field(default_factory=lambda: Quotas(
         max_pinned_toolsets=8, max_anchor_bytes=None, max_in_flight=64))
     pin_budget_bytes: int = 1 << 30  # all pinned toolsets' anchors together
@@ -59,6 +62,11 @@ class ProxyConfig:
         if self.anonymous is not None:
             return self.anonymous
         return is_loopback(self.host)
+
+    @property
+    def placeholder_keys(self) -> bool:
+        """Whether any key is the anonymous tenant until the first tenant is created."""
+        return self.anonymous_access and not self.strict_keys
 
 
 def is_loopback(host: str) -> bool:

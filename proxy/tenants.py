@@ -1,9 +1,12 @@
 """Tenants: `Authorization: Bearer KEY` → tenant, anonymous access, in-flight quotas.
 
 One middleware for every API route (`/v1/...`, OpenAI and Anthropic alike): it resolves the
-caller before any handler runs and puts a `TenantContext` on the request. Unknown or
-revoked keys get 401; no key gets the anonymous tenant only when anonymous access is on
-(by default when the proxy listens on loopback). Each tenant has its own secret salt in
+caller before any handler runs and puts a `TenantContext` on the request. No key gets the
+anonymous tenant only when anonymous access is on (by default when the proxy listens on
+loopback). Revoked keys get 401, and so do unknown keys once a tenant exists; before that,
+with anonymous access on, any key is the anonymous tenant too (placeholder keys: clients
+and SDKs that insist on one, `api_key="EMPTY"`), unless `--strict-keys`. Every anonymous
+caller shares the anonymous tenant's anchors. Each tenant has its own secret salt in
 the ledger, so its anchor keys live in its own namespace; a client `cache_salt` can only
 narrow that further (`TenantContext.caller`). `/health`, `/metrics` and `/admin` are not
 tenant routes (the admin API has its own token, proxy/admin.py).
@@ -21,12 +24,14 @@ from anchorcache.state.ledger import Ledger
 from anchorcache.state.records import Quotas, Tenant
 
 from .errors import ApiError
-from .lifecycle import Caller
+from .lifecycle import SHARED_TENANT, Caller
 from .planner import tenant_namespace
 
 ANONYMOUS = "anonymous"
 TENANT_PREFIXES = ("/v1/",)
 MAX_CACHE_SALT = 256
+GET_A_KEY = ("an operator creates one with `anchorcache ops tenant-add NAME` (a tenant and "
+             "its first key) or `anchorcache ops key-add TENANT`")
 
 
 def bearer(request: web.Request) -> str | None:
@@ -55,23 +60,43 @@ TENANT = web.RequestKey("tenant", TenantContext)
 
 
 class Tenants:
-    """Resolves keys to tenants and counts requests in flight per tenant."""
+    """Resolves keys to tenants and counts requests in flight per tenant.
 
-    def __init__(self, ledger: Ledger, *, anonymous: bool, default_quotas: Quotas) -> None:
+    `placeholder_keys`: an unknown key is the anonymous tenant while no tenant exists (only
+    with `anonymous` on)."""
+
+    def __init__(self, ledger: Ledger, *, anonymous: bool, default_quotas: Quotas,
+                 placeholder_keys: bool = False) -> None:
         self.ledger = ledger
         self.anonymous = anonymous
+        self.placeholder_keys = placeholder_keys and anonymous
         self.default_quotas = default_quotas
         self.in_flight: Counter[str] = Counter()
+        self._tenants_exist = False  # once true, stays true: tenants are never deleted
+
+    def tenants_exist(self) -> bool:
+        """Whether an operator created a tenant (the anonymous tenant and the holder of the
+        shared toolsets' salt do not count). Read from the ledger until the first one shows
+        up, so a tenant added by another proxy on the same ledger counts too."""
+        if not self._tenants_exist:
+            self._tenants_exist = any(t.name not in (ANONYMOUS, SHARED_TENANT)
+                                      for t in self.ledger.tenants())
+        return self._tenants_exist
 
     def resolve(self, api_key: str | None) -> Tenant:
         if api_key is None:
             if not self.anonymous:
                 raise ApiError("unauthorized", "no API key: send 'Authorization: Bearer KEY' "
-                               "(anonymous access is off on this proxy)")
+                               f"(anonymous access is off on this proxy); {GET_A_KEY}")
             return self.ledger.ensure_tenant(ANONYMOUS, self.default_quotas)
         key = self.ledger.lookup_key(api_key)
         if key is None:
-            raise ApiError("invalid_api_key", "incorrect API key provided")
+            if self.placeholder_keys and not self.tenants_exist():
+                return self.ledger.ensure_tenant(ANONYMOUS, self.default_quotas)
+            anonymous = " (or send no key, to run as the anonymous tenant)" \
+                if self.anonymous else ""
+            raise ApiError("invalid_api_key",
+                           f"incorrect API key provided: {GET_A_KEY}{anonymous}")
         if key.revoked_at is not None:
             raise ApiError("invalid_api_key", "this API key has been revoked")
         tenant = self.ledger.tenant(key.tenant)

@@ -358,7 +358,7 @@ def bench(
 
     from anchorcache import bench as b
     from anchorcache.proxy.splitter import get_adapter
-    from anchorcache.proxy.tokenizers import load_tokenizer
+    from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 
     console = Console(stderr=True)
     try:

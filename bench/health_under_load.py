@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 from replay_bench import spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
 
 from anchorcache.proxy.split_pool import TokenBudget  # noqa: E402
-from anchorcache.proxy.tokenizers import load_tokenizer  # noqa: E402
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 MiB = 1 << 20

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from anchorcache import bench  # noqa: E402
 from anchorcache.cli import free_port, wait_ready  # noqa: E402
 from anchorcache.proxy.splitter import get_adapter  # noqa: E402
-from anchorcache.proxy.tokenizers import load_tokenizer  # noqa: E402
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer  # noqa: E402
 from tests.data import conversations, turn_requests  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

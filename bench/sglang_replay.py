@@ -42,7 +42,7 @@ from replay_bench import spawn  # noqa: E402  (same folder: bench/ is sys.path[0
 
 from anchorcache import bench  # noqa: E402
 from anchorcache.proxy.splitter import get_adapter  # noqa: E402
-from anchorcache.proxy.tokenizers import load_tokenizer  # noqa: E402
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer  # noqa: E402
 from tests.data import conversations, turn_requests  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

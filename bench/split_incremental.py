@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from anchorcache.proxy.splitter import get_adapter, normalize_messages, normalize_tools
-from anchorcache.proxy.tokenizers import load_tokenizer
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "bfcl_multi_turn_long_context.conversations.json"
 BUCKETS = [(0, 10_000), (10_000, 15_000), (15_000, 25_000), (25_000, 10**9)]

@@ -45,11 +45,6 @@ def _split_rows(rows: Rows) -> tuple[Tensor | None, int, int]:
     return None, int(start), int(end)
 
 
-def _row_count(rows: Rows) -> int:
-    index, start, end = _split_rows(rows)
-    return int(index.numel()) if index is not None else end - start
-
-
 def _geometry(t: Tensor) -> tuple[int, int]:
     """(kv_heads, head_dim) of a cache tensor; thd is 3-D, bhtd is 4-D."""
     if t.dim() not in (3, 4):

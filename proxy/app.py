@@ -21,9 +21,9 @@ from .openai_api import chat_completions
 from .planner import Planner, tenant_namespace
 from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
+from .splitter.tokenizers import load_tokenizer
 from .state import STATE, ProxyState
 from .tenants import TENANTS, Tenants, tenant_middleware
-from .tokenizers import load_tokenizer
 from .worker_client import WorkerClient
 
 log = logging.getLogger("anchorcache.proxy")

@@ -255,28 +255,6 @@ def snapshot(cache: Cache, start: int, depth: int) -> CacheTensors:
     )
 
 
-def join_chain(segments: Sequence[CacheTensors]) -> CacheTensors:
-    """Concatenate root -> leaf segments into one `[0, leaf.depth)` snapshot with the
-    leaf's states. Raises ValueError unless the segments tile `[0, depth)` exactly."""
-    if not segments:
-        raise ValueError("empty chain")
-    expected = 0
-    for seg in segments:
-        if seg.start != expected:
-            raise ValueError(f"chain gap: segment starts at {seg.start}, expected {expected}")
-        expected = seg.depth
-    if len(segments) == 1:
-        return segments[0]
-    leaf = segments[-1]
-    layers = range(len(leaf.keys))
-    return CacheTensors(
-        start=0, depth=leaf.depth,
-        keys=tuple(torch.cat([s.keys[i] for s in segments], dim=-2) for i in layers),
-        values=tuple(torch.cat([s.values[i] for s in segments], dim=-2) for i in layers),
-        states=leaf.states,
-    )
-
-
 def cache_from_tensors(
     model: torch.nn.Module,
     keys: Sequence[torch.Tensor],

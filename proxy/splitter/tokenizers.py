@@ -1,6 +1,6 @@
 """Tokenizers for the splitter: loaded by name or path, with no transformers model classes and
 no torch (transformers' tokenizer classes import torch; we use `tokenizers` directly).
-`anchorcache.proxy.tokenizers` re-exports this module for the rest of the proxy.
+The rest of the proxy imports tokenizers from here.
 
 Three handle types, one per backend family; adapters pick by type:
 - `HFTokenizer`: a `tokenizers.Tokenizer` plus its chat template and special tokens

@@ -12,8 +12,8 @@ from anchorcache.proxy.anthropic_schema import parse_messages_request
 from anchorcache.proxy.cut_hints import with_hint_cuts
 from anchorcache.proxy.planner import Planner
 from anchorcache.proxy.splitter import get_adapter
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.splitter.types import CutKind
-from anchorcache.proxy.tokenizers import load_tokenizer
 from tests.proxy.test_anthropic_schema import split_fn
 
 CC = {"type": "ephemeral"}

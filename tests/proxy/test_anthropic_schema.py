@@ -18,8 +18,8 @@ from anchorcache.proxy.cut_hints import with_hint_cuts
 from anchorcache.proxy.errors import ApiError, anthropic_body
 from anchorcache.proxy.pipeline import Usage
 from anchorcache.proxy.splitter import get_adapter
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.splitter.types import OutputDelta, SplitError, ToolCallDelta
-from anchorcache.proxy.tokenizers import load_tokenizer
 
 CC = {"type": "ephemeral"}
 WEATHER = {"name": "get_weather", "description": "Current weather for a city.",

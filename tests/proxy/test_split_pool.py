@@ -13,8 +13,8 @@ from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
 from anchorcache.proxy.errors import ApiError
 from anchorcache.proxy.split_pool import TokenBudget
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.state import STATE
-from anchorcache.proxy.tokenizers import load_tokenizer
 
 MiB = 1 << 20
 ODD_TEXTS = ["=" * 6000, " x" * 3000, "a" * 6000, "你好" * 3000, "🎉" * 2000,

@@ -13,6 +13,7 @@ import pytest
 
 from anchorcache.proxy.errors import ApiError
 from anchorcache.proxy.splitter import get_adapter
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.structured import (
     ResponseFormat,
     build_constraint,
@@ -20,7 +21,6 @@ from anchorcache.proxy.structured import (
     normalize_schema,
     parse_response_format,
 )
-from anchorcache.proxy.tokenizers import load_tokenizer
 
 TOOLS = (
     {"type": "function", "function": {

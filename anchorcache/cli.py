@@ -23,7 +23,7 @@ from typing import Annotated
 import typer
 
 from anchorcache.paths import default_state_dir
-from anchorcache.supervise import Supervisor, WorkerExited
+from anchorcache.supervise import SuperviseConfig, Supervisor, WorkerExited
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="anchorcache: prefix-cache sidecar for LLM agent traffic.")
@@ -76,6 +76,13 @@ MetricsMaxTenants = Annotated[int, typer.Option(envvar="ANCHORCACHE_METRICS_MAX_
 MetricsWorkerTimeout = Annotated[float, typer.Option(
     envvar="ANCHORCACHE_METRICS_WORKER_TIMEOUT_S", min=0.01, max=60,
     help="Seconds /metrics waits for the worker's /anchor/stats.")]
+WorkerHealthTimeout = Annotated[float, typer.Option(
+    envvar="ANCHORCACHE_WORKER_HEALTH_TIMEOUT_S", min=0,
+    help="Restart a worker that answers no health check for this long (0: never).")]
+WorkerStallTimeout = Annotated[float, typer.Option(
+    envvar="ANCHORCACHE_WORKER_STALL_TIMEOUT_S", min=0,
+    help="Restart a worker that holds requests and sends nothing for this long; longer than "
+         "the longest prefill (0: never).")]
 FaultInjection = Annotated[bool, typer.Option(envvar="ANCHORCACHE_FAULT_INJECTION", hidden=True,
                                               help="Enable /debug/fault on the worker (tests).")]
 
@@ -107,6 +114,18 @@ Backend = Annotated[str, typer.Option(envvar="ANCHORCACHE_BACKEND",
 SGLangLogLevel = Annotated[str, typer.Option(envvar="ANCHORCACHE_SGLANG_LOG_LEVEL",
                                              help="SGLang's own log level (sglang backend).")]
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _require_sglang() -> None:
+    """`--backend sglang` runs inside SGLang, which `make serve` does not install: say how to
+    get it instead of failing on an import deep in the worker."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        typer.echo("error: --backend sglang needs SGLang 0.5.23, which is not installed here "
+                   f"({sys.executable}). Install it with `make setup-sglang` (into .venv, "
+                   "about 11 GB) or `pip install sglang==0.5.23`.", err=True)
+        raise typer.Exit(2)
 
 
 def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, anchor_bytes: int,
@@ -147,6 +166,7 @@ def worker(
     """Run a worker behind the worker contract: the embedded transformers engine, or SGLang
     with the anchorcache plugin (`--backend sglang [-- SGLANG_ARGS...]`)."""
     if backend == "sglang":
+        _require_sglang()
         _sglang_worker(host, port, model, anchor_slots, anchor_bytes, sglang_log_level,
                        list(ctx.args), fault_injection)
         return
@@ -244,6 +264,8 @@ def serve(
     strict_keys: StrictKeys = False,
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
+    worker_health_timeout_s: WorkerHealthTimeout = 30.0,
+    worker_stall_timeout_s: WorkerStallTimeout = 300.0,
     log_level: LogLevel = "info",
     sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
@@ -251,6 +273,8 @@ def serve(
     the proxy; the worker is restarted if it dies, and Ctrl-C/SIGTERM stops both."""
     if backend not in ("embedded", "sglang"):
         raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded, sglang)")
+    if backend == "sglang":
+        _require_sglang()
     _logging(log_level)
     if model is None:  # convert the default model once, in the foreground, with a message
         from anchorcache.ext.embedded.model_store import default_model_dir, prepare_default_model
@@ -275,19 +299,22 @@ def serve(
                          admin_token=admin_token or None, anonymous=anonymous,
                          strict_keys=strict_keys, metrics_max_tenants=metrics_max_tenants,
                          metrics_worker_timeout_s=metrics_worker_timeout_s)
+    watch = SuperviseConfig(health_timeout_s=worker_health_timeout_s or None,
+                            stall_timeout_s=worker_stall_timeout_s or None)
     try:
-        asyncio.run(_serve_supervised(cmd, config))
+        asyncio.run(_serve_supervised(cmd, config, watch))
     except WorkerExited as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
 
 
-async def _serve_supervised(worker_cmd: list[str], config) -> None:
+async def _serve_supervised(worker_cmd: list[str], config, watch: SuperviseConfig) -> None:
     """The proxy in front of a supervised worker (anchorcache/supervise.py): the worker is
     given by its command line only, whatever its backend."""
     from anchorcache.proxy.app import create_app, refresh_worker_epoch
+    from anchorcache.proxy.state import STATE
 
-    supervisor = Supervisor(worker_cmd, config.worker_url + "/health")
+    supervisor = Supervisor(worker_cmd, config.worker_url + "/health", watch)
     await supervisor.start()
     try:
         web_app = create_app(config, worker_status=supervisor.status)
@@ -295,7 +322,12 @@ async def _serve_supervised(worker_cmd: list[str], config) -> None:
         async def on_ready() -> None:
             await refresh_worker_epoch(web_app)
 
+        def stalled_s() -> float | None:  # the proxy's view: it holds the requests
+            state = web_app.get(STATE)
+            return state.worker.progress.stalled_s() if state is not None else None
+
         supervisor.on_ready = on_ready
+        supervisor.stalled_s = stalled_s
         await _serve_forever(web_app, config.host, config.port,
                              "anchorcache proxy listening on http://{host}:{port}/v1")
     finally:

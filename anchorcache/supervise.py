@@ -7,6 +7,16 @@ proxy forgets every anchor of the old one (`on_ready` tells it at once; the epoc
 worker reply would tell it anyway). Meanwhile `status()` says `restarting`, which the
 proxy's `/health` reports as `degraded`.
 
+A child that is alive but stuck is killed (SIGKILL to its group: a stopped or wedged
+process handles nothing gentler) and then restarted like one that died:
+- `unresponsive`: `health_url` answered no check with 200 for `health_timeout_s`;
+- `stalled`: `stalled_s()` (given by the proxy: seconds since the worker last sent output
+  for the generate requests the proxy holds) passed `stall_timeout_s`, and the worker's own
+  health reply still lists requests (so a counter the proxy leaked never restarts an idle
+  worker). A worker whose HTTP side still answers while its engine is wedged is caught here.
+Killing the process ends every connection the proxy holds to it, so the requests it held
+end with the proxy's clean `worker_error` instead of waiting.
+
 The child never outlives `serve`, even when `serve` is SIGKILLed and cleans up nothing: it
 is started through this module's launcher (`python -m anchorcache.supervise PARENT_PID --
 cmd...`), which on Linux sets PR_SET_PDEATHSIG=SIGKILL (kept across exec) and then execs
@@ -43,12 +53,24 @@ class SuperviseConfig:
     stable_after_s: float = 60.0  # up this long: the next crash starts the backoff over
     stop_grace_s: float = 20.0
     poll_s: float = 0.2
+    # a running worker that answers no health check with 200 this long is restarted (None: never)
+    health_timeout_s: float | None = 30.0
+    health_interval_s: float = 2.0  # between two health checks of a running worker
+    # a worker that holds requests and sends nothing for this long is restarted (None: never);
+    # longer than the longest prefill, which sends nothing until its first token
+    stall_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         if self.ready_timeout_s <= 0 or self.stop_grace_s <= 0 or self.poll_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.health_interval_s <= 0:
+            raise ValueError("health_interval_s must be positive")
+        for name in ("health_timeout_s", "stall_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive (None turns the check off)")
 
 
 @dataclass(frozen=True)
@@ -57,6 +79,8 @@ class WorkerStatus:
     pid: int | None
     restarts: int
     last_exit_code: int | None  # negative: killed by that signal
+    # why the last one went: "exited" (on its own), "unresponsive" or "stalled" (killed by us)
+    last_restart_reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -64,7 +88,8 @@ class WorkerStatus:
 
     def to_json(self) -> dict[str, Any]:
         return {"state": self.state, "pid": self.pid, "restarts": self.restarts,
-                "last_exit_code": self.last_exit_code}
+                "last_exit_code": self.last_exit_code,
+                "last_restart_reason": self.last_restart_reason}
 
 
 class WorkerExited(RuntimeError):
@@ -80,21 +105,25 @@ def launcher_cmd(cmd: Sequence[str], parent_pid: int | None = None) -> list[str]
 class Supervisor:
     def __init__(self, cmd: Sequence[str], health_url: str,
                  config: SuperviseConfig | None = None, *,
-                 on_ready: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_ready: Callable[[], Awaitable[None]] | None = None,
+                 stalled_s: Callable[[], float | None] | None = None) -> None:
         self.cmd = list(cmd)
         self.health_url = health_url
         self.config = config or SuperviseConfig()
         self.on_ready = on_ready  # awaited after every restart that became healthy
+        # seconds the worker has sent nothing for the requests it holds (None: holds none)
+        self.stalled_s = stalled_s
         self._proc: asyncio.subprocess.Process | None = None
         self._state = "stopped"
         self._restarts = 0
         self._last_exit: int | None = None
+        self._last_reason: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
     def status(self) -> WorkerStatus:
         pid = self._proc.pid if self._proc is not None and self._proc.returncode is None else None
-        return WorkerStatus(self._state, pid, self._restarts, self._last_exit)
+        return WorkerStatus(self._state, pid, self._restarts, self._last_exit, self._last_reason)
 
     async def start(self) -> None:
         """Start the child and wait until it is healthy; raises WorkerExited if it is not.
@@ -146,13 +175,15 @@ class Supervisor:
         while not self._stopping:
             assert self._proc is not None
             up_since = time.monotonic()
-            code = await self._proc.wait()
-            self._last_exit = code
+            reason = await self._until_gone(self._proc)
+            code = self._proc.returncode
+            self._last_exit, self._last_reason = code, reason
             self._state = "restarting"
             if time.monotonic() - up_since >= self.config.stable_after_s:
                 backoff = self.config.backoff_initial_s
-            log.error("worker (pid %d) exited with %d; restarting in %.1f s",
-                      self._proc.pid, code, backoff)
+            log.error("worker (pid %d) %s with %d; restarting in %.1f s", self._proc.pid,
+                      "exited" if reason == "exited" else f"was {reason}: killed, exited",
+                      code, backoff)
             while not self._stopping:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.backoff_max_s)
@@ -170,6 +201,71 @@ class Supervisor:
                     except Exception:
                         log.exception("on_ready after a worker restart failed")
                 break
+
+    async def _until_gone(self, proc: asyncio.subprocess.Process) -> str:
+        """Wait until the running child exits ("exited"), or kill it once it is hung and say
+        how ("unresponsive", "stalled"; see the module docstring)."""
+        import aiohttp
+
+        cfg = self.config
+        exited = asyncio.ensure_future(proc.wait())
+        check: asyncio.Future[bool | None] | None = None
+        last_ok = time.monotonic()
+        try:
+            async with aiohttp.ClientSession() as session:
+                while True:
+                    # a check may take until the health deadline: slow is not hung
+                    wait_s = (last_ok + cfg.health_timeout_s - time.monotonic()
+                              if cfg.health_timeout_s is not None else 10.0)
+                    check = asyncio.ensure_future(self._check(session, max(wait_s, 1.0)))
+                    await asyncio.wait({exited, check}, return_when=asyncio.FIRST_COMPLETED)
+                    if exited.done():
+                        return "exited"
+                    holds_requests = check.result()
+                    now = time.monotonic()
+                    if holds_requests is not None:
+                        last_ok = now
+                    reason = None
+                    if cfg.health_timeout_s is not None and now - last_ok >= cfg.health_timeout_s:
+                        reason = "unresponsive"
+                        log.error("worker (pid %d) answered no health check for %.0f s",
+                                  proc.pid, now - last_ok)
+                    elif cfg.stall_timeout_s is not None and holds_requests and \
+                            self.stalled_s is not None:
+                        stalled = self.stalled_s()
+                        if stalled is not None and stalled >= cfg.stall_timeout_s:
+                            reason = "stalled"
+                            log.error("worker (pid %d) holds requests and sent nothing for "
+                                      "%.0f s", proc.pid, stalled)
+                    if reason is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(proc.pid, signal.SIGKILL)
+                        await exited
+                        return reason
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(exited), cfg.health_interval_s)
+        finally:
+            exited.cancel()
+            if check is not None:
+                check.cancel()
+
+    async def _check(self, session: Any, timeout_s: float) -> bool | None:
+        """One health check: None if it got no 200 in `timeout_s`; otherwise whether the
+        worker says it holds requests (the worker contract's running/queued lists; True
+        when its reply does not say)."""
+        import aiohttp
+
+        try:
+            async with session.get(self.health_url,
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    return None
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        if not isinstance(body, dict) or not {"running_requests", "queued_requests"} <= body.keys():
+            return True
+        return bool(body["running_requests"] or body["queued_requests"])
 
     async def _terminate(self) -> None:
         proc = self._proc

@@ -1,12 +1,15 @@
 """The proxy's side of the worker contract (docs/worker-protocol.md), over aiohttp.
 
 Transport failures become `ApiError`s: the worker unreachable → 503 `worker_unavailable`,
-the worker answering an error or dying mid-reply → 502 `worker_error`, and a 4xx from the
-worker is passed on as the client's bad request.
+the worker answering an error, dying mid-reply or not answering in time → 502
+`worker_error`, and a 4xx from the worker is passed on as the client's bad request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,6 +33,56 @@ from anchorcache.wire import (
 from .errors import ApiError
 
 T = TypeVar("T")
+
+# a well worker answers /health at once; a hung one must not hang the proxy's /health
+HEALTH_TIMEOUT_S = 10.0
+
+
+class ProgressClock:
+    """How long the worker has sent nothing for the generate requests the proxy holds.
+
+    `anchorcache serve` restarts a worker that holds requests past a deadline with no
+    progress (anchorcache/supervise.py). Progress is any byte of any held reply arriving
+    (read from the reply streams' byte counts, so a client that reads its stream slowly
+    does not make the worker look stuck), or a request finishing; the clock starts when
+    the proxy goes from holding no request to holding one. A request that ends without
+    finishing (an error, a client gone) is no progress.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._streams: dict[int, tuple[Any, int]] = {}  # held request → (its reply stream, bytes seen)
+        self._ids = itertools.count()
+        self._since = clock()
+
+    def begin(self) -> int:
+        if not self._streams:
+            self._since = self._clock()
+        token = next(self._ids)
+        self._streams[token] = (None, 0)
+        return token
+
+    def attach(self, token: int, stream: Any) -> None:
+        """The reply stream (`aiohttp.StreamReader`) of held request `token`."""
+        # not progress by itself: a live HTTP side sends headers for a wedged engine too
+        self._streams[token] = (stream, 0)
+
+    def end(self, token: int, *, finished: bool) -> None:
+        self._streams.pop(token, None)
+        if finished:
+            self._since = self._clock()
+
+    def stalled_s(self) -> float | None:
+        """Seconds without progress; None while the proxy holds no generate request."""
+        if not self._streams:
+            return None
+        now = self._clock()
+        for token, (stream, seen) in list(self._streams.items()):
+            total = getattr(stream, "total_bytes", 0) if stream is not None else 0
+            if total != seen:
+                self._streams[token] = (stream, total)
+                self._since = now
+        return now - self._since
 
 
 @dataclass(frozen=True)
@@ -89,13 +142,16 @@ class WorkerClient:
     def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
         self.session = session
         self.base_url = base_url.rstrip("/")
+        self.progress = ProgressClock()
 
-    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+    async def _call(self, method: str, path: str, body: Any = None,
+                    timeout_s: float | None = None) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         try:
             async with self.session.request(
                     method, self.base_url + path,
                     data=orjson.dumps(body) if body is not None else None,
-                    headers={"Content-Type": "application/json"}) as resp:
+                    headers={"Content-Type": "application/json"}, timeout=timeout) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
                     raise _worker_error(resp.status, data)
@@ -104,19 +160,22 @@ class WorkerClient:
             raise ApiError("worker_unavailable", f"worker unreachable: {e}") from None
         except (aiohttp.ClientError, orjson.JSONDecodeError) as e:
             raise ApiError("worker_error", f"worker failed: {type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:
+            raise ApiError("worker_error", f"worker did not answer {path} in time") from None
 
     async def model_info(self) -> WorkerInfo:
         return WorkerInfo.from_json(await self._call("GET", "/model_info"))
 
-    async def _typed(self, parse: Callable[[Any], T], method: str, path: str, body: Any = None) -> T:
-        data = await self._call(method, path, body)
+    async def _typed(self, parse: Callable[[Any], T], method: str, path: str, body: Any = None,
+                     timeout_s: float | None = None) -> T:
+        data = await self._call(method, path, body, timeout_s)
         try:
             return parse(data)
         except WireError as e:
             raise ApiError("worker_error", f"malformed reply from {path}: {e}") from None
 
     async def health(self) -> WorkerHealth:
-        return await self._typed(parse_health, "GET", "/health")
+        return await self._typed(parse_health, "GET", "/health", timeout_s=HEALTH_TIMEOUT_S)
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})
@@ -154,12 +213,14 @@ class WorkerClient:
         A worker that ends the stream without a final chunk raises `worker_error`.
         """
         body = {**req.to_json(), "stream": True}
+        held = self.progress.begin()
+        finished = False
         try:
             async with self.session.post(self.base_url + "/generate", data=orjson.dumps(body),
                                          headers={"Content-Type": "application/json"}) as resp:
+                self.progress.attach(held, resp.content)
                 if resp.status >= 400:
                     raise _worker_error(resp.status, await resp.read())
-                finished = False
                 async for line in resp.content:
                     if not line.startswith(b"data: "):
                         continue
@@ -185,3 +246,7 @@ class WorkerClient:
             raise ApiError("worker_unavailable", f"worker unreachable: {e}") from None
         except (aiohttp.ClientError, orjson.JSONDecodeError, ValueError, TypeError) as e:
             raise ApiError("worker_error", f"worker failed mid-request: {type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:
+            raise ApiError("worker_error", "worker did not finish the request in time") from None
+        finally:
+            self.progress.end(held, finished=finished)

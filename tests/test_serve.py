@@ -78,7 +78,8 @@ def test_a_killed_worker_is_restarted_and_its_anchors_forgotten(serve_proc):
     client = openai.OpenAI(base_url=serve_proc.url + "/v1", api_key="", max_retries=0, timeout=120)
     before = _health(serve_proc.url).json()
     assert before["worker_process"] == {"state": "running", "pid": before["worker_process"]["pid"],
-                                        "restarts": 0, "last_exit_code": None}
+                                        "restarts": 0, "last_exit_code": None,
+                                        "last_restart_reason": None}
     worker = psutil.Process(before["worker_process"]["pid"])
     stream = client.chat.completions.create(model="default", messages=LONG, max_tokens=400,
                                             temperature=0, stream=True)
@@ -103,6 +104,7 @@ def test_a_killed_worker_is_restarted_and_its_anchors_forgotten(serve_proc):
     after = resp.json()
     assert after["worker_process"]["restarts"] == 1
     assert after["worker_process"]["last_exit_code"] == -signal.SIGKILL
+    assert after["worker_process"]["last_restart_reason"] == "exited"  # not killed by serve
     assert after["worker_process"]["pid"] != worker.pid
     assert after["worker"]["epoch"] != before["worker"]["epoch"]
     reply = client.chat.completions.create(model="default", temperature=0, max_tokens=20,

@@ -1,10 +1,13 @@
 """`anchorcache serve`'s supervisor (anchorcache/supervise.py) on a stand-in child: any
 command line with a health URL, whatever the backend. Restarts with backoff, reports its
-state, and the child dies with its parent even when the parent is SIGKILLed."""
+state, restarts a child that is alive but hung (no health answer, or no progress while it
+holds requests), and the child dies with its parent even when the parent is SIGKILLed."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -18,21 +21,28 @@ import pytest
 from anchorcache.cli import free_port
 from anchorcache.supervise import SuperviseConfig, Supervisor, WorkerExited
 
+# answers every GET with argv[2] (default "ok"); appends a line to argv[3] per GET if given
 HEALTH_SERVER = textwrap.dedent("""
     import http.server, sys
+    body = (sys.argv[2] if len(sys.argv) > 2 else "ok").encode()
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+            self.send_response(200); self.end_headers(); self.wfile.write(body)
+            if len(sys.argv) > 3:
+                with open(sys.argv[3], "a") as f:
+                    f.write("get\\n")
         def log_message(self, *args):
             pass
     http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """)
 FAST = SuperviseConfig(ready_timeout_s=30, backoff_initial_s=0.1, backoff_max_s=0.4,
-                       stop_grace_s=5, poll_s=0.05)
+                       stop_grace_s=5, poll_s=0.05, health_interval_s=0.05)
+HOLDING = json.dumps({"status": "ok", "running_requests": ["r1"], "queued_requests": []})
+IDLE = json.dumps({"status": "ok", "running_requests": [], "queued_requests": []})
 
 
-def child(port: int) -> list[str]:
-    return [sys.executable, "-c", HEALTH_SERVER, str(port)]
+def child(port: int, body: str = "ok", log: str | None = None) -> list[str]:
+    return [sys.executable, "-c", HEALTH_SERVER, str(port), body, *([log] if log else [])]
 
 
 async def _until(predicate, timeout_s: float = 30) -> None:
@@ -102,3 +112,68 @@ def test_the_child_dies_with_a_sigkilled_parent():
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+# ---- hung children (issue 23) ----------------------------------------------------------------
+
+async def test_a_stopped_child_is_killed_and_restarted_as_unresponsive():
+    port = free_port()
+    config = dataclasses.replace(FAST, health_timeout_s=1.0)
+    sup = Supervisor(child(port), f"http://127.0.0.1:{port}/health", config)
+    await sup.start()
+    first = sup.status().pid
+    os.kill(first, signal.SIGSTOP)  # alive, answers nothing
+    try:
+        await _until(lambda: sup.status().restarts == 1 and sup.status().state == "running")
+        status = sup.status()
+        assert status.last_restart_reason == "unresponsive"
+        assert status.last_exit_code == -signal.SIGKILL and status.pid != first
+        assert not psutil.pid_exists(first) or psutil.Process(first).status() == "zombie"
+    finally:
+        await sup.stop()
+
+
+async def test_a_child_holding_requests_without_progress_is_restarted_as_stalled():
+    port = free_port()
+    stalled: dict[str, float | None] = {"s": None}
+
+    async def on_ready() -> None:  # the held requests ended with the old worker
+        stalled["s"] = None
+
+    sup = Supervisor(child(port, HOLDING), f"http://127.0.0.1:{port}/health",
+                     dataclasses.replace(FAST, stall_timeout_s=5.0),
+                     stalled_s=lambda: stalled["s"], on_ready=on_ready)
+    await sup.start()
+    first = sup.status().pid
+    stalled["s"] = 6.0
+    try:
+        await _until(lambda: sup.status().restarts == 1 and sup.status().state == "running")
+        assert sup.status().last_restart_reason == "stalled"
+        assert sup.status().pid != first
+    finally:
+        await sup.stop()
+
+
+async def test_no_restart_while_the_child_holds_nothing_or_makes_progress(tmp_path):
+    """The proxy's clock says stalled, but the worker lists no request (a leaked counter):
+    left alone; a worker that holds requests and progresses is left alone too."""
+    for body, stalled in ((IDLE, 3600.0), (HOLDING, 1.0)):
+        port = free_port()
+        log = tmp_path / f"gets-{port}"
+        sup = Supervisor(child(port, body, str(log)), f"http://127.0.0.1:{port}/health",
+                         dataclasses.replace(FAST, stall_timeout_s=2.0, health_timeout_s=2.0),
+                         stalled_s=lambda s=stalled: s)
+        await sup.start()
+        try:
+            await _until(lambda log=log: log.exists() and len(log.read_text().split()) >= 40)
+            assert sup.status().state == "running" and sup.status().restarts == 0
+        finally:
+            await sup.stop()
+
+
+def test_the_watch_settings_are_checked():
+    with pytest.raises(ValueError, match="health_timeout_s"):
+        SuperviseConfig(health_timeout_s=0)
+    with pytest.raises(ValueError, match="stall_timeout_s"):
+        SuperviseConfig(stall_timeout_s=-1)
+    assert SuperviseConfig(health_timeout_s=None, stall_timeout_s=None).health_interval_s > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -221,20 +222,27 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def inject_fault(request: web.Request) -> web.Response:
-    """Arm one fault: the next time the engine passes `where` it raises (tests only)."""
+    """Arm one fault: the next time the engine passes `where` it raises, or with
+    `"hang": true` its thread blocks there for good, while the HTTP side keeps answering
+    (a wedged engine: what `serve`'s supervisor must notice). Tests only."""
     body = await _body(request)
     where = body.get("where") if isinstance(body, dict) else None
     if where not in ("start", "prefill", "decode", "snapshot", "restore"):
         raise WireError("'where' must be start, prefill, decode, snapshot or restore")
+    hang = body.get("hang", False)
+    if not isinstance(hang, bool):
+        raise WireError("'hang' must be a boolean")
     engine = request.app[ENGINE]
 
     def hook(at: str) -> None:
         if at == where:
             engine.fault_hook = None
+            if hang:
+                threading.Event().wait()  # never set: only the process's end frees the thread
             raise RuntimeError(f"injected fault at {at}")
 
     engine.fault_hook = hook
-    return _json({"armed": where})
+    return _json({"armed": where, "hang": hang})
 
 
 def add_routes(app: web.Application) -> None:

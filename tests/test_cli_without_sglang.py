@@ -1,0 +1,23 @@
+"""`make serve` does not install SGLang: `--backend sglang` without it says how to get it
+(`make setup-sglang`) and exits 2, instead of an ImportError traceback from the worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+# sys.modules[name] = None: the import system (and find_spec) sees no such package
+WITHOUT_SGLANG = ("import sys; sys.modules['sglang'] = None; sys.argv = ['anchorcache', *sys.argv[1:]]; "
+                  "from anchorcache.cli import main; main()")
+
+
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_backend_sglang_without_sglang_says_how_to_get_it(command, tmp_path):
+    done = subprocess.run([sys.executable, "-c", WITHOUT_SGLANG, command, "--backend", "sglang",
+                           "--model", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "make setup-sglang" in done.stderr and "sglang==0.5.23" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout

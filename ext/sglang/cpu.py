@@ -21,7 +21,10 @@ STUB_SOURCE = Path(__file__).with_name("stub_libcuda.c")
 # SGLang arguments for CPU serving; an explicit user argument of the same name wins
 CPU_ARGS = {"--device": "cpu", "--attention-backend": "torch_native",
             "--mem-fraction-static": "0.95"}
-CPU_FLAGS = ("--disable-cuda-graph",)
+# --sleep-on-idle: an idle scheduler otherwise spins a core polling its sockets, which on a
+# CPU machine is a core taken from the forward passes of every other process (SGLang's own
+# idle sleeper polls the request and RPC sockets, so neither waits longer than before)
+CPU_FLAGS = ("--disable-cuda-graph", "--sleep-on-idle")
 # the default KV pool on CPU (`--max-total-tokens`, docs/sglang.md "CPU machines"): room for
 # a few agent prompts (median 4-7k tokens, long ones 20k+), at most the model's context, and
 # at most POOL_RAM_FRACTION of the machine's RAM at the model's KV bytes per token

@@ -177,11 +177,10 @@ class _Choice:
 
     def _close(self) -> list[OutputDelta]:
         self.closed = True
-        # cut by max_tokens: an unfinished call comes back partial, finish_reason "length"
-        deltas = self._guard(self.parser.flush(truncated=self._cut_by_length()))
+        deltas = self._guard(self.parser.flush())
         parsed = self.parser.finish()
         self.outcome.tool_calls = list(parsed.tool_calls)
-        if self.outcome.tool_calls and not any(c.partial for c in parsed.tool_calls):
+        if self.outcome.tool_calls:
             self.outcome.finish_reason = FinishReason.TOOL_CALLS
         return deltas
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from .base import Adapter
 from .normalize import leading_system_count, newest_start, normalize_messages
-from .parsers import OutputParser, _partial_suffix, call_from_object, close_json
+from .parsers import OutputParser, _partial_suffix, call_from_object
 from .types import Cut, CutKind, SplitError, SplitResult
 
 FUNCTIONS = "functions."
@@ -260,24 +260,13 @@ class HarmonyParser(OutputParser):
         else:
             self._kind = "content" if channel_name in ("final", "commentary") else "drop"
 
-    def _end_body(self, body: str, out: list, *, cut: bool = False) -> None:
-        """`cut`: the output ended inside this body (see `OutputParser.flush(truncated=)`)."""
+    def _end_body(self, body: str, out: list) -> None:
         self._in_body = False
         if self._kind == "call":
             call = call_from_object({"name": self._name, "arguments": body})
             if call is not None:
                 self._emit_call(*call, out)
                 return
-            if cut and self._truncated:
-                # whole but for (part of) its end marker, or its arguments cut short
-                body = body[: len(body) - max(_partial_suffix(body, m) for m in _MARKERS)]
-                call = call_from_object({"name": self._name, "arguments": body})
-                if call is not None:
-                    self._emit_call(*call, out)
-                    return
-                if not body.strip() or isinstance(close_json(body), dict):
-                    self._emit_call(self._name, body.strip(), out, partial=True)
-                    return
         if self._kind != "drop":
             self._emit_content(body, out)
 
@@ -303,7 +292,7 @@ class HarmonyParser(OutputParser):
                 continue
             if final:
                 self._buffer = ""
-                self._end_body(buf, out, cut=True)
+                self._end_body(buf, out)
                 return
             if self._kind == "content":  # stream what can no longer become a marker
                 keep = max(_partial_suffix(buf, m) for m in _MARKERS)

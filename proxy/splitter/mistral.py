@@ -148,7 +148,6 @@ class MistralCallsParser(OutputParser):
             if calls and len(ok) == len(calls):
                 for name, args in ok:
                     self._emit_call(name, args, out)
-            elif not self._emit_cut_calls(self._buffer.lstrip().removeprefix("["), out,
-                                          separators=" \t\r\n,"):
+            else:
                 self._emit_content(TOOL_CALLS + self._buffer, out)
             self._buffer = ""

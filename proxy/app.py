@@ -18,7 +18,7 @@ from .errors import ApiError, error_middleware, json_response
 from .lifecycle import SHARED_TENANT, AnchorLifecycle
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
-from .planner import Planner, tenant_namespace
+from .planner import tenant_namespace
 from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
 from .splitter.tokenizers import load_tokenizer
@@ -57,16 +57,15 @@ async def health(request: web.Request) -> web.Response:
     except ApiError as e:
         return json_response({"status": "degraded", "worker": None, **extra,
                               "error": e.message}, 503)
-    state.lifecycle.observe_epoch(worker.epoch)
     return json_response({"status": "ok", "model": state.info.model_id,
                           "anchors": state.config.anchors, "worker": worker.to_json(), **extra})
 
 
 async def refresh_worker_epoch(app: web.Application) -> None:
-    """A (re)started worker is a new epoch: forget the old one's anchors now (and reconcile,
-    re-warm pinned toolsets in the background)."""
-    state = app[STATE]
-    state.lifecycle.observe_epoch((await state.worker.health()).epoch)
+    """A (re)started worker is a new epoch: ask its health, whose epoch the anchor life cycle
+    observes, so the old one's anchors are forgotten now (and the ledger reconciled, pinned
+    toolsets re-warmed in the background)."""
+    await app[STATE].worker.health()
 
 
 def create_app(config: ProxyConfig, *,
@@ -91,16 +90,16 @@ def create_app(config: ProxyConfig, *,
                 tokenizer = load_tokenizer(info.tokenizer_path)
                 adapter = get_adapter(config.adapter, tokenizer,
                                       canonical_tools=config.canonical_tools)
-                planner = Planner(info.model_id, info.epoch)
                 splits = SplitPool(adapter, max_pending=config.max_pending_splits)
                 budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
                 shared = ledger.ensure_tenant(SHARED_TENANT)
                 anchors = AnchorLifecycle(
-                    worker, ledger, planner, worker_id=config.worker_url.rstrip("/"),
+                    worker, ledger, model_id=info.model_id, epoch=info.epoch,
+                    worker_id=config.worker_url.rstrip("/"),
                     shared_namespace=tenant_namespace(shared.salt, shared.name),
                     single_flight_wait_s=config.single_flight_wait_s)
-                app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, planner, splits,
-                                        budget, ledger, anchors, app[METRICS])
+                app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, splits, budget,
+                                        ledger, anchors, app[METRICS])
                 app[TENANTS] = Tenants(ledger, anonymous=config.anonymous_access,
                                        placeholder_keys=config.placeholder_keys,
                                        default_quotas=config.default_quotas)

@@ -1,7 +1,8 @@
 """The one owner of the proxy's anchor life cycle: plan → generate → confirm/abort → record.
 
-`AnchorLifecycle` holds the pure planner (and its in-memory index), the ledger and the
-worker client, and is the only code that changes any of them for anchors:
+`AnchorLifecycle` owns the pure planner (and its in-memory index): no other code touches
+it. It holds the ledger and the worker client too, and is the only code that changes any of
+them for anchors:
 
 - `begin()` plans a request and opens its reservation in the ledger. A request whose
   instruction cut is new and already being written by another request waits for that one
@@ -12,9 +13,10 @@ worker client, and is the only code that changes any of them for anchors:
   worker request by rid, which drops its staged snapshots); `keep_prompt_anchors()` settles
   a request a client stop sequence ended before the worker did (its prompt anchors are
   kept, found by key among the worker's staged slots) before the pipeline aborts it.
-- It watches the worker's epoch on every reply: a new epoch forgets the index, reconciles
-  the ledger against the worker's slot listing and re-warms pinned toolsets, in the
-  background. `start()` reconciles once at proxy start, then loads the committed anchors
+- It watches the worker's epoch: the worker client passes it the epoch of every reply
+  (`WorkerClient.on_epoch`, the one place epochs are observed); a new epoch forgets the
+  index, reconciles the ledger against the worker's slot listing and re-warms pinned
+  toolsets, in the background. `start()` reconciles once at proxy start, then loads the committed anchors
   the worker still holds, so they are offered again after a proxy restart.
 """
 
@@ -85,11 +87,12 @@ def _new(entries: Iterable[AnchorWritten]) -> list[NewAnchor]:
 
 
 class AnchorLifecycle:
-    def __init__(self, worker: WorkerClient, ledger: Ledger, planner: Planner, *, worker_id: str,
-                 shared_namespace: bytes, single_flight_wait_s: float = 60.0) -> None:
+    def __init__(self, worker: WorkerClient, ledger: Ledger, *, model_id: str, epoch: str,
+                 worker_id: str, shared_namespace: bytes,
+                 single_flight_wait_s: float = 60.0) -> None:
         self.worker = worker
         self.ledger = ledger
-        self.planner = planner
+        self._planner = Planner(model_id, epoch)
         self.worker_id = worker_id
         self.shared_namespace = shared_namespace
         self.single_flight_wait_s = single_flight_wait_s
@@ -99,10 +102,11 @@ class AnchorLifecycle:
         self.last_reconcile: ReconcileReport | None = None
         # settled requests since start: count, hits (restored anything), prompt/cached tokens
         self.counters: Counter[str] = Counter()
+        worker.on_epoch = self.observe_epoch
 
     @property
     def epoch(self) -> str:
-        return self.planner.epoch
+        return self._planner.epoch
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -132,8 +136,6 @@ class AnchorLifecycle:
         except ApiError as e:
             log.warning("reconcile skipped, no slot listing: %s", e.message)
             return None
-        if listing.epoch != self.epoch:
-            self.planner.reset(listing.epoch)
         held = [HeldSlot(s.slot, s.key, s.depth, s.parent, s.nbytes)
                 for s in listing.slots if s.state == "committed"]
         staged = [(s.slot, s.key) for s in listing.slots if s.state == "reserved"]
@@ -146,20 +148,21 @@ class AnchorLifecycle:
                 log.warning("could not abort orphaned reservations: %s", e.message)
         for row in self.ledger.anchors(worker=self.worker_id, epoch=listing.epoch,
                                        status=AnchorStatus.COMMITTED):
-            if self.planner.index.get(row.key) is None:
-                self.planner.index.add(AnchorRecord(row.namespace, row.key, row.depth, row.parent,
+            if self._planner.index.get(row.key) is None:
+                self._planner.index.add(AnchorRecord(row.namespace, row.key, row.depth, row.parent,
                                                     AnchorKind(row.kind), row.slot, row.nbytes,
                                                     row.epoch))
         self.last_reconcile = report
         log.info("reconcile (%s): %s", reason, report.to_json())
         return report
 
-    def observe_epoch(self, epoch: str | None) -> None:
-        """Every worker reply passes its epoch here; a new one means the worker restarted."""
+    def observe_epoch(self, epoch: str) -> None:
+        """The worker client passes every reply's epoch here; a new one means the worker
+        restarted."""
         if not epoch or epoch == self.epoch:
             return
         old = self.epoch
-        dropped = self.planner.reset(epoch)
+        dropped = self._planner.reset(epoch)
         log.info("worker epoch %s → %s: %d anchors lost", old, epoch, dropped)
         self.ledger.event("epoch_changed", None, old=old, new=epoch, dropped=dropped)
 
@@ -170,8 +173,12 @@ class AnchorLifecycle:
         self._spawn(after())
 
     # ---- requests ----------------------------------------------------------------------
+    def chunk_only(self, split: SplitResult) -> Plan:
+        """Anchors off: the plan that only chunks the prefill at the cuts."""
+        return self._planner.chunk_only(split)
+
     async def begin(self, rid: str, caller: Caller, split: SplitResult) -> Flight:
-        plan = self.planner.plan(split, caller.namespace, shared=self.shared_namespace)
+        plan = self._planner.plan(split, caller.namespace, shared=self.shared_namespace)
         leads = None
         inst = plan.instruction
         if inst is not None and plan.restore_depth < inst[0]:
@@ -181,10 +188,10 @@ class AnchorLifecycle:
                     await asyncio.wait_for(asyncio.shield(other), self.single_flight_wait_s)
                 except TimeoutError:
                     pass
-                plan = self.planner.plan(split, caller.namespace, shared=self.shared_namespace)
+                plan = self._planner.plan(split, caller.namespace, shared=self.shared_namespace)
             if plan.restore_depth < inst[0]:
                 if inst[1] in self._flights:
-                    plan = self.planner.plan(split, caller.namespace, shared=self.shared_namespace,
+                    plan = self._planner.plan(split, caller.namespace, shared=self.shared_namespace,
                                              skip_instruction=True)
                 else:
                     self._flights[inst[1]] = asyncio.get_running_loop().create_future()
@@ -277,11 +284,10 @@ class AnchorLifecycle:
 
     async def _keep(self, flight: Flight) -> bool:
         specs = flight.plan.request.snapshot if flight.plan.request is not None else ()
-        keys = anchor_keys(flight.plan.namespace, self.planner.model_id, flight.input_ids,
+        keys = anchor_keys(flight.plan.namespace, self._planner.model_id, flight.input_ids,
                            [s.depth for s in specs])
         wanted = {keys[s.depth]: s for s in specs}
-        listing = await self.worker.slots()
-        self.observe_epoch(listing.epoch)
+        listing = await self.worker.slots()  # observed its epoch
         if listing.epoch != self.epoch:
             self.ledger.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
             return False
@@ -297,8 +303,7 @@ class AnchorLifecycle:
         if not flight.rid.startswith("warm-"):
             self.counters.update(count=1, hits=int(meta.cached_tokens > 0),
                                  prompt_tokens=meta.prompt_tokens, cached_tokens=meta.cached_tokens)
-        self.observe_epoch(meta.epoch)
-        if meta.epoch != self.epoch:
+        if meta.epoch != self.epoch:  # the worker client observed it as the reply came
             self.ledger.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
             return
         await self._commit(flight, meta.anchors, meta.epoch)
@@ -321,12 +326,11 @@ class AnchorLifecycle:
                 log.warning("anchor confirm failed: %s", e.message)
                 led.close_reservation(flight.rid, ReservationOutcome.ABORTED, "confirm_failed")
                 return False
-            self.observe_epoch(reply.epoch)
             if reply.epoch != epoch:
                 led.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
                 return False
             confirmed, evicted = reply.confirmed, reply.evicted
-        settled = self.planner.record(caller.namespace, report, confirmed, evicted)
+        settled = self._planner.record(caller.namespace, report, confirmed, evicted)
         ok = set(confirmed)
         led.commit(self.worker_id, epoch, [w.key for w in report.written if w.slot in ok])
         if report.held:
@@ -346,13 +350,13 @@ class AnchorLifecycle:
 
     # ---- warming, pinning, evicting -----------------------------------------------------
     def live(self, key: bytes) -> AnchorRecord | None:
-        rec = self.planner.index.get(key)
+        rec = self._planner.index.get(key)
         return rec if rec is not None and rec.epoch == self.epoch else None
 
     async def warm(self, tenant: str, namespace: bytes, ids: tuple[int, ...]) -> AnchorRecord:
         """Make the instruction prefix `ids` a committed anchor in `namespace` (no-op if it
         is one). Raises ApiError if the worker fails or could not store it."""
-        key = anchor_keys(namespace, self.planner.model_id, ids, [len(ids)])[len(ids)]
+        key = anchor_keys(namespace, self._planner.model_id, ids, [len(ids)])[len(ids)]
         if (rec := self.live(key)) is not None:
             return rec
         other = self._flights.get(key)
@@ -364,7 +368,7 @@ class AnchorLifecycle:
             if (rec := self.live(key)) is not None:
                 return rec
         rid = "warm-" + uuid.uuid4().hex
-        plan = Plan(namespace, self.planner.warm(ids, namespace))
+        plan = Plan(namespace, self._planner.warm(ids, namespace))
         flight = Flight(rid, Caller(tenant, namespace, own_namespace=tenant != SHARED_TENANT),
                         plan, ids)
         if key not in self._flights:
@@ -397,7 +401,7 @@ class AnchorLifecycle:
         if ts.shared:
             n = len(ts.input_ids)
             out.append((SHARED_TENANT, self.shared_namespace,
-                        anchor_keys(self.shared_namespace, self.planner.model_id, ts.input_ids, [n])[n]))
+                        anchor_keys(self.shared_namespace, self._planner.model_id, ts.input_ids, [n])[n]))
         return out
 
     async def ensure_toolset(self, ts: Toolset) -> AnchorRecord:
@@ -426,6 +430,6 @@ class AnchorLifecycle:
     async def evict(self, key: bytes) -> bool:
         """Evict an anchor from the worker now (pinned or not)."""
         ok = await self.worker.evict(key)
-        rec = self.planner.index.remove(key)
+        rec = self._planner.index.remove(key)
         self.ledger.mark(self.worker_id, self.epoch, [key], AnchorStatus.EVICTED)
         return ok or rec is not None

@@ -369,7 +369,7 @@ class Completion:
         reason = "cancelled"  # why the reservation is aborted, if it is
         plan: Plan | None = None
         try:
-            plan = flight.plan if flight is not None else state.planner.chunk_only(self.split)
+            plan = flight.plan if flight is not None else state.lifecycle.chunk_only(self.split)
             req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
                                   stream=True, anchor=plan.request,
                                   return_logprob=gen.logprobs, top_logprobs_num=gen.top_logprobs)

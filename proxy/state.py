@@ -1,5 +1,5 @@
 """What a running proxy holds: config, worker client and info, tokenizer, splitter (and the
-thread it runs on), planner, ledger and the anchor life cycle."""
+thread it runs on), ledger and the anchor life cycle (which alone holds the planner)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from anchorcache.state.ledger import Ledger
 
 from .config import ProxyConfig
 from .lifecycle import AnchorLifecycle
-from .planner import Planner
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
 from .worker_client import WorkerClient, WorkerInfo
@@ -28,7 +27,6 @@ class ProxyState:
     info: WorkerInfo
     tokenizer: Any
     adapter: Adapter
-    planner: Planner
     splits: SplitPool  # render + tokenize, off the event loop
     budget: TokenBudget  # early refusal of text that cannot fit the context
     ledger: Ledger

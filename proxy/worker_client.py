@@ -139,10 +139,19 @@ def _worker_error(status: int, body: bytes) -> ApiError:
 
 
 class WorkerClient:
+    """`on_epoch`: the one observer of the worker's epoch (the anchor life cycle sets it).
+    Every reply that carries an epoch passes it there as it is parsed (health, slot listing,
+    confirm, a generate reply's meta info), so no caller watches for restarts itself."""
+
     def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
         self.session = session
         self.base_url = base_url.rstrip("/")
         self.progress = ProgressClock()
+        self.on_epoch: Callable[[str], None] | None = None
+
+    def _saw(self, epoch: str) -> None:
+        if epoch and self.on_epoch is not None:
+            self.on_epoch(epoch)
 
     async def _call(self, method: str, path: str, body: Any = None,
                     timeout_s: float | None = None) -> Any:
@@ -175,21 +184,27 @@ class WorkerClient:
             raise ApiError("worker_error", f"malformed reply from {path}: {e}") from None
 
     async def health(self) -> WorkerHealth:
-        return await self._typed(parse_health, "GET", "/health", timeout_s=HEALTH_TIMEOUT_S)
+        reply = await self._typed(parse_health, "GET", "/health", timeout_s=HEALTH_TIMEOUT_S)
+        self._saw(reply.epoch)
+        return reply
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})
 
     async def confirm(self, slots: list[int]) -> ConfirmReply:
         """Make staged anchors visible; the reply names those confirmed and the keys evicted."""
-        return await self._typed(parse_confirm, "POST", "/anchor/confirm", {"slots": slots})
+        reply = await self._typed(parse_confirm, "POST", "/anchor/confirm", {"slots": slots})
+        self._saw(reply.epoch)
+        return reply
 
     async def abort_slots(self, slots: list[int]) -> list[int]:
         reply = await self._call("POST", "/anchor/abort", {"slots": slots})
         return [int(s) for s in reply.get("aborted", [])]
 
     async def slots(self) -> SlotsReply:
-        return await self._typed(parse_slots, "GET", "/anchor/slots")
+        reply = await self._typed(parse_slots, "GET", "/anchor/slots")
+        self._saw(reply.epoch)
+        return reply
 
     async def stats(self) -> dict[str, Any]:
         """The worker's slot-table counters, passed on as they are (for display)."""
@@ -236,6 +251,8 @@ class WorkerClient:
                         meta = parse_generate_meta(raw) if raw is not None else None
                     except WireError as e:
                         raise ApiError("worker_error", f"malformed meta_info: {e}") from None
+                    if meta is not None:
+                        self._saw(meta.epoch)
                     yield Chunk(tuple(event.get("output_ids", ())), meta,
                                 int(event.get("index", 0)), _logprobs(event))
                     if meta is not None:

@@ -98,7 +98,7 @@ def concurrent(url: str, convs, turns: int, max_tokens: int, worker: str,
 
 
 def overhead(model: str, convs, turns: int, max_tokens: int, longest: int, rounds: int,
-             anchor_bytes: int, tokenize) -> dict:
+             anchor_bytes: int, tokenize, page_size: int = 1) -> dict:
     """Proxy (anchors off, on) vs SGLang directly, N conversations at once, on one worker
     whose pool holds them all; sides alternate, medians over the rounds. SGLang directly
     gets the very token ids the proxy renders, through its own `/v1/completions`."""
@@ -109,7 +109,8 @@ def overhead(model: str, convs, turns: int, max_tokens: int, longest: int, round
         state = stack.enter_context(tempfile.TemporaryDirectory(prefix="anchorcache-bench-"))
         worker = stack.enter_context(spawn(
             "worker", "--backend", "sglang", "--model", model, "--anchor-bytes",
-            str(anchor_bytes), tail=("--", "--max-total-tokens", str(pool))))
+            str(anchor_bytes), tail=("--", "--max-total-tokens", str(pool),
+                                     "--page-size", str(page_size))))
         urls = {"sglang_direct": worker,
                 "proxy_no_anchors": stack.enter_context(spawn(
                     "proxy", "--worker", worker, "--no-anchors", "--state-dir", state + "/off")),
@@ -151,6 +152,8 @@ def main() -> None:
                     help="then N conversations at once: SGLang's own /v1/chat/completions "
                          "vs the proxy, anchors off and on (0: skip)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the overhead check")
+    ap.add_argument("--page-size", type=int, default=1,
+                    help="SGLang's --page-size (paged KV: restores put back whole pages)")
     ap.add_argument("--name", default="sglang_replay_tiny_qwen3")
     args = ap.parse_args()
 
@@ -184,7 +187,7 @@ def main() -> None:
         worker = stack.enter_context(spawn(
             "worker", "--backend", "sglang", "--model", model,
             "--anchor-bytes", str(int(args.anchor_gib * (1 << 30))),
-            tail=("--", "--max-total-tokens", str(pool))))
+            tail=("--", "--max-total-tokens", str(pool), "--page-size", str(args.page_size))))
         on = stack.enter_context(spawn("proxy", "--worker", worker, "--anchors",
                                        "--state-dir", state + "/on"))
         off = stack.enter_context(spawn("proxy", "--worker", worker, "--no-anchors",
@@ -201,7 +204,7 @@ def main() -> None:
         clongest = max(len(tokenize(m, c["tools"])) for c in cconvs
                        for m in turn_requests(c, args.turns)) + args.max_tokens
         load = overhead(model, cconvs, args.turns, args.max_tokens, clongest, args.rounds,
-                        int(args.anchor_gib * (1 << 30)), tokenize)
+                        int(args.anchor_gib * (1 << 30)), tokenize, args.page_size)
         print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "runs"}
                           if isinstance(v, dict) else v for k, v in load.items()}, indent=1),
               flush=True)
@@ -222,7 +225,7 @@ def main() -> None:
         print(" ".join(f"{v[-12:]:>12}" for v in row))
     meta = {"backend": "sglang", "sglang_max_total_tokens": pool, "longest_request": longest,
             "pool_factor": args.pool_factor, "anchor_bytes": int(args.anchor_gib * (1 << 30)),
-            "order": "round-robin", "max_tokens": args.max_tokens,
+            "order": "round-robin", "max_tokens": args.max_tokens, "page_size": args.page_size,
             "off": "proxy --no-anchors (SGLang's radix cache only)",
             "on": "proxy --anchors (SGLang's radix cache + host tier)",
             "anchor_stats_end": stats, "concurrent": load}
@@ -230,7 +233,7 @@ def main() -> None:
     print(json.dumps(data["summary"], indent=1))
     bench.write_json(data, RESULTS / f"{args.name}.json")
     bench.plot(rows, RESULTS / f"{args.name}.png",
-               f"{info['model_id']} on SGLang (pool {pool} tokens), {len(convs)} BFCL "
+               f"{info['model_id']} on SGLang (pool {pool} tokens, page {args.page_size}), {len(convs)} BFCL "
                f"conversations round-robin")
 
 

@@ -31,8 +31,14 @@ def packages() -> list[str]:
     return found
 
 
+# Built inside ext/csrc/torch_ops.cpp (one translation unit for the torch-facing sources:
+# torch's headers are parsed once, not four times), so not compiled on their own
+UNITY_SOURCES = {"schema.cpp", "kv_plan.cpp", "kv_ops.cpp", "cpu_ops.cpp"}
+
+
 def extensions():
-    cpp = sorted(glob.glob("ext/csrc/*.cpp"))
+    cpp = sorted(p for p in glob.glob("ext/csrc/*.cpp")
+                 if os.path.basename(p) not in UNITY_SOURCES)
     if not cpp:
         return [], {}
     # Where no CUDA runtime can be asked (no GPU), torch only finds a toolkit via CUDA_HOME;
@@ -49,7 +55,9 @@ def extensions():
     if want == "1" and not have_cuda:
         raise RuntimeError("ANCHORCACHE_BUILD_CUDA=1 but no CUDA torch build or CUDA toolkit found")
     use_cuda = have_cuda and want != "0"
-    cxx = ["-O3", "-std=c++20"]  # torch >= 2.10 headers need C++20
+    # -g0 undoes the -g of Python's own CFLAGS (setuptools puts them first): debug info for
+    # torch's templates cost most of the compile time and made the .so 20 MB
+    cxx = ["-O3", "-g0", "-std=c++20"]  # torch >= 2.10 headers need C++20
     link = []
     if sys.platform.startswith("linux"):
         # at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp the CPU copy

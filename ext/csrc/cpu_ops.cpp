@@ -1,9 +1,11 @@
 // CPU implementation: one pass over the chunks with at::parallel_for, memcpy of every run
 // that is contiguous on both sides (a whole [start, end) range of a contiguous 'thd' layer is
 // one memcpy). Memory-bound by construction: no temporaries, no per-layer dispatch.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "kv_ops.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstring>

@@ -1,6 +1,5 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "kv_ops.h"
-
-#include <ATen/ATen.h>
 
 namespace anchorcache {
 

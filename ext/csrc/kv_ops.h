@@ -4,6 +4,8 @@
 
 #include "kv_plan.h"
 
+#include <ATen/core/List.h>
+
 #include <tuple>
 
 namespace anchorcache {

@@ -1,6 +1,8 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "kv_plan.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/aminmax.h>
+#include <ATen/ops/stack.h>
 
 namespace anchorcache {
 

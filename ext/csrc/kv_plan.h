@@ -8,7 +8,7 @@
 // q = ((layer * 2 + kv) * n_rows + row) * heads_per_chunk_row + head.
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>

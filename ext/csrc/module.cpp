@@ -1,7 +1,8 @@
 // The Python module anchorcache.ext._C: loading it registers the TORCH_LIBRARY operators
 // (schema.cpp, cpu_ops.cpp, ext/cuda/*.cu) and binds the slot table. The GIL is released
 // around every table call; the table's own mutex makes it thread-safe.
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "slot_table.h"
 

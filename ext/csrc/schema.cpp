@@ -4,6 +4,7 @@
 // Rows of a copy are either `index` (1-D int64 token slots, SGLang's pool) or, when index is
 // None, the range [start, end). A KV slab is [num_layers, 2, n_rows, kv_heads, head_dim] in
 // the cache dtype; a state slab is flat uint8 (see kv_plan.h for the packing).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <torch/library.h>
 
 TORCH_LIBRARY(anchorcache, m) {

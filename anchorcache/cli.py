@@ -141,7 +141,7 @@ def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, a
     gpu = cpu.has_gpu()
     env = {**os.environ, **config.to_env()}
     if not gpu:
-        env = cpu.cpu_env(env)
+        env = cpu.cpu_env(env, extra)  # with --tp N: each rank's cores
     cmd = cpu.sglang_command(sys.executable, model=str(resolve_model(model)), host=host, port=port,
                              log_level=sglang_log_level, extra=extra, gpu=gpu)
     sys.stdout.flush()

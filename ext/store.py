@@ -123,6 +123,10 @@ class AnchorStore:
         self._slot_of: dict[bytes, int] = {}
         self._staged: dict[int, tuple[Slab, str]] = {}  # slot → (slab, rid)
         self._staged_deadline: dict[int, float] = {}
+        # the staged TTL's clock. A worker whose store is replicated (SGLang's tensor-parallel
+        # ranks, one store each) sets one that every replica reads alike (the call's own
+        # time, stamped by the caller), so their TTL decisions never depend on a process's clock
+        self.clock: Callable[[], float] = time.monotonic
         self._tips: dict[str, _Tip] = {}  # rid → deepest anchor restored, held or written
 
     # ---- owning loop --------------------------------------------------------------------
@@ -258,7 +262,7 @@ class AnchorStore:
             if not ok:
                 self._abort_locked(mine)
             else:
-                deadline = time.monotonic() + STAGED_TTL_S
+                deadline = self.clock() + STAGED_TTL_S
                 for slot in mine:
                     self._staged_deadline[slot] = deadline
 
@@ -304,7 +308,7 @@ class AnchorStore:
         return slots
 
     def _sweep_locked(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._abort_locked([s for s, t in self._staged_deadline.items() if t < now])
 
     def prefix_of(self, key: bytes) -> tuple[tuple[Slab, ...], tuple[int, ...]] | None:

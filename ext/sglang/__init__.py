@@ -19,6 +19,9 @@ def plugin() -> None:
 
     if BACKEND_NAME in registered_radix_cache_backends():
         return
+    from .cpu import register_cpu_hooks
+
+    register_cpu_hooks()  # the CPU engine's tensor parallelism (cpu.py)
 
     def factory(ctx):  # imported lazily: only the scheduler builds a cache
         from .cache import build

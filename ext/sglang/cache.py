@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ from anchorcache.wire import (
     parse_anchor_plan,
 )
 
+from . import tp
 from .config import SGLangAnchorConfig
 
 log = logging.getLogger("anchorcache.sglang")
@@ -104,6 +106,11 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         self.anchors = AnchorStore(model_id, table, kv_bytes_per_token=kv_bytes)
         self.anchor_config = config
         self.epoch = secrets.token_hex(8)
+        # tensor parallelism (ext/sglang/tp.py): `build` sets the rank and group and shares
+        # rank 0's epoch; the store's TTL reads the call's time, not this process's clock
+        self._tp_rank, self._tp_group = 0, None
+        self._call_now: float | None = None
+        self.anchors.clock = self._call_time
         self.model_id = model_id
         self._pending: dict[str, _Pending] = {}
         self._locked_tokens = 0  # tree tokens our restore locks hold
@@ -119,7 +126,9 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         self._reply: dict[str, zmq.Socket[Any]] = {}
 
     # ---- RPC entry (scheduler loop) ---------------------------------------------------
-    def __call__(self, op: str, payload: str, reply_to: str, call_id: int) -> None:
+    def __call__(self, op: str, payload: str, reply_to: str, call_id: int,
+                 now: float | None = None) -> None:
+        self._call_now = now  # every TP rank runs this call with the same `now`
         try:
             if self._repin:
                 self._pin_again()
@@ -132,11 +141,17 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             result = {"ok": False, "status": 500, "message": f"{type(e).__name__}: {e}"}
         result["epoch"] = self.epoch
         result["call_id"] = call_id
+        if not tp.is_reply_rank(self._tp_rank):
+            return  # one reply per call: rank 0's (the ranks decided alike)
         sock = self._reply.get(reply_to)
         if sock is None:
             sock = self._reply[reply_to] = self._zmq.socket(zmq.PUSH)
             sock.connect(reply_to)
         sock.send(orjson.dumps(result))
+
+    def _call_time(self) -> float:
+        """The current call's time (the caller's clock), else this process's."""
+        return time.monotonic() if self._call_now is None else self._call_now
 
     def _op_hello(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"model_id": self.model_id, "page_size": self.page_size,
@@ -235,18 +250,21 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         host = torch.cat([s.kv for s in chain if s.kv is not None], dim=2)[:, :, :n]
         same = (device.view(torch.uint8) == host.contiguous().view(torch.uint8))
         per_token = same.flatten(3).all(dim=3).all(dim=1).all(dim=0)  # [n]
+        per_token = tp.all_ranks(self._tp_group, per_token)  # each rank checked its shard
         bad = (~per_token).nonzero()
         return {"key": key.hex(), "depth": len(ids), "device_tokens": n,
                 "mismatch": int(bad[0, 0]) if len(bad) else None}
 
     def _op_fault(self, body: dict[str, Any]) -> dict[str, Any]:
         """Arm one fault for the next restore (tests): `restore_shift_row` scatters a
-        chain's middle row with its neighbour's bytes."""
+        chain's middle row with its neighbour's bytes; with `rank`, on that TP rank only
+        (`armed` is rank 0's)."""
         if not self.anchor_config.fault_injection:
             raise WireError("fault injection is off (start the worker with --fault-injection)")
         if body.get("where") != "restore_shift_row":
             raise WireError("'where' must be 'restore_shift_row'")
-        self._fault = body["where"]
+        if body.get("rank") in (None, self._tp_rank):
+            self._fault = body["where"]
         return {"armed": self._fault}
 
     # ---- device pins --------------------------------------------------------------------
@@ -490,5 +508,7 @@ def build(ctx: Any) -> AnchorRadixCache:
     assert isinstance(cache, AnchorRadixCache)
     config = SGLangAnchorConfig.from_env()
     cache.attach_anchors(config, Path(ctx.server_args.model_path).name)
+    cache._tp_rank, cache._tp_group = int(ctx.tp_rank), ctx.tp_group
+    cache.epoch = tp.shared_epoch(ctx.tp_group, cache._tp_rank)
     log.info("anchorcache radix cache ready: %s, epoch %s", cache.model_id, cache.epoch)
     return cache

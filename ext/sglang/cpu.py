@@ -4,6 +4,9 @@ Three things (measured; /work/shared/notes/offline-components.md): the CPU engin
 `SGLANG_USE_CPU_ENGINE=1`; a stub `libcuda.so.1` on `LD_LIBRARY_PATH`, because the
 CUDA-only kernel wheel imports one driver symbol; and the CPU flags below. The stub is
 compiled from `stub_libcuda.c` into the anchorcache cache dir, once per source version.
+With `--tp N`, two more (docs/sglang.md "Tensor parallelism"): each rank's cores
+(`SGLANG_CPU_OMP_THREADS_BIND`) and no PyNccl in the CPU engine's process groups (a hook
+our plugin registers).
 """
 
 from __future__ import annotations
@@ -61,12 +64,53 @@ def build_stub_libcuda(out_dir: Path | None = None) -> Path:
     return folder
 
 
-def cpu_env(base: dict[str, str]) -> dict[str, str]:
-    """`base` plus the CPU engine switch and the stub on the library path."""
+def cpu_env(base: dict[str, str], args: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """`base` plus the CPU engine switch and the stub on the library path; with `--tp N`
+    in SGLang's `args`, each rank's cores (`SGLANG_CPU_OMP_THREADS_BIND`, unless set)."""
     stub = str(build_stub_libcuda())
     path = base.get("LD_LIBRARY_PATH")
-    return {**base, "SGLANG_USE_CPU_ENGINE": "1",
-            "LD_LIBRARY_PATH": stub + (os.pathsep + path if path else "")}
+    env = {**base, "SGLANG_USE_CPU_ENGINE": "1",
+           "LD_LIBRARY_PATH": stub + (os.pathsep + path if path else "")}
+    tp = tp_size(args)
+    if tp > 1 and not env.get(THREADS_BIND):
+        env[THREADS_BIND] = threads_bind(tp)
+    return env
+
+
+# SGLang's CPU engine binds each TP rank's OpenMP threads to the cores this variable names
+# ("0-7|8-15": rank 0 on cores 0-7, rank 1 on 8-15). Unset, it binds one rank per NUMA node
+# and refuses more ranks than nodes ("ranks should be <= the number of NUMA nodes").
+THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def tp_size(args: list[str] | tuple[str, ...]) -> int:
+    """SGLang's `--tp` / `--tp-size` / `--tensor-parallel-size` among `args` (1 if absent)."""
+    names = ("--tp", "--tp-size", "--tensor-parallel-size")
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name in names:
+            raw = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                return int(raw)
+            except ValueError:
+                return 1  # SGLang's own parser reports it
+    return 1
+
+
+def threads_bind(tp: int, cores: list[int] | None = None) -> str:
+    """The cores this process may use split into `tp` equal runs, one per rank ("0|1" for
+    two ranks on two cores); a rank gets one core at least (shared when there are fewer)."""
+    if cores is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else list(range(os.cpu_count() or 1))
+    per = max(1, len(cores) // tp)
+    groups = []
+    for r in range(tp):
+        mine = cores[r * per:(r + 1) * per] or [cores[r % len(cores)]]
+        contiguous = mine == list(range(mine[0], mine[-1] + 1))
+        groups.append(f"{mine[0]}-{mine[-1]}" if contiguous and len(mine) > 1
+                      else ",".join(str(c) for c in mine))
+    return "|".join(groups)
 
 
 def kv_bytes_per_token(config: dict[str, Any]) -> int:
@@ -122,3 +166,25 @@ def sglang_command(python: str, *, model: str, host: str, port: int, log_level: 
     if not gpu:
         args = with_cpu_args(args, default_pool_tokens(model))
     return [python, "-m", "anchorcache.ext.sglang.launch", *args]
+
+
+# SGLang 0.5.23 on CPU with --tp > 1: `parallel_state.init_model_parallel_group` gives every
+# group a PyNccl communicator unless the platform is out of tree without pynccl, and the
+# in-tree CPU platform is not out of tree, so the TP group's constructor runs
+# `torch.cuda.device("cpu")` and dies ("Expected a cuda device, but got: cpu"). On the CPU
+# engine no group may use NCCL; its all-reduce falls back to gloo (`GroupCoordinator.all_reduce`
+# on a CPU tensor without SGLang's CPU shm kernel).
+NO_PYNCCL_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+
+
+def register_cpu_hooks() -> None:
+    """In every SGLang process of the CPU engine (`SGLANG_USE_CPU_ENGINE=1`): no PyNccl."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def no_pynccl(original: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["use_pynccl"] = False
+        return original(*args, **kwargs)
+
+    HookRegistry.register(NO_PYNCCL_TARGET, no_pynccl, HookType.AROUND)

@@ -11,6 +11,13 @@ id, acknowledgements by order (they carry no id, but come in send order). A repl
 acknowledgement whose call timed out or went away finds no waiter and is dropped, so it
 can never answer a later call (a single lock with a receive after each send would hand a
 late reply to the next caller).
+
+Tensor parallelism: SGLang hands every RPC to every TP rank's scheduler, in the same order
+(rank 0 receives it and broadcasts it), and each rank keeps its own anchor store over its own
+shard of the KV heads. Only rank 0 pushes our reply (one reply per call), and every call
+carries `now`, the caller's clock, which the stores use for their staged TTL instead of their
+own clocks: every decision a store makes then depends on the call sequence alone, so all
+ranks verify, restore, evict and expire the same anchors.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import collections
 import itertools
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +83,9 @@ class SchedulerRpc:
         call_id = next(self._ids)
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = reply
+        # `now`: the call's time, one clock for every tensor-parallel rank (module docstring)
         params = {"op": op, "payload": orjson.dumps(body).decode(),
-                  "reply_to": self.reply_to, "call_id": call_id}
+                  "reply_to": self.reply_to, "call_id": call_id, "now": time.monotonic()}
         try:
             self._unacked.append(call_id)
             try:

@@ -1,0 +1,50 @@
+"""The CPU recipe's tensor-parallel part (ext/sglang/cpu.py): each rank's cores, and the
+hook that keeps PyNccl out of the CPU engine's groups (docs/sglang.md "Tensor parallelism")."""
+
+from __future__ import annotations
+
+import pytest
+
+from anchorcache.ext.sglang import cpu
+
+
+@pytest.mark.parametrize("args, tp", [([], 1), (["--tp", "2"], 2), (["--tp-size=4"], 4),
+                                      (["--tensor-parallel-size", "2", "--port", "1"], 2),
+                                      (["--tp"], 1), (["--tp", "x"], 1)])
+def test_tp_size_from_sglang_arguments(args, tp):
+    assert cpu.tp_size(args) == tp
+
+
+def test_threads_bind_splits_the_cores_one_run_per_rank():
+    assert cpu.threads_bind(2, [0, 1]) == "0|1"  # the 2-core machine: a core each
+    assert cpu.threads_bind(2, list(range(16))) == "0-7|8-15"
+    assert cpu.threads_bind(2, [0, 2, 4, 6]) == "0,2|4,6"
+    assert cpu.threads_bind(4, [0, 1]) == "0|1|0|1"  # fewer cores than ranks: shared
+    assert cpu.threads_bind(1, [3]) == "3"
+
+
+def test_cpu_env_binds_the_ranks_unless_told(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu, "build_stub_libcuda", lambda: tmp_path)
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert cpu.THREADS_BIND not in cpu.cpu_env({}, [])
+    assert cpu.cpu_env({}, ["--tp", "2"])[cpu.THREADS_BIND] == "0|1"
+    given = {cpu.THREADS_BIND: "1|0"}
+    assert cpu.cpu_env(given, ["--tp", "2"])[cpu.THREADS_BIND] == "1|0"
+
+
+def test_the_no_pynccl_hook_only_on_the_cpu_engine(monkeypatch):
+    hook_registry = pytest.importorskip("sglang.srt.plugins.hook_registry")
+    registered = []
+    monkeypatch.setattr(hook_registry.HookRegistry, "register",
+                        classmethod(lambda cls, target, hook, kind: registered.append(
+                            (target, hook, kind))))
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    cpu.register_cpu_hooks()
+    assert registered == []
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    cpu.register_cpu_hooks()
+    [(target, hook, kind)] = registered
+    assert target == cpu.NO_PYNCCL_TARGET and kind == hook_registry.HookType.AROUND
+    seen = {}
+    hook(lambda *a, **k: seen.update(k), [[0, 1]], 0, "gloo", use_pynccl=True)
+    assert seen["use_pynccl"] is False

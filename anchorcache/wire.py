@@ -387,6 +387,20 @@ def _list(value: Any, name: str) -> list[Any]:
     return value
 
 
+def _bool(obj: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = obj.get(name, default)
+    if not isinstance(value, bool):
+        raise WireError(f"'{name}' must be a boolean")
+    return value
+
+
+def _str(obj: dict[str, Any], name: str) -> str:
+    value = obj.get(name)
+    if not isinstance(value, str):
+        raise WireError(f"'{name}' must be a string")
+    return value
+
+
 def _epoch(obj: dict[str, Any]) -> str:
     epoch = obj.get("epoch")
     if not isinstance(epoch, str) or not epoch:
@@ -426,12 +440,15 @@ class AnchorReport:
     restore_miss: tuple[RestoreMiss, ...] = ()
     written: tuple[AnchorWritten, ...] = ()
     held: tuple[AnchorHeld, ...] = ()
+    late_lookup: bool = False  # the restored chain came from the late lookup, not the plan
+    restored_tokens: int = 0  # of `cached_tokens`, those copied from host slabs
 
     def to_json(self) -> dict[str, Any]:
         return {"restored": [h.to_json() for h in self.restored],
                 "restore_miss": [m.to_json() for m in self.restore_miss],
                 "written": [w.to_json() for w in self.written],
-                "held": [h.to_json() for h in self.held]}
+                "held": [h.to_json() for h in self.held],
+                "late_lookup": self.late_lookup, "restored_tokens": self.restored_tokens}
 
 
 def _kind(value: Any) -> AnchorKind:
@@ -459,12 +476,14 @@ def parse_anchor_report(obj: Any) -> AnchorReport:
                    for m in _list(d.get("restore_miss"), "restore_miss"))
     written = tuple(_entry(w, "written", AnchorWritten) for w in _list(d.get("written"), "written"))
     held = tuple(_entry(h, "held", AnchorHeld) for h in _list(d.get("held"), "held"))
-    return AnchorReport(restored, misses, written, held)  # type: ignore[arg-type]
+    return AnchorReport(restored, misses, written, held,  # type: ignore[arg-type]
+                        late_lookup=_bool(d, "late_lookup"),
+                        restored_tokens=_int(d, "restored_tokens", 0, lo=0))
 
 
 @dataclass(frozen=True)
 class GenerateMeta:
-    """`meta_info` of a finished generate request."""
+    """`meta_info` of a finished generate request (of one sample when n > 1)."""
 
     epoch: str
     prompt_tokens: int
@@ -477,6 +496,30 @@ class GenerateMeta:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     snapshot_ms: float | None = None  # writing this request's anchors; absent: not timed
+    rid: str = ""  # `id`: the request's id
+    matched: int | None = None  # finish stop: the stop token (SGLang: None for a stop string)
+    index: int | None = None  # the sample, when the request asked for n > 1
+
+    def finish_reason(self) -> dict[str, Any]:
+        if self.finish_type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.finish_type == "length":
+            return {"type": "length", "length": self.completion_tokens}
+        return {"type": self.finish_type}
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "id": self.rid, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+            "prefill_tokens": self.prefill_tokens, "restore_ms": self.restore_ms,
+            "prefill_ms": self.prefill_ms, "decode_ms": self.decode_ms,
+            "finish_reason": self.finish_reason(), "anchors": self.anchors.to_json(),
+            "epoch": self.epoch}
+        if self.snapshot_ms is not None:
+            d["snapshot_ms"] = self.snapshot_ms
+        if self.index is not None:
+            d["index"] = self.index
+        return d
 
 
 def parse_generate_meta(obj: Any) -> GenerateMeta:
@@ -485,6 +528,8 @@ def parse_generate_meta(obj: Any) -> GenerateMeta:
     finish_type = finish.get("type") if isinstance(finish, dict) else None
     if finish_type not in ("stop", "length", "abort"):
         raise WireError(f"'finish_reason.type' must be stop, length or abort, not {finish_type!r}")
+    assert isinstance(finish, dict)
+    matched = finish.get("matched")
     prompt = _int(d, "prompt_tokens", lo=0)
     cached = _int(d, "cached_tokens", 0, lo=0)
     return GenerateMeta(
@@ -493,14 +538,22 @@ def parse_generate_meta(obj: Any) -> GenerateMeta:
         finish_type=finish_type, anchors=parse_anchor_report(d.get("anchors")),
         restore_ms=_float(d, "restore_ms", 0.0), prefill_ms=_float(d, "prefill_ms", 0.0),
         decode_ms=_float(d, "decode_ms", 0.0),
-        snapshot_ms=_float(d, "snapshot_ms", 0.0) if "snapshot_ms" in d else None)
+        snapshot_ms=_float(d, "snapshot_ms", 0.0) if "snapshot_ms" in d else None,
+        rid=str(d.get("id", "")), matched=_int(finish, "matched", lo=0) if matched is not None else None,
+        index=_int(d, "index", lo=0) if "index" in d else None)
 
 
 @dataclass(frozen=True)
 class ConfirmReply:
+    """`/anchor/confirm`: the staged anchors made visible, and the keys their victims had."""
+
     confirmed: tuple[int, ...]
     evicted: tuple[bytes, ...]
     epoch: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"confirmed": list(self.confirmed), "evicted": [k.hex() for k in self.evicted],
+                "epoch": self.epoch}
 
 
 def parse_confirm(obj: Any) -> ConfirmReply:
@@ -524,11 +577,20 @@ class SlotEntry:
     last_use: int
     state: str  # committed | reserved
 
+    def to_json(self) -> dict[str, Any]:
+        return {"slot": self.slot, "key": self.key.hex(), "depth": self.depth,
+                "parent": self.parent.hex() if self.parent else None, "nbytes": self.nbytes,
+                "pinned": self.pinned, "hits": self.hits, "last_use": self.last_use,
+                "state": self.state}
+
 
 @dataclass(frozen=True)
 class SlotsReply:
     slots: tuple[SlotEntry, ...]
     epoch: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slots": [s.to_json() for s in self.slots], "epoch": self.epoch}
 
 
 def parse_slots(obj: Any) -> SlotsReply:
@@ -565,3 +627,211 @@ def parse_health(obj: Any) -> WorkerHealth:
     return WorkerHealth(str(d.get("status", "")), _epoch(d),
                         tuple(str(r) for r in _list(d.get("running_requests"), "running_requests")),
                         tuple(str(r) for r in _list(d.get("queued_requests"), "queued_requests")))
+
+
+@dataclass(frozen=True)
+class AbortReply:
+    """`/abort_request`: whether the request ran or held unconfirmed anchors (now dropped)."""
+
+    rid: str
+    aborted: bool
+    epoch: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rid": self.rid, "aborted": self.aborted, "epoch": self.epoch}
+
+
+def parse_abort(obj: Any) -> AbortReply:
+    d = _obj(obj, "abort reply")
+    return AbortReply(_str(d, "rid"), _bool(d, "aborted"), _epoch(d))
+
+
+@dataclass(frozen=True)
+class SlotsAborted:
+    """`/anchor/abort`: the staged anchors dropped (their victims survive)."""
+
+    aborted: tuple[int, ...]
+    epoch: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"aborted": list(self.aborted), "epoch": self.epoch}
+
+
+def parse_slots_aborted(obj: Any) -> SlotsAborted:
+    d = _obj(obj, "anchor abort reply")
+    return SlotsAborted(_ids(d.get("aborted", []), "aborted"), _epoch(d))
+
+
+@dataclass(frozen=True)
+class LookupHit:
+    depth: int
+    key: bytes
+    committed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"depth": self.depth, "key": self.key.hex(), "committed": self.committed}
+
+
+@dataclass(frozen=True)
+class LookupReply:
+    """`/anchor/lookup`: for each depth asked, the prefix's key and whether it is committed."""
+
+    hits: tuple[LookupHit, ...]
+    epoch: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"hits": [h.to_json() for h in self.hits], "epoch": self.epoch}
+
+
+def parse_lookup(obj: Any) -> LookupReply:
+    d = _obj(obj, "lookup reply")
+    hits = tuple(LookupHit(_int(h, "depth", lo=1), _key(h.get("key"), "key"), _bool(h, "committed"))
+                 for h in (_obj(h, "hits[]") for h in _list(d.get("hits"), "hits")))
+    return LookupReply(hits, _epoch(d))
+
+
+STATS_COUNTERS = ("num_slots", "used_slots", "reserved_slots", "free_slots", "bytes_used",
+                  "bytes_reserved", "bytes_capacity", "hits", "misses", "stale_evictions",
+                  "reservations", "confirms", "aborts", "evictions")
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    """`/anchor/stats`: the slot table's counters (`STATS_COUNTERS`, ext/slots.py's
+    SlotStats), the staged anchors, and what is locked on the device (SGLang; 0 on a worker
+    without a device tier)."""
+
+    counters: tuple[tuple[str, int], ...]  # (name, value) in STATS_COUNTERS' order
+    staged: int
+    epoch: str
+    device_locked_tokens: int = 0
+    device_pinned_tokens: int = 0
+    device_pin_budget_tokens: int = 0
+
+    @classmethod
+    def of(cls, counters: dict[str, int], staged: int, epoch: str, **device: int) -> StatsReply:
+        return cls(tuple((name, int(counters[name])) for name in STATS_COUNTERS), staged, epoch,
+                   **device)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dict(self.counters), "staged": self.staged,
+                "device_locked_tokens": self.device_locked_tokens,
+                "device_pinned_tokens": self.device_pinned_tokens,
+                "device_pin_budget_tokens": self.device_pin_budget_tokens, "epoch": self.epoch}
+
+
+def parse_stats(obj: Any) -> StatsReply:
+    d = _obj(obj, "stats reply")
+    return StatsReply.of({name: _int(d, name, lo=0) for name in STATS_COUNTERS},
+                         _int(d, "staged", lo=0), _epoch(d),
+                         **{name: _int(d, name, 0, lo=0) for name in (
+                             "device_locked_tokens", "device_pinned_tokens",
+                             "device_pin_budget_tokens")})
+
+
+PIN_DEVICE = ("none", "locked", "over_budget", "no_device_space", "no_tokens", "unsupported")
+
+
+@dataclass(frozen=True)
+class KeyOpReply:
+    """`/anchor/pin`, `/anchor/unpin`, `/anchor/evict`: whether the key's anchor changed.
+    A pin also says what happened on the device (`PIN_DEVICE`; `none` where nothing was
+    locked there: not pinned, or a worker without a device tier)."""
+
+    op: str  # pinned | unpinned | evicted
+    done: bool
+    epoch: str
+    device: str | None = None  # pins only
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {self.op: self.done}
+        if self.op == "pinned":
+            d["device"] = self.device or "none"
+        d["epoch"] = self.epoch
+        return d
+
+
+def parse_key_op(obj: Any, op: str) -> KeyOpReply:
+    """The reply of the key operation whose field is `op` (pinned, unpinned or evicted)."""
+    d = _obj(obj, f"{op} reply")
+    device = None
+    if op == "pinned":
+        device = d.get("device", "none")
+        if device not in PIN_DEVICE:
+            raise WireError(f"'device' must be one of {', '.join(PIN_DEVICE)}, not {device!r}")
+    return KeyOpReply(op, _bool(d, op), _epoch(d), device)
+
+
+@dataclass(frozen=True)
+class FlushReply:
+    """`/anchor/flush` and `/flush_cache`: anchors dropped; `flushed_device`: the worker's
+    own device prefix cache was flushed instead (SGLang's `/flush_cache`)."""
+
+    flushed_anchors: int
+    epoch: str
+    flushed_device: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"flushed_anchors": self.flushed_anchors, "flushed_device": self.flushed_device,
+                "epoch": self.epoch}
+
+
+def parse_flush(obj: Any) -> FlushReply:
+    d = _obj(obj, "flush reply")
+    return FlushReply(_int(d, "flushed_anchors", lo=0), _epoch(d), _bool(d, "flushed_device"))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """`/model_info`. `vocab_size`: every input id must be below it; `max_context_tokens`:
+    prompt + completion of one request."""
+
+    model_id: str
+    model_path: str
+    tokenizer_path: str
+    architecture: str
+    max_context_tokens: int
+    eos_token_ids: tuple[int, ...]
+    hybrid: bool
+    vocab_size: int
+    backend: str  # embedded | sglang
+    epoch: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_id": self.model_id, "model_path": self.model_path,
+                "tokenizer_path": self.tokenizer_path, "is_generation": True,
+                "architecture": self.architecture, "max_context_tokens": self.max_context_tokens,
+                "eos_token_ids": list(self.eos_token_ids), "hybrid": self.hybrid,
+                "vocab_size": self.vocab_size, "backend": self.backend, "epoch": self.epoch}
+
+
+def parse_model_info(obj: Any) -> ModelInfo:
+    d = _obj(obj, "model_info reply")
+    return ModelInfo(_str(d, "model_id"), _str(d, "model_path"), _str(d, "tokenizer_path"),
+                     _str(d, "architecture"), _int(d, "max_context_tokens", lo=1),
+                     _ids(d.get("eos_token_ids", []), "eos_token_ids"), _bool(d, "hybrid"),
+                     _int(d, "vocab_size", lo=0), _str(d, "backend"), _epoch(d))
+
+
+@dataclass(frozen=True)
+class VerifyReply:
+    """`/anchor/verify` (SGLang, a diagnostic): the device rows of a committed anchor's prefix
+    against its host slabs; `mismatch`: the first differing token position, or None."""
+
+    key: bytes
+    depth: int
+    device_tokens: int
+    mismatch: int | None
+    epoch: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key.hex(), "depth": self.depth, "device_tokens": self.device_tokens,
+                "mismatch": self.mismatch, "epoch": self.epoch}
+
+
+def parse_verify(obj: Any) -> VerifyReply:
+    d = _obj(obj, "verify reply")
+    mismatch = d.get("mismatch")
+    return VerifyReply(_key(d.get("key"), "key"), _int(d, "depth", lo=1),
+                       _int(d, "device_tokens", lo=0),
+                       _int(d, "mismatch", lo=0) if mismatch is not None else None, _epoch(d))

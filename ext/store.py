@@ -50,10 +50,18 @@ from anchorcache.ext.held_chain import deepest_held_chain
 from anchorcache.ext.slots import Region, SlotTable
 from anchorcache.wire import (
     AnchorHeld,
+    AnchorHit,
     AnchorKind,
     AnchorPlan,
     AnchorRef,
+    AnchorReport,
     AnchorWritten,
+    LookupHit,
+    LookupReply,
+    RestoreMiss,
+    SlotEntry,
+    SlotsReply,
+    StatsReply,
     anchor_keys,
     parse_ids,
 )
@@ -97,6 +105,14 @@ class RestoreCheck:
     def info(self) -> dict[str, Any]:
         return {"restored": list(self.restored), "restore_miss": list(self.misses),
                 "late_lookup": self.late_lookup, "held": list(self.held)}
+
+    def report(self) -> AnchorReport:
+        """The reply's anchor record so far (the request's snapshots add written/held)."""
+        return AnchorReport(
+            restored=tuple(AnchorHit(s.key, s.depth, s.kind) for s in self.chain),
+            restore_miss=tuple(RestoreMiss(bytes.fromhex(m["key"]), m["depth"], m["reason"])
+                               for m in self.misses),
+            held=self.held, late_lookup=self.late_lookup)
 
 
 @dataclass
@@ -193,16 +209,16 @@ class AnchorStore:
         return None
 
     def restore_chain(self, rid: str, ids: tuple[int, ...], plan: AnchorPlan,
-                      load: Callable[[tuple[Slab, ...]], T]) -> tuple[T | None, int, dict[str, Any]]:
+                      load: Callable[[tuple[Slab, ...]], T]) -> tuple[T | None, int, AnchorReport]:
         """Restore the verified prefix of `plan.restore` with `load(chain)`;
-        (what load returned or None, depth restored, reply info)."""
+        (what load returned or None, depth restored, the reply's anchor record so far)."""
         check = self.check_chain(ids, plan)
         if not check.chain:
-            return None, 0, check.info()
+            return None, 0, check.report()
         self.fault("restore")
         loaded = load(check.chain)
         self.chained(rid, check.chain[-1].key, check.depth)
-        return loaded, check.depth, check.info()
+        return loaded, check.depth, check.report()
 
     def chained(self, rid: str, key: bytes | None, depth: int) -> None:
         """Record that request `rid` holds the anchor `key` at `depth` (its next parent)."""
@@ -334,13 +350,13 @@ class AnchorStore:
                 return None
         return tuple(chain), tuple(tokens)
 
-    def lookup(self, namespace: bytes, ids: Any, depths: Any) -> list[dict[str, Any]]:
+    def lookup(self, namespace: bytes, ids: Any, depths: Any, epoch: str) -> LookupReply:
         """Which prefixes `ids[:d]` are committed (no LRU touch). ValueError (WireError) on
         malformed ids or depths."""
         ids, depths = parse_ids(ids, "input_ids"), parse_ids(depths, "depths")
         keys = anchor_keys(namespace, self.model_id, ids, depths)
-        return [{"depth": d, "key": keys[d].hex(), "committed": self.table.contains(keys[d], d)}
-                for d in depths]
+        return LookupReply(tuple(LookupHit(d, keys[d], self.table.contains(keys[d], d))
+                                 for d in depths), epoch)
 
     def evict(self, key: bytes) -> bool:
         with self._lock:
@@ -364,19 +380,13 @@ class AnchorStore:
         with self._lock:
             return len(self._staged)
 
-    def slots_json(self) -> list[dict[str, Any]]:
-        return [_entry_json(e) for e in self.table.entries()]
+    def slots(self, epoch: str) -> SlotsReply:
+        return SlotsReply(tuple(SlotEntry(*e) for e in self.table.entries()), epoch)
 
-    def stats_json(self) -> dict[str, Any]:
-        return {**self.table.stats()._asdict(), "staged": self.staged_count()}
-
-
-def _entry_json(e: Any) -> dict[str, Any]:
-    d = e._asdict()
-    for name in ("key", "parent"):
-        if isinstance(d.get(name), bytes):
-            d[name] = d[name].hex()
-    return d
+    def stats(self, epoch: str, **device: int) -> StatsReply:
+        """The slot table's counters and the staged count; `device`: the worker's device
+        figures (StatsReply's `device_*`)."""
+        return StatsReply.of(self.table.stats()._asdict(), self.staged_count(), epoch, **device)
 
 
 def _link_keys(plan: AnchorPlan, model_id: str, ids: tuple[int, ...]) -> dict[AnchorRef, bytes]:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
-from anchorcache.wire import KEY_BYTES, WireError
+from anchorcache.wire import (
+    KEY_BYTES,
+    ConfirmReply,
+    FlushReply,
+    KeyOpReply,
+    SlotsAborted,
+    WireError,
+)
 
 from .anchors import AnchorStore
 from .server import ENGINE, EPOCH, _body, _json
@@ -17,10 +22,6 @@ def _store(request: web.Request) -> AnchorStore:
     if store is None:
         raise web.HTTPNotFound(reason="this worker runs without an anchor store")
     return store
-
-
-def _reply(request: web.Request, **data: Any) -> web.Response:
-    return _json({**data, "epoch": request.app[EPOCH]})
 
 
 async def _slots_arg(request: web.Request) -> list[int]:
@@ -44,11 +45,12 @@ async def _key_arg(request: web.Request) -> bytes:
 
 async def confirm(request: web.Request) -> web.Response:
     confirmed, evicted = _store(request).confirm(await _slots_arg(request))
-    return _reply(request, confirmed=confirmed, evicted=[k.hex() for k in evicted])
+    return _json(ConfirmReply(tuple(confirmed), tuple(evicted), request.app[EPOCH]).to_json())
 
 
 async def abort(request: web.Request) -> web.Response:
-    return _reply(request, aborted=_store(request).abort(await _slots_arg(request)))
+    aborted = _store(request).abort(await _slots_arg(request))
+    return _json(SlotsAborted(tuple(aborted), request.app[EPOCH]).to_json())
 
 
 async def lookup(request: web.Request) -> web.Response:
@@ -59,35 +61,39 @@ async def lookup(request: web.Request) -> web.Response:
         raise WireError("body must be an object")
     try:
         hits = store.lookup(bytes.fromhex(body.get("namespace", "")), body.get("input_ids"),
-                            body.get("depths"))
+                            body.get("depths"), request.app[EPOCH])
     except (TypeError, ValueError) as e:
         raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
-    return _reply(request, hits=hits)
+    return _json(hits.to_json())
 
 
 async def slots(request: web.Request) -> web.Response:
-    return _reply(request, slots=_store(request).slots_json())
+    return _json(_store(request).slots(request.app[EPOCH]).to_json())
 
 
 async def stats(request: web.Request) -> web.Response:
-    return _reply(request, **_store(request).stats_json())
+    return _json(_store(request).stats(request.app[EPOCH]).to_json())
 
 
 async def pin(request: web.Request) -> web.Response:
-    return _reply(request, pinned=_store(request).table.pin(await _key_arg(request)))
+    pinned = _store(request).table.pin(await _key_arg(request))
+    # no device tier: nothing is locked beyond the host slot table
+    return _json(KeyOpReply("pinned", pinned, request.app[EPOCH], "none").to_json())
 
 
 async def unpin(request: web.Request) -> web.Response:
-    return _reply(request, unpinned=_store(request).table.unpin(await _key_arg(request)))
+    unpinned = _store(request).table.unpin(await _key_arg(request))
+    return _json(KeyOpReply("unpinned", unpinned, request.app[EPOCH]).to_json())
 
 
 async def evict(request: web.Request) -> web.Response:
-    return _reply(request, evicted=_store(request).evict(await _key_arg(request)))
+    evicted = _store(request).evict(await _key_arg(request))
+    return _json(KeyOpReply("evicted", evicted, request.app[EPOCH]).to_json())
 
 
 async def flush(request: web.Request) -> web.Response:
     """Drop every anchor (on this worker, `/flush_cache` does the same)."""
-    return _reply(request, flushed_anchors=_store(request).flush())
+    return _json(FlushReply(_store(request).flush(), request.app[EPOCH]).to_json())
 
 
 def add_routes(app: web.Application) -> None:

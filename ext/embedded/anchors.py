@@ -26,6 +26,7 @@ from anchorcache.wire import (
     AnchorHeld,
     AnchorKind,
     AnchorPlan,
+    AnchorReport,
     AnchorWritten,
     SnapshotSpec,
     anchor_keys,
@@ -50,8 +51,9 @@ class AnchorStore(_Store):
 
     # ---- engine thread ------------------------------------------------------------------
     def restore(self, model: torch.nn.Module, rid: str, ids: tuple[int, ...],
-                plan: AnchorPlan) -> tuple[Any, int, dict[str, Any]]:
-        """Restore the verified prefix of `plan.restore`; (cache or None, depth, info)."""
+                plan: AnchorPlan) -> tuple[Any, int, AnchorReport]:
+        """Restore the verified prefix of `plan.restore`; (cache or None, depth, the
+        reply's anchor record so far)."""
         spec = self.spec
 
         def load(chain: tuple[Slab, ...]) -> Any:

@@ -79,7 +79,7 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
         architecture=model.config.architectures[0] if model.config.architectures else type(model).__name__,
         max_context_tokens=max_ctx, eos_token_ids=_eos_ids(model, tokenizer),
         hybrid=bool(spec.state_layers),
-        vocab_size=_vocab_size(model),
+        vocab_size=_vocab_size(model), backend="embedded",
     )
     anchors = None
     if config.anchors:

@@ -22,12 +22,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from anchorcache.wire import AnchorHeld, AnchorWritten, GenerateRequest
+from anchorcache.wire import AnchorHeld, AnchorReport, AnchorWritten, GenerateMeta, GenerateRequest
 
 from . import cache_io
 from .sampling import Pick, Sampler
@@ -42,10 +42,13 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FinishEvent:
-    finish_reason: dict[str, Any]
-    meta: dict[str, Any]
+    meta: GenerateMeta  # its epoch is the HTTP side's to fill in
     index: int = 0
     last: bool = True  # the request's last event: every sample has finished
+
+    @property
+    def finish_reason(self) -> dict[str, Any]:
+        return self.meta.finish_reason()
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ class Engine:
                 self._generate(job)
                 ok = not job.cancelled.is_set()
             except Aborted:
-                job.emit(FinishEvent({"type": "abort"}, {}))
+                n = len(job.req.input_ids)
+                job.emit(FinishEvent(GenerateMeta("", n, 0, 0, n, "abort", rid=job.rid)))
             except BaseException as e:  # reported to the request, the thread lives on
                 job.emit(ErrorEvent(e))
             finally:
@@ -166,9 +170,9 @@ class Engine:
         self._check(job, "start")
 
         t0 = time.perf_counter()
-        cache, restored, anchor_info = None, 0, {}
+        cache, restored, report = None, 0, AnchorReport()
         if self.anchors is not None and plan is not None and (plan.restore or plan.snapshot):
-            cache, restored, anchor_info = self.anchors.restore(self.model, job.rid, ids, plan)
+            cache, restored, report = self.anchors.restore(self.model, job.rid, ids, plan)
         if cache is None:
             cache, restored = cache_io.new_cache(self.model), 0
         t_restore = time.perf_counter()
@@ -207,14 +211,6 @@ class Engine:
         t_prefill = time.perf_counter()
 
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        shared = {
-            "id": job.rid,
-            "prompt_tokens": n,
-            "cached_tokens": restored,
-            "prefill_tokens": n - restored,
-            "restore_ms": round((t_restore - t0) * 1e3, 3),
-            "prefill_ms": round((t_prefill - t_restore) * 1e3, 3),
-        }
         for index in range(p.n):
             last = index == p.n - 1
             # every sample starts from the prompt's state; the last one may consume it
@@ -232,22 +228,22 @@ class Engine:
                 snapshot_s += time.perf_counter() - t
                 if w is not None:
                     written.append(w)
-            meta = {
-                **shared,
-                "completion_tokens": len(out),
-                "decode_ms": round((t_decode - t_start) * 1e3, 3),
-                "snapshot_ms": round(snapshot_s * 1e3, 3),
-                "anchors": {**anchor_info,
-                            "written": [w.to_json() for w in written
-                                        if not isinstance(w, AnchorHeld)],
-                            # held: committed prefixes it restored unasked (late lookup) or
-                            # did not write again because it holds them
-                            "held": [w.to_json() for w in [*anchor_info.get("held", ()), *written]
-                                     if isinstance(w, AnchorHeld)]},
-            }
-            if p.n > 1:
-                meta["index"] = index
-            job.emit(FinishEvent(finish, meta, index=index, last=last))
+            anchors = replace(
+                report, restored_tokens=restored,  # every restored row came from a slab
+                written=tuple(w for w in written if not isinstance(w, AnchorHeld)),
+                # held: committed prefixes it restored unasked (late lookup) or did not
+                # write again because it holds them
+                held=(*report.held, *(w for w in written if isinstance(w, AnchorHeld))))
+            meta = GenerateMeta(
+                epoch="", rid=job.rid, prompt_tokens=n, completion_tokens=len(out),
+                cached_tokens=restored, prefill_tokens=n - restored,
+                restore_ms=round((t_restore - t0) * 1e3, 3),
+                prefill_ms=round((t_prefill - t_restore) * 1e3, 3),
+                decode_ms=round((t_decode - t_start) * 1e3, 3),
+                snapshot_ms=round(snapshot_s * 1e3, 3), finish_type=finish["type"],
+                matched=finish.get("matched"), anchors=anchors,
+                index=index if p.n > 1 else None)
+            job.emit(FinishEvent(meta, index=index, last=last))
 
     def _copy(self, cache: Any, depth: int) -> Any:
         """An independent cache holding the same `depth` tokens (and state) as `cache`."""

@@ -11,37 +11,26 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from anchorcache.wire import GenerateRequest, WireError, parse_generate
+from anchorcache.wire import (
+    AbortReply,
+    FlushReply,
+    GenerateRequest,
+    ModelInfo,
+    WireError,
+    WorkerHealth,
+    parse_generate,
+)
 
 from .engine import Engine, ErrorEvent, FinishEvent, Job, TokenEvent
 
 log = logging.getLogger("anchorcache.worker")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model_id: str
-    model_path: str
-    tokenizer_path: str
-    architecture: str
-    max_context_tokens: int
-    eos_token_ids: tuple[int, ...]
-    hybrid: bool
-    vocab_size: int  # rows of the input embedding: every input id must be below it
-
-    def to_json(self, epoch: str) -> dict[str, Any]:
-        return {"model_id": self.model_id, "model_path": self.model_path,
-                "tokenizer_path": self.tokenizer_path, "is_generation": True,
-                "architecture": self.architecture, "max_context_tokens": self.max_context_tokens,
-                "eos_token_ids": list(self.eos_token_ids), "hybrid": self.hybrid,
-                "vocab_size": self.vocab_size, "backend": "embedded", "epoch": epoch}
 
 
 ENGINE = web.AppKey("engine", Engine)
@@ -116,9 +105,8 @@ async def _events(request: web.Request, job: Job) -> AsyncIterator[TokenEvent | 
             engine.abort(job.rid)
 
 
-def _meta(request: web.Request, job: Job, event: FinishEvent) -> dict[str, Any]:
-    return {**event.meta, "id": job.rid, "finish_reason": event.finish_reason,
-            "epoch": request.app[EPOCH]}
+def _meta(request: web.Request, event: FinishEvent) -> dict[str, Any]:
+    return replace(event.meta, epoch=request.app[EPOCH]).to_json()
 
 
 def _token_json(job: Job, event: TokenEvent) -> dict[str, Any]:
@@ -165,7 +153,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     if key in token:
                         out.setdefault(key, []).extend(token[key])
             else:
-                out["meta_info"] = _meta(request, job, event)
+                out["meta_info"] = _meta(request, event)
                 if n > 1:
                     out["index"] = event.index
         # n > 1: a list of replies, one per sample (SGLang's batch shape)
@@ -180,7 +168,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             if isinstance(event, TokenEvent):
                 data = _token_json(job, event)
             else:
-                data = {"rid": job.rid, "output_ids": [], "meta_info": _meta(request, job, event)}
+                data = {"rid": job.rid, "output_ids": [], "meta_info": _meta(request, event)}
                 if n > 1:
                     data["index"] = event.index
             await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
@@ -200,25 +188,24 @@ async def abort_request(request: web.Request) -> web.Response:
     rid = body.get("rid") if isinstance(body, dict) else None
     if not isinstance(rid, str):
         raise WireError("'rid' must be a string")
-    return _json({"rid": rid, "aborted": request.app[ENGINE].abort(rid),
-                  "epoch": request.app[EPOCH]})
+    return _json(AbortReply(rid, request.app[ENGINE].abort(rid), request.app[EPOCH]).to_json())
 
 
 async def health(request: web.Request) -> web.Response:
     jobs = request.app[ENGINE].jobs()
-    return _json({"status": "ok", "epoch": request.app[EPOCH],
-                  "running_requests": [j.rid for j in jobs if j.started],
-                  "queued_requests": [j.rid for j in jobs if not j.started]})
+    return _json(WorkerHealth("ok", request.app[EPOCH],
+                              tuple(j.rid for j in jobs if j.started),
+                              tuple(j.rid for j in jobs if not j.started)).to_json())
 
 
 async def model_info(request: web.Request) -> web.Response:
-    return _json(request.app[INFO].to_json(request.app[EPOCH]))
+    return _json(replace(request.app[INFO], epoch=request.app[EPOCH]).to_json())
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     flushed = engine.anchors.flush() if engine.anchors is not None else 0
-    return _json({"flushed_anchors": flushed, "epoch": request.app[EPOCH]})
+    return _json(FlushReply(flushed, request.app[EPOCH]).to_json())
 
 
 async def inject_fault(request: web.Request) -> web.Response:

@@ -50,6 +50,11 @@ from anchorcache.wire import (
     AnchorKind,
     AnchorPlan,
     AnchorWritten,
+    ConfirmReply,
+    FlushReply,
+    KeyOpReply,
+    SlotsAborted,
+    VerifyReply,
     WireError,
     anchor_keys,
     parse_anchor_plan,
@@ -90,6 +95,7 @@ class _Pending:
     todo: list[Any] = field(default_factory=list)  # SnapshotSpec, by depth
     written: list[AnchorWritten] = field(default_factory=list)
     held: list[AnchorHeld] = field(default_factory=list)
+    snapshot_s: float = 0.0  # spent writing the request's anchors (snapshot_ms)
 
 
 class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
@@ -176,19 +182,20 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         p = self._pending.pop(rid, None)
         self.anchors.release_request(rid, ok=bool(body.get("ok")))
         if p is None:
-            return {"written": [], "held": []}
+            return {"written": [], "held": [], "snapshot_ms": 0.0}
         self._unlock(p)
         return {"written": [w.to_json() for w in p.written],
-                "held": [h.to_json() for h in p.held]}
+                "held": [h.to_json() for h in p.held],
+                "snapshot_ms": round(p.snapshot_s * 1e3, 3)}
 
     def _op_confirm(self, body: dict[str, Any]) -> dict[str, Any]:
         confirmed, evicted = self.anchors.confirm(_slots(body))
         for key in evicted:
             self._unpin_device(key)
-        return {"confirmed": confirmed, "evicted": [k.hex() for k in evicted]}
+        return ConfirmReply(tuple(confirmed), tuple(evicted), self.epoch).to_json()
 
     def _op_abort(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"aborted": self.anchors.abort(_slots(body))}
+        return SlotsAborted(tuple(self.anchors.abort(_slots(body))), self.epoch).to_json()
 
     def _op_abort_request(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"dropped": self.anchors.abort_request(str(body["rid"]))}
@@ -196,42 +203,43 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
     def _op_lookup(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
             hits = self.anchors.lookup(bytes.fromhex(body.get("namespace", "")),
-                                       body.get("input_ids"), body.get("depths"))
+                                       body.get("input_ids"), body.get("depths"), self.epoch)
         except (TypeError, ValueError) as e:
             raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
-        return {"hits": hits}
+        return hits.to_json()
 
     def _op_slots(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {"slots": self.anchors.slots_json()}
+        return self.anchors.slots(self.epoch).to_json()
 
     def _op_stats(self, body: dict[str, Any]) -> dict[str, Any]:
-        return {**self.anchors.stats_json(), "device_locked_tokens": self._locked_tokens,
-                "device_pinned_tokens": self._pinned_tokens,
-                "device_pin_budget_tokens": self._pin_budget}
+        return self.anchors.stats(self.epoch, device_locked_tokens=self._locked_tokens,
+                                  device_pinned_tokens=self._pinned_tokens,
+                                  device_pin_budget_tokens=self._pin_budget).to_json()
 
     def _op_pin(self, body: dict[str, Any]) -> dict[str, Any]:
         """Pin in the host tier (never evicted from the slot table) and lock the anchor's
         prefix in SGLang's tree, placing it there first if it is not on the device."""
         key = _key(body)
         pinned = self.anchors.table.pin(key)
-        return {"pinned": pinned, "device": self._pin_device(key) if pinned else "none"}
+        return KeyOpReply("pinned", pinned, self.epoch,
+                          self._pin_device(key) if pinned else "none").to_json()
 
     def _op_unpin(self, body: dict[str, Any]) -> dict[str, Any]:
         key = _key(body)
         self._unpin_device(key)
-        return {"unpinned": self.anchors.table.unpin(key)}
+        return KeyOpReply("unpinned", self.anchors.table.unpin(key), self.epoch).to_json()
 
     def _op_evict(self, body: dict[str, Any]) -> dict[str, Any]:
         key = _key(body)
         evicted = self.anchors.evict(key)
         if evicted:
             self._unpin_device(key)
-        return {"evicted": evicted}
+        return KeyOpReply("evicted", evicted, self.epoch).to_json()
 
     def _op_flush_anchors(self, body: dict[str, Any]) -> dict[str, Any]:
         for key in list(self._pins) + list(self._repin):
             self._unpin_device(key)
-        return {"flushed_anchors": self.anchors.flush()}
+        return FlushReply(self.anchors.flush(), self.epoch).to_json()
 
     def _op_verify(self, body: dict[str, Any]) -> dict[str, Any]:
         """Compare, byte for byte, the rows SGLang's tree holds on the device for a committed
@@ -252,8 +260,8 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         per_token = same.flatten(3).all(dim=3).all(dim=1).all(dim=0)  # [n]
         per_token = tp.all_ranks(self._tp_group, per_token)  # each rank checked its shard
         bad = (~per_token).nonzero()
-        return {"key": key.hex(), "depth": len(ids), "device_tokens": n,
-                "mismatch": int(bad[0, 0]) if len(bad) else None}
+        return VerifyReply(key, len(ids), n, int(bad[0, 0]) if len(bad) else None,
+                           self.epoch).to_json()
 
     def _op_fault(self, body: dict[str, Any]) -> dict[str, Any]:
         """Arm one fault for the next restore (tests): `restore_shift_row` scatters a
@@ -408,6 +416,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
         if p is not None:
+            t = time.perf_counter()
             try:
                 if p.todo:
                     self._snapshot(req, p, up_to)
@@ -416,6 +425,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             except Exception:  # a failed snapshot costs its anchors, never the scheduler
                 log.exception("snapshot of request %s failed", req.rid)
                 p.todo = []
+            p.snapshot_s += time.perf_counter() - t
         super().checkpoint(req, up_to=up_to, **kwargs)
 
     def _snapshot(self, req: Any, p: _Pending, up_to: int) -> None:

@@ -17,7 +17,22 @@ from typing import Any
 
 import orjson
 
-from anchorcache.wire import WireError, parse_generate
+from anchorcache.wire import (
+    AbortReply,
+    FlushReply,
+    ModelInfo,
+    WireError,
+    WorkerHealth,
+    parse_confirm,
+    parse_flush,
+    parse_generate,
+    parse_key_op,
+    parse_lookup,
+    parse_slots,
+    parse_slots_aborted,
+    parse_stats,
+    parse_verify,
+)
 
 from .config import SGLangAnchorConfig
 from .rpc import SchedulerError
@@ -125,8 +140,7 @@ async def health(request: Any, worker: SGLangWorker) -> Any:
     rids = [r for r in worker.tm.rid_to_state
             if not str(r).startswith(HEALTH_CHECK_RID_PREFIX) and r not in samples]
     rids += [r for r in worker.samples if r not in rids]
-    return _json({"status": "ok", "epoch": worker.epoch, "running_requests": rids,
-                  "queued_requests": []})
+    return _json(WorkerHealth("ok", worker.epoch or "", tuple(rids)).to_json())
 
 
 async def model_info(request: Any, worker: SGLangWorker) -> Any:
@@ -142,12 +156,12 @@ async def model_info(request: Any, worker: SGLangWorker) -> Any:
         elif isinstance(value, (list, tuple, set)):
             eos.update(int(v) for v in value)
     archs = getattr(hf, "architectures", None) or [type(hf).__name__]
-    return _json({"model_id": worker.model_id, "model_path": worker.model_path,
-                  "tokenizer_path": worker.model_path, "is_generation": True,
-                  "architecture": archs[0], "max_context_tokens": worker.max_request_tokens(),
-                  "eos_token_ids": sorted(eos), "hybrid": False,
-                  "vocab_size": int(getattr(hf, "vocab_size", 0)), "backend": "sglang",
-                  "epoch": worker.epoch})
+    return _json(ModelInfo(
+        model_id=worker.model_id, model_path=worker.model_path,
+        tokenizer_path=worker.model_path, architecture=archs[0],
+        max_context_tokens=worker.max_request_tokens(), eos_token_ids=tuple(sorted(eos)),
+        hybrid=False, vocab_size=int(getattr(hf, "vocab_size", 0)), backend="sglang",
+        epoch=worker.epoch or "").to_json())
 
 
 async def flush_cache(request: Any, worker: SGLangWorker) -> Any:
@@ -156,7 +170,7 @@ async def flush_cache(request: Any, worker: SGLangWorker) -> Any:
     if not ret.success:
         return _error(ret.message or "SGLang refused to flush: requests are running", 409)
     await worker.ready()
-    return _json({"flushed_anchors": 0, "flushed_device": True, "epoch": worker.epoch})
+    return _json(FlushReply(0, worker.epoch or "", flushed_device=True).to_json())
 
 
 async def abort_request(request: Any, worker: SGLangWorker) -> Any:
@@ -170,7 +184,17 @@ async def abort_request(request: Any, worker: SGLangWorker) -> Any:
             worker.tm.abort_request(rid=r)
             running = True
     dropped = (await worker.call("abort_request", {"rid": rid}))["dropped"]
-    return _json({"rid": rid, "aborted": running or bool(dropped), "epoch": worker.epoch})
+    return _json(AbortReply(rid, running or bool(dropped), worker.epoch or "").to_json())
+
+
+# each anchor operation's reply record (wire.py): the scheduler's reply is parsed and
+# served again, so a reply that does not fit its record is a 500, never passed on
+_RECORDS: dict[str, Callable[[Any], Any]] = {
+    "confirm": parse_confirm, "abort": parse_slots_aborted, "lookup": parse_lookup,
+    "slots": parse_slots, "stats": parse_stats,
+    "pin": lambda d: parse_key_op(d, "pinned"), "unpin": lambda d: parse_key_op(d, "unpinned"),
+    "evict": lambda d: parse_key_op(d, "evicted"), "flush_anchors": parse_flush,
+    "verify": parse_verify}
 
 
 def _anchor_route(op: str, has_body: bool) -> Callable[[Any, SGLangWorker], Awaitable[Any]]:
@@ -178,8 +202,14 @@ def _anchor_route(op: str, has_body: bool) -> Callable[[Any, SGLangWorker], Awai
         body = await _body(request) if has_body else {}
         if not isinstance(body, dict):
             raise WireError("body must be an object")
-        reply = await worker.call(op, body)
-        return _json({**reply, "epoch": worker.epoch})
+        reply = {**await worker.call(op, body), "epoch": worker.epoch}
+        record = _RECORDS.get(op)
+        if record is None:  # /debug/fault
+            return _json(reply)
+        try:
+            return _json(record(reply).to_json())
+        except WireError as e:
+            raise RuntimeError(f"malformed scheduler reply to {op}: {e}") from None
 
     route.__name__ = f"anchor_{op}"
     return route

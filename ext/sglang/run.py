@@ -11,7 +11,14 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from anchorcache.wire import GenerateRequest, SamplingParams, WireError
+from anchorcache.wire import (
+    AnchorReport,
+    GenerateMeta,
+    GenerateRequest,
+    SamplingParams,
+    WireError,
+    parse_anchor_report,
+)
 
 from .rpc import SchedulerError
 from .worker import SGLangWorker
@@ -82,8 +89,8 @@ class Run:
         self.worker, self.req, self.rid, self.request = worker, req, rid, request
         n = req.sampling.n
         self.samples = [Sample(rid if n == 1 else f"{rid}-{i}") for i in range(n)]
-        self.anchors: dict[str, Any] = {"restored": [], "restore_miss": [], "written": [],
-                                        "held": []}
+        self.anchors = AnchorReport()  # prepare's, then finish's written and held
+        self.snapshot_ms = 0.0
         self.cached_tokens: int | None = None  # of the prompt prefill (n > 1)
         self.restore_ms = 0.0
         self.t0 = time.perf_counter()
@@ -137,8 +144,8 @@ class Run:
                 prep = await self.worker.call("prepare", {
                     "rid": self.rid, "input_ids": list(req.input_ids),
                     "anchor": anchor.to_json()})
-                self.anchors.update(prep["anchors"])
-                self.anchors["restored_tokens"] = prep["restored_tokens"]
+                self.anchors = replace(parse_anchor_report(prep["anchors"]),
+                                       restored_tokens=int(prep["restored_tokens"]))
             self.restore_ms = (time.perf_counter() - self.t0) * 1e3
             if len(self.samples) == 1:
                 sample = self.samples[0]
@@ -240,8 +247,10 @@ class Run:
         self.finished = True
         if self.prepared:
             fin = await self.worker.call("finish", {"rid": self.rid, "ok": ok})
-            self.anchors["written"] = fin["written"]
-            self.anchors["held"] = [*self.anchors.get("held", []), *fin["held"]]
+            saved = parse_anchor_report({"written": fin["written"], "held": fin["held"]})
+            self.anchors = replace(self.anchors, written=saved.written,
+                                   held=self.anchors.held + saved.held)
+            self.snapshot_ms = float(fin.get("snapshot_ms", 0.0))
 
     def _abort_samples(self) -> None:
         tm = self.worker.tm
@@ -257,19 +266,19 @@ class Run:
             cached = int(sample.sglang_meta.get("cached_tokens") or 0)
         now = time.perf_counter()
         first = sample.t_first or now
-        meta = {
-            "id": self.rid, "prompt_tokens": n, "completion_tokens": len(sample.output_ids),
-            "cached_tokens": cached, "prefill_tokens": n - cached,
-            "restore_ms": round(self.restore_ms, 3),
+        many = len(self.samples) > 1
+        meta = GenerateMeta(
+            epoch=self.worker.epoch or "", rid=self.rid, prompt_tokens=n,
+            completion_tokens=len(sample.output_ids), cached_tokens=cached,
+            prefill_tokens=n - cached, restore_ms=round(self.restore_ms, 3),
             # SGLang does not split a request's time: prefill is until its first output
             # (queueing included), decode the rest
-            "prefill_ms": round((first - self.t0) * 1e3 - self.restore_ms, 3),
-            "decode_ms": round((now - first) * 1e3, 3),
-            "finish_reason": sample.finish_reason, "anchors": dict(self.anchors),
-            "epoch": self.worker.epoch,
-        }
-        event: dict[str, Any] = {"rid": self.rid, "output_ids": [], "meta_info": meta}
-        if len(self.samples) > 1:
-            meta["index"] = index
+            prefill_ms=round((first - self.t0) * 1e3 - self.restore_ms, 3),
+            decode_ms=round((now - first) * 1e3, 3), snapshot_ms=self.snapshot_ms,
+            finish_type=sample.finish_reason["type"],
+            matched=sample.finish_reason.get("matched"), anchors=self.anchors,
+            index=index if many else None)
+        event: dict[str, Any] = {"rid": self.rid, "output_ids": [], "meta_info": meta.to_json()}
+        if many:
             event["index"] = index
         return event

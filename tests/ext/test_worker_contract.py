@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import random
 import re
+from typing import Any
 
 import httpx
 import pytest
 
+from anchorcache import wire
 from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
 from anchorcache.wire import (
     AnchorKind,
@@ -365,3 +367,82 @@ def test_logprobs_describe_the_output(worker):
     streamed = [row for e in events for row in e.get("output_token_logprobs", [])]
     assert [t for _, t, _ in streamed] == out["output_ids"]
     assert all(abs(a[0] - b[0]) < 1e-3 for a, b in zip(streamed, chosen, strict=True))
+
+
+# ---- reply records: both backends answer the same calls with the same shape ---------------
+
+SHAPES: dict[str, dict[str, Any]] = {}  # backend → {call: shape of its reply}
+
+
+def shape(value: Any) -> Any:
+    """A reply's shape: keys and JSON types (numbers alike; null stands for any type)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):  # every element's shape, once
+        return sorted({json.dumps(shape(v), sort_keys=True) for v in value})
+    if value is None:
+        return None
+    return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else type(value).__name__
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_shape(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):  # an empty list fits any
+        return not a or not b or all(same_shape(json.loads(x), json.loads(y)) for x in a for y in b)
+    return a == b
+
+
+def test_replies_are_their_records_and_match_across_backends(worker):
+    """Every reply parses into its record in anchorcache/wire.py and serializes back to
+    itself, byte for byte; the second backend to run answers with the first's shapes."""
+    ids = prompt(18, 160)
+    replies: dict[str, tuple[Any, Any]] = {}  # call → (reply, its parser)
+
+    def meta_of(out: dict[str, Any]) -> dict[str, Any]:
+        return out["meta_info"]
+
+    worker.forget_device()
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(80, AnchorKind.CONVERSATION, Region.THICK),),
+                      chunk_at=(80,))
+    saved = generate(worker, ids[:120], plan)
+    replies["generate_meta"] = (meta_of(saved), wire.parse_generate_meta)
+    slot = saved["meta_info"]["anchors"]["written"][0]["slot"]
+    replies["confirm"] = (post(worker, "/anchor/confirm", {"slots": [slot]}), wire.parse_confirm)
+    worker.forget_device()
+    key = anchor_keys(NS, worker.model_id, ids, [80])[80]
+    warm = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(key, 80),)))
+    assert warm["meta_info"]["cached_tokens"] == 80
+    replies["generate_meta_restored"] = (meta_of(warm), wire.parse_generate_meta)
+    events = []
+    with httpx.stream("POST", worker.url + "/generate", timeout=120, json={
+            **GenerateRequest(input_ids=tuple(ids[:40]), sampling=GREEDY).to_json(),
+            "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    replies["generate_meta_streamed"] = (events[-1]["meta_info"], wire.parse_generate_meta)
+    replies["lookup"] = (post(worker, "/anchor/lookup", {
+        "namespace": NS.hex(), "input_ids": ids, "depths": [80, 100]}), wire.parse_lookup)
+    replies["slots"] = (httpx.get(worker.url + "/anchor/slots").json(), wire.parse_slots)
+    replies["stats"] = (httpx.get(worker.url + "/anchor/stats").json(), wire.parse_stats)
+    for path, field in [("pin", "pinned"), ("unpin", "unpinned"), ("evict", "evicted")]:
+        replies[path] = (post(worker, f"/anchor/{path}", {"key": key.hex()}),
+                         lambda d, field=field: wire.parse_key_op(d, field))
+    replies["anchor_abort"] = (post(worker, "/anchor/abort", {"slots": [slot]}),
+                               wire.parse_slots_aborted)
+    replies["abort_request"] = (post(worker, "/abort_request", {"rid": "nobody"}), wire.parse_abort)
+    replies["health"] = (httpx.get(worker.url + "/health").json(), wire.parse_health)
+    replies["model_info"] = (httpx.get(worker.url + "/model_info").json(), wire.parse_model_info)
+    replies["anchor_flush"] = (post(worker, "/anchor/flush", {}), wire.parse_flush)
+    replies["flush_cache"] = (post(worker, "/flush_cache", {}), wire.parse_flush)
+
+    for call, (reply, parse) in replies.items():
+        assert parse(reply).to_json() == reply, call
+    shapes = {call: shape(reply) for call, (reply, _) in replies.items()}
+    for other, theirs in SHAPES.items():
+        for call, mine in shapes.items():
+            assert same_shape(mine, theirs[call]), (call, worker.backend, other, mine, theirs[call])
+    SHAPES[worker.backend] = shapes

@@ -55,7 +55,7 @@ class Loaded:
                 samples[event.index]["ids"].extend(event.output_ids)
                 samples[event.index]["picks"].extend(event.picks or ())
             elif isinstance(event, FinishEvent):
-                samples[event.index].update(finish=event.finish_reason, meta=event.meta)
+                samples[event.index].update(finish=event.finish_reason, meta=event.meta.to_json())
                 if event.last:
                     return samples
 

@@ -18,10 +18,10 @@ from anchorcache.state.ledger import LedgerError
 from anchorcache.state.records import AnchorStatus, Quotas, Toolset
 
 from .errors import ApiError, json_response
-from .lifecycle import SHARED_TENANT
 from .splitter.types import CutKind, SplitError
 from .state import STATE, ProxyState
 from .tenants import TENANTS, TenantContext, bearer
+from .toolsets import SHARED_TENANT
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LEADING_ROLES = ("system", "developer")
@@ -175,8 +175,8 @@ def _check_pin(state: ProxyState, ts: Toolset) -> None:
                        "(its quota); unpin one first")
     lc = state.lifecycle
     used = sum(rec.nbytes for t in led.toolsets(pinned=True) if t.toolset != ts.toolset
-               for _, _, key in lc.toolset_keys(t) if (rec := lc.live(key)) is not None)
-    mine = sum(rec.nbytes for _, _, key in lc.toolset_keys(ts) if (rec := lc.live(key)) is not None)
+               for _, _, key in lc.toolsets.keys(t) if (rec := lc.live(key)) is not None)
+    mine = sum(rec.nbytes for _, _, key in lc.toolsets.keys(ts) if (rec := lc.live(key)) is not None)
     if used + mine > state.config.pin_budget_bytes:
         raise ApiError("quota_exceeded", f"pinning this toolset ({mine} bytes) would exceed the "
                        f"global pin budget ({used} of {state.config.pin_budget_bytes} bytes used)")
@@ -186,14 +186,14 @@ async def _apply(state: ProxyState, ts: Toolset, pin: bool | None, shared: bool 
     led, lc = state.ledger, state.lifecycle
     if shared is not None and shared != ts.shared:
         ts = led.set_toolset(ts.toolset, shared=shared)
-    await lc.ensure_toolset(ts)  # warm (shared copy too) before pinning: the pin needs the bytes
+    await lc.toolsets.ensure(ts)  # warm (shared copy too) before pinning: the pin needs the bytes
     if pin:
         _check_pin(state, ts)
         ts = led.set_toolset(ts.toolset, pinned=True)
-        await lc.ensure_toolset(ts)
+        await lc.toolsets.ensure(ts)
     elif pin is False and ts.pinned:
         ts = led.set_toolset(ts.toolset, pinned=False)
-        await lc.unpin_toolset(ts)
+        await lc.toolsets.unpin(ts)
     led.event("toolset", ts.tenant, toolset=ts.toolset, pinned=ts.pinned, shared=ts.shared)
     return ts
 

@@ -15,7 +15,7 @@ from . import admin
 from .anthropic_api import count_tokens, messages
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
-from .lifecycle import SHARED_TENANT, AnchorLifecycle
+from .lifecycle import AnchorLifecycle
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
 from .planner import tenant_namespace
@@ -24,6 +24,7 @@ from .splitter import get_adapter
 from .splitter.tokenizers import load_tokenizer
 from .state import STATE, ProxyState
 from .tenants import TENANTS, Tenants, tenant_middleware
+from .toolsets import SHARED_TENANT
 from .worker_client import WorkerClient
 
 log = logging.getLogger("anchorcache.proxy")

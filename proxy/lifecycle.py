@@ -16,8 +16,11 @@ them for anchors:
 - It watches the worker's epoch: the worker client passes it the epoch of every reply
   (`WorkerClient.on_epoch`, the one place epochs are observed); a new epoch forgets the
   index, reconciles the ledger against the worker's slot listing and re-warms pinned
-  toolsets, in the background. `start()` reconciles once at proxy start, then loads the committed anchors
-  the worker still holds, so they are offered again after a proxy restart.
+  toolsets, in the background. `start()` reconciles once at proxy start, then loads the
+  committed anchors the worker still holds, so they are offered again after a proxy restart.
+- `warm()` makes an instruction prefix an anchor (a one-token request); `toolsets`
+  (`toolsets.py`) warms, pins and re-warms toolsets with it and enforces the anchor-bytes
+  quota.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from anchorcache.state.records import (
     NewAnchor,
     ReconcileReport,
     ReservationOutcome,
-    Toolset,
 )
 from anchorcache.wire import (
     AnchorKind,
@@ -53,11 +55,10 @@ from .anchor_index import AnchorRecord
 from .errors import ApiError
 from .planner import Plan, Planner
 from .splitter.types import SplitResult
+from .toolsets import SHARED_TENANT, ToolsetAnchors
 from .worker_client import WorkerClient
 
 log = logging.getLogger("anchorcache.proxy")
-
-SHARED_TENANT = "@shared"  # holds the shared-toolset namespace's secret salt; not a real tenant
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class AnchorLifecycle:
         # settled requests since start: count, hits (restored anything), prompt/cached tokens
         self.counters: Counter[str] = Counter()
         worker.on_epoch = self.observe_epoch
+        self.toolsets = ToolsetAnchors(self)  # warm, pin, re-warm; the anchor-bytes quota
 
     @property
     def epoch(self) -> str:
@@ -127,7 +129,7 @@ class AnchorLifecycle:
     async def start(self) -> ReconcileReport | None:
         """Reconcile with the worker, load what it still holds, re-warm pinned toolsets."""
         report = await self.reconcile("proxy_start")
-        self._spawn(self.rewarm_pinned())
+        self._spawn(self.toolsets.rewarm_pinned())
         return report
 
     async def reconcile(self, reason: str) -> ReconcileReport | None:
@@ -150,8 +152,8 @@ class AnchorLifecycle:
                                        status=AnchorStatus.COMMITTED):
             if self._planner.index.get(row.key) is None:
                 self._planner.index.add(AnchorRecord(row.namespace, row.key, row.depth, row.parent,
-                                                    AnchorKind(row.kind), row.slot, row.nbytes,
-                                                    row.epoch))
+                                                     AnchorKind(row.kind), row.slot, row.nbytes,
+                                                     row.epoch))
         self.last_reconcile = report
         log.info("reconcile (%s): %s", reason, report.to_json())
         return report
@@ -168,7 +170,7 @@ class AnchorLifecycle:
 
         async def after() -> None:
             await self.reconcile("epoch_changed")
-            await self.rewarm_pinned()
+            await self.toolsets.rewarm_pinned()
 
         self._spawn(after())
 
@@ -225,35 +227,7 @@ class AnchorLifecycle:
             await self._settle(flight, meta)
         finally:
             self._release(flight)
-        await self._enforce_quota(flight.caller)
-
-    async def _enforce_quota(self, caller: Caller) -> None:
-        try:
-            await self._enforce_bytes(caller)
-        except ApiError as e:
-            log.warning("could not enforce the anchor-bytes quota of %s: %s",
-                        caller.tenant, e.message)
-
-    async def _enforce_bytes(self, caller: Caller) -> None:
-        """Keep a tenant under its anchor-bytes quota: evict its least recently hit anchors
-        (never a pinned toolset's) until it fits."""
-        limit = caller.max_anchor_bytes
-        if limit is None:
-            return
-        used = self.ledger.anchor_bytes(caller.tenant, self.worker_id, self.epoch)
-        if used <= limit:
-            return
-        pinned = {key for ts in self.ledger.toolsets(caller.tenant, pinned=True)
-                  for _, _, key in self.toolset_keys(ts)}
-        rows = self.ledger.anchors(worker=self.worker_id, epoch=self.epoch, tenant=caller.tenant,
-                                   status=AnchorStatus.COMMITTED)
-        rows.sort(key=lambda r: (r.last_hit or r.created_at, -r.depth))
-        for row in rows:
-            if used <= limit:
-                break
-            if row.key not in pinned:
-                await self.evict(row.key)
-                used -= row.nbytes
+        await self.toolsets.enforce_quota(flight.caller)
 
     async def keep_prompt_anchors(self, flight: Flight) -> bool:
         """The request ended well before the worker finished it (a client stop sequence):
@@ -279,7 +253,7 @@ class AnchorLifecycle:
         finally:
             self._release(flight)
         if kept:
-            await self._enforce_quota(flight.caller)
+            await self.toolsets.enforce_quota(flight.caller)
         return kept
 
     async def _keep(self, flight: Flight) -> bool:
@@ -348,7 +322,11 @@ class AnchorLifecycle:
                                     flight.input_ids[:rec.depth])
         return True
 
-    # ---- warming, pinning, evicting -----------------------------------------------------
+    # ---- warming, evicting --------------------------------------------------------------
+    def key(self, namespace: bytes, ids: tuple[int, ...]) -> bytes:
+        """The key of the anchor of the whole prefix `ids` in `namespace`."""
+        return anchor_keys(namespace, self._planner.model_id, ids, [len(ids)])[len(ids)]
+
     def live(self, key: bytes) -> AnchorRecord | None:
         rec = self._planner.index.get(key)
         return rec if rec is not None and rec.epoch == self.epoch else None
@@ -356,7 +334,7 @@ class AnchorLifecycle:
     async def warm(self, tenant: str, namespace: bytes, ids: tuple[int, ...]) -> AnchorRecord:
         """Make the instruction prefix `ids` a committed anchor in `namespace` (no-op if it
         is one). Raises ApiError if the worker fails or could not store it."""
-        key = anchor_keys(namespace, self._planner.model_id, ids, [len(ids)])[len(ids)]
+        key = self.key(namespace, ids)
         if (rec := self.live(key)) is not None:
             return rec
         other = self._flights.get(key)
@@ -394,38 +372,6 @@ class AnchorLifecycle:
             raise ApiError("worker_error", "the worker could not store the toolset anchor "
                                            "(no free slot or memory)")
         return rec
-
-    def toolset_keys(self, ts: Toolset) -> list[tuple[str, bytes, bytes]]:
-        """(tenant, namespace, key) of a toolset's anchors: its own, and the shared one."""
-        out = [(ts.tenant, ts.namespace, ts.key)]
-        if ts.shared:
-            n = len(ts.input_ids)
-            out.append((SHARED_TENANT, self.shared_namespace,
-                        anchor_keys(self.shared_namespace, self._planner.model_id, ts.input_ids, [n])[n]))
-        return out
-
-    async def ensure_toolset(self, ts: Toolset) -> AnchorRecord:
-        """Warm a toolset's anchors (the shared copy too), pinning them if it is pinned."""
-        first: AnchorRecord | None = None
-        for tenant, ns, key in self.toolset_keys(ts):
-            rec = await self.warm(tenant, ns, ts.input_ids)
-            if ts.pinned and not await self.worker.pin(key):
-                raise ApiError("worker_error", "the worker refused to pin the toolset anchor")
-            first = first or rec
-        assert first is not None
-        return first
-
-    async def unpin_toolset(self, ts: Toolset) -> None:
-        for _, _, key in self.toolset_keys(ts):
-            await self.worker.unpin(key)
-
-    async def rewarm_pinned(self) -> None:
-        for ts in self.ledger.toolsets(pinned=True):
-            try:
-                await self.ensure_toolset(ts)
-            except ApiError as e:
-                log.warning("re-warming pinned toolset %s failed: %s", ts.toolset, e.message)
-                return
 
     async def evict(self, key: bytes) -> bool:
         """Evict an anchor from the worker now (pinned or not)."""

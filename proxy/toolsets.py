@@ -1,0 +1,91 @@
+"""Toolset anchors, and the anchor-bytes quota that spares the pinned ones.
+
+A toolset (the leading system/developer messages and tool schemas a tenant's requests start
+with) is an instruction anchor in the tenant's namespace and, when an admin shares it, a copy
+in the shared namespace. `ToolsetAnchors` warms both (each warm-up a request through the
+anchor life cycle, `lifecycle.py`), pins and unpins them on the worker, re-warms the pinned
+ones at proxy start and after a worker restart, and keeps a tenant under its anchor-bytes
+quota by evicting its least recently hit anchors, never a pinned toolset's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from anchorcache.state.records import AnchorStatus, Toolset
+
+from .anchor_index import AnchorRecord
+from .errors import ApiError
+
+if TYPE_CHECKING:  # the life cycle builds this over itself
+    from .lifecycle import AnchorLifecycle, Caller
+
+log = logging.getLogger("anchorcache.proxy")
+
+SHARED_TENANT = "@shared"  # holds the shared-toolset namespace's secret salt; not a real tenant
+
+
+class ToolsetAnchors:
+    def __init__(self, lifecycle: AnchorLifecycle) -> None:
+        self.lifecycle = lifecycle
+
+    def keys(self, ts: Toolset) -> list[tuple[str, bytes, bytes]]:
+        """(tenant, namespace, key) of a toolset's anchors: its own, and the shared one."""
+        out = [(ts.tenant, ts.namespace, ts.key)]
+        if ts.shared:
+            shared = self.lifecycle.shared_namespace
+            out.append((SHARED_TENANT, shared, self.lifecycle.key(shared, ts.input_ids)))
+        return out
+
+    async def ensure(self, ts: Toolset) -> AnchorRecord:
+        """Warm a toolset's anchors (the shared copy too), pinning them if it is pinned."""
+        first: AnchorRecord | None = None
+        for tenant, ns, key in self.keys(ts):
+            rec = await self.lifecycle.warm(tenant, ns, ts.input_ids)
+            if ts.pinned and not await self.lifecycle.worker.pin(key):
+                raise ApiError("worker_error", "the worker refused to pin the toolset anchor")
+            first = first or rec
+        assert first is not None
+        return first
+
+    async def unpin(self, ts: Toolset) -> None:
+        for _, _, key in self.keys(ts):
+            await self.lifecycle.worker.unpin(key)
+
+    async def rewarm_pinned(self) -> None:
+        for ts in self.lifecycle.ledger.toolsets(pinned=True):
+            try:
+                await self.ensure(ts)
+            except ApiError as e:
+                log.warning("re-warming pinned toolset %s failed: %s", ts.toolset, e.message)
+                return
+
+    async def enforce_quota(self, caller: Caller) -> None:
+        """Keep a tenant under its anchor-bytes quota: evict its least recently hit anchors
+        (never a pinned toolset's) until it fits. A worker failure is logged, not raised."""
+        try:
+            await self._enforce_bytes(caller)
+        except ApiError as e:
+            log.warning("could not enforce the anchor-bytes quota of %s: %s",
+                        caller.tenant, e.message)
+
+    async def _enforce_bytes(self, caller: Caller) -> None:
+        lc = self.lifecycle
+        limit = caller.max_anchor_bytes
+        if limit is None:
+            return
+        used = lc.ledger.anchor_bytes(caller.tenant, lc.worker_id, lc.epoch)
+        if used <= limit:
+            return
+        pinned = {key for ts in lc.ledger.toolsets(caller.tenant, pinned=True)
+                  for _, _, key in self.keys(ts)}
+        rows = lc.ledger.anchors(worker=lc.worker_id, epoch=lc.epoch, tenant=caller.tenant,
+                                 status=AnchorStatus.COMMITTED)
+        rows.sort(key=lambda r: (r.last_hit or r.created_at, -r.depth))
+        for row in rows:
+            if used <= limit:
+                break
+            if row.key not in pinned:
+                await lc.evict(row.key)
+                used -= row.nbytes

@@ -13,11 +13,8 @@ anchors (`AnchorLifecycle.keep_prompt_anchors`), so the next turn restores them.
 
 Structured output (`structured.py`): the request's constraint goes to the worker as an
 SGLang sampling parameter; a tool grammar replaces the adapter's forced prefix. `n > 1`
-choices come from one worker request (one prefill); each has its own detokenizer, parser
-and `Outcome`. A tool call the parser cannot read never reaches the client as content: the
-text before it is kept, the rest dropped, and the choice records `tool_call_error`. A call
-cut short by max_tokens whose name is whole comes back partial (`ToolCall.partial`: its
-arguments so far) with finish reason `length`, as OpenAI returns it.
+choices come from one worker request (one prefill); each has its own text path
+(`choice.py`: detokenizer, stop sequences, output parser) and `Outcome`.
 """
 
 from __future__ import annotations
@@ -30,23 +27,32 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, cast
 
 from anchorcache.wire import AnchorKind, GenerateMeta, GenerateRequest, SamplingParams
 
+from .choice import (
+    CALL_MARKERS,
+    Choice,
+    ChoiceDelta,
+    FinishReason,
+    Outcome,
+    TokenLogprob,
+)
 from .cut_hints import with_hint_cuts
-from .detokenizer import IncrementalDetokenizer
 from .errors import ApiError
 from .lifecycle import Caller, Flight
 from .planner import Plan
 from .schema import ToolChoice, rendered_chars
-from .splitter.parsers import OutputParser
-from .splitter.types import OutputDelta, SplitResult, ToolCall
+from .splitter.types import OutputDelta, SplitResult
 from .state import ProxyState
 from .structured import FAMILY, Constraint, ResponseFormat, build_constraint
 from .tenants import TenantContext
 from .worker_client import Chunk
+
+# the API layers import the choice's records from here, with the rest of the pipeline
+__all__ = ["AnchorHit", "ChoiceDelta", "Completion", "FinishReason", "Generation", "Outcome",
+           "TokenLogprob", "Usage", "check_model"]
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -80,144 +86,6 @@ class Generation:
     anchors: bool = True  # False: restore and save nothing for this request (a baseline)
 
 
-class FinishReason(str, Enum):
-    STOP = "stop"  # an EOS / stop token
-    LENGTH = "length"  # max_tokens or the context ran out
-    TOOL_CALLS = "tool_calls"  # the output parsed into tool calls
-    STOP_SEQUENCE = "stop_sequence"  # one of `Generation.stop` appeared in the text
-
-
-@dataclass
-class Outcome:
-    """What one completion produced, filled in as `Completion.deltas` goes."""
-
-    text: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: FinishReason = FinishReason.STOP
-    stop_sequence: str | None = None  # which of `Generation.stop` ended the text
-    completion_tokens: int = 0
-    meta: GenerateMeta | None = None  # the worker's final meta_info for this choice
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for
-    tool_call_error: str | None = None  # a tool call was started but could not be parsed
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token: str  # the token's text (its bytes may be part of a character: U+FFFD)
-    logprob: float
-    top: tuple[tuple[str, float], ...] = ()  # the most likely tokens there, best first
-
-
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """A piece of choice `index`: a text / tool-call delta, and the logprobs of the tokens
-    that arrived with it (a delta of None carries only logprobs: text still held back)."""
-
-    index: int
-    delta: OutputDelta | None
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-# The opening of a tool call in each family's markup (structured.FAMILY): content that
-# contains one is an unparsed call, cut there.
-CALL_MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
-                "llama3": ("<|python_tag|>", '{"name": ')}
-
-
-class _Choice:
-    """One choice's text path: detokenizer → stop sequences → output parser → markup guard."""
-
-    def __init__(self, completion: Completion, index: int, parser: OutputParser,
-                 stop_ids: set[int], markers: tuple[str, ...]) -> None:
-        self.completion = completion
-        self.index = index
-        self.outcome = completion.outcomes[index]
-        self.parser = parser
-        self.detok = IncrementalDetokenizer(completion.state.tokenizer, skip_token_ids=stop_ids)
-        self.stop_ids = stop_ids
-        self.markers = markers
-        self.emitted = 0  # characters of detok.text already passed on
-        self.closed = False  # a stop sequence or the worker ended it
-
-    def feed(self, chunk: Chunk) -> list[ChoiceDelta]:
-        gen, outcome = self.completion.gen, self.outcome
-        outcome.completion_tokens += len(chunk.output_ids)
-        logprobs = self._logprobs(chunk)
-        outcome.logprobs.extend(logprobs)
-        self.detok.add(chunk.output_ids)
-        if chunk.meta is not None:
-            self.detok.flush()
-        text = self.detok.text
-        stop = _find_stop(text, gen.stop, self.emitted) if gen.stop else None
-        if stop is not None:
-            text = text[:stop[0]]
-        elif gen.stop and chunk.meta is None:
-            text = text[:max(self.emitted, len(text) - _stop_prefix(text, gen.stop))]
-        new, self.emitted = text[self.emitted:], len(text)
-        if stop is not None:
-            outcome.finish_reason = FinishReason.STOP_SEQUENCE
-            outcome.stop_sequence = stop[1]
-        elif chunk.meta is not None:
-            if chunk.meta.finish_type == "abort":  # the worker gave up: never a completion
-                raise ApiError("worker_error", "the worker aborted the request before it "
-                                               "finished")
-            outcome.meta = chunk.meta
-            outcome.finish_reason = FinishReason.LENGTH if chunk.meta.finish_type == "length" \
-                else FinishReason.STOP
-        deltas = self._guard(self.parser.feed(new)) if new else []
-        if stop is not None or chunk.meta is not None:
-            deltas += self._close()
-        out = [ChoiceDelta(self.index, d) for d in deltas]
-        if logprobs:
-            if out:
-                out[0] = ChoiceDelta(self.index, out[0].delta, logprobs)
-            else:
-                out.append(ChoiceDelta(self.index, None, logprobs))
-        return out
-
-    def _close(self) -> list[OutputDelta]:
-        self.closed = True
-        deltas = self._guard(self.parser.flush())
-        parsed = self.parser.finish()
-        self.outcome.tool_calls = list(parsed.tool_calls)
-        if self.outcome.tool_calls:
-            self.outcome.finish_reason = FinishReason.TOOL_CALLS
-        return deltas
-
-    def _guard(self, deltas: list[OutputDelta]) -> list[OutputDelta]:
-        """Pass the parser's deltas on, cutting content at the first call marker (an
-        unparsed call) and dropping all content after it."""
-        out = []
-        for delta in deltas:
-            if delta.tool_call is None and self.outcome.tool_call_error is not None:
-                continue
-            text = delta.content or ""
-            hits = [i for m in self.markers if (i := text.find(m)) >= 0]
-            if delta.tool_call is None and hits:
-                head = text[:min(hits)].rstrip()
-                reason = "cut off by max_tokens" if self._cut_by_length() else "malformed"
-                self.outcome.tool_call_error = f"the model's tool call could not be parsed ({reason})"
-                if not head:
-                    continue
-                delta = OutputDelta(content=head)
-            if delta.tool_call is None:
-                self.outcome.text += delta.content or ""
-            out.append(delta)
-        return out
-
-    def _cut_by_length(self) -> bool:
-        return self.outcome.finish_reason is FinishReason.LENGTH
-
-    def _logprobs(self, chunk: Chunk) -> tuple[TokenLogprob, ...]:
-        if chunk.logprobs is None:
-            return ()
-        decode = self.completion.state.tokenizer.decode
-        return tuple(
-            TokenLogprob(decode([t]), lp, tuple((decode([i]), v) for i, v in top))
-            for t, (lp, top) in zip(chunk.output_ids, chunk.logprobs, strict=True)
-            if t not in self.stop_ids)
-
-
 @dataclass(frozen=True)
 class AnchorHit:
     kind: str | None
@@ -241,24 +109,6 @@ def check_model(state: ProxyState, model: str) -> None:
     if model not in (state.info.model_id, "default"):
         raise ApiError("model_not_found", f"the model {model!r} does not exist; this proxy "
                        f"serves {state.info.model_id!r}", param="model")
-
-
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
-    """The earliest stop sequence in `text` that ends past `start` (where new text began)."""
-    hits = [(i, s) for s in stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that a stop sequence may still complete: held
-    back, so that a sequence spanning tokens or chunks never reaches the client in part."""
-    held = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:n]):
-                held = n
-                break
-    return held
 
 
 class Completion:
@@ -357,9 +207,10 @@ class Completion:
         # Under a tool grammar the calls are the model's own output: parsed as under "auto".
         parser_choice = "auto" if self.tool_grammar else choice
         markers = CALL_MARKERS.get(FAMILY.get(state.adapter.name, ""), ()) if parse_tools else ()
-        choices = [_Choice(self, i, state.adapter.output_parser(list(gen.tools) or None,
-                                                                tool_choice=parser_choice),
-                           stop_ids, markers)
+        choices = [Choice(i, self.outcomes[i], tokenizer=state.tokenizer,
+                          parser=state.adapter.output_parser(list(gen.tools) or None,
+                                                             tool_choice=parser_choice),
+                          stop=gen.stop, stop_ids=stop_ids, markers=markers)
                    for i in range(gen.n)]
         flight: Flight | None = None
         if state.anchors_on and gen.anchors:  # opens the reservation: the `finally` closes it
@@ -396,7 +247,7 @@ class Completion:
                     kept = await asyncio.shield(state.lifecycle.keep_prompt_anchors(flight))
             for c in choices:  # a worker that ended without a choice's finish
                 if not c.closed:
-                    for d in c._close():
+                    for d in c.close():
                         yield ChoiceDelta(c.index, d)
             if samples_done == len(choices) and self.meta is not None:
                 if flight is not None:

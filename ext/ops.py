@@ -91,16 +91,6 @@ def snapshot_state(states: Sequence[Tensor], index: int, *, out: Tensor | None =
     return out
 
 
-def thick_snapshot(k: Sequence[Tensor], v: Sequence[Tensor], rows: Rows,
-                   states: Sequence[Tensor], state_index: int, *, layout: Layout,
-                   batch_index: int = 0) -> tuple[Tensor, Tensor]:
-    """Thin snapshot plus the recurrent/conv state of one state slot: (kv_slab, state_slab)."""
-    index, start, end = _split_rows(rows)
-    kv, state = _ops.thick_snapshot(list(k), list(v), index, start, end, layout, batch_index,
-                                    list(states), state_index)
-    return kv, state
-
-
 def restore_chain(slabs: Sequence[Tensor], rows: Sequence[Rows], k: Sequence[Tensor],
                   v: Sequence[Tensor], *, layout: Layout, batch_index: int = 0,
                   state_slab: Tensor | None = None, states: Sequence[Tensor] | None = None,
@@ -153,13 +143,6 @@ def _(states, index):
 @torch.library.register_fake("anchorcache::snapshot_state_out")
 def _(states, index, out):
     return None
-
-
-@torch.library.register_fake("anchorcache::thick_snapshot")
-def _(k, v, index, start, end, layout, batch_index, states, state_index):
-    n_rows = int(index.numel()) if index is not None else end - start
-    state = torch.empty(state_slab_nbytes(states), dtype=torch.uint8, device="cpu")
-    return _fake_kv_slab(k, n_rows), state
 
 
 @torch.library.register_fake("anchorcache::restore_chain")

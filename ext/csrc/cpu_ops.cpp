@@ -102,13 +102,6 @@ void snapshot_state_out_cpu(at::TensorList states, int64_t index, const at::Tens
   snapshot_state_out(kCpu, states, index, out);
 }
 
-std::tuple<at::Tensor, at::Tensor> thick_snapshot_cpu(
-    at::TensorList k, at::TensorList v, const std::optional<at::Tensor>& index, int64_t start,
-    int64_t end, const std::string& layout, int64_t batch_index, at::TensorList states,
-    int64_t state_index) {
-  return thick_snapshot(kCpu, k, v, index, start, end, layout, batch_index, states, state_index);
-}
-
 void restore_chain_cpu(at::TensorList slabs, const c10::List<std::optional<at::Tensor>>& indices,
                        at::IntArrayRef starts, const std::string& layout, int64_t batch_index,
                        at::TensorList k, at::TensorList v,
@@ -125,7 +118,6 @@ TORCH_LIBRARY_IMPL(anchorcache, CPU, m) {
   m.impl("snapshot_kv_out", &snapshot_kv_out_cpu);
   m.impl("snapshot_state", &snapshot_state_cpu);
   m.impl("snapshot_state_out", &snapshot_state_out_cpu);
-  m.impl("thick_snapshot", &thick_snapshot_cpu);
   m.impl("restore_chain", &restore_chain_cpu);
 }
 

@@ -37,17 +37,6 @@ at::Tensor snapshot_state(const Backend& be, at::TensorList states, int64_t inde
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> thick_snapshot(
-    const Backend& be, at::TensorList k, at::TensorList v, const std::optional<at::Tensor>& index,
-    int64_t start, int64_t end, const std::string& layout, int64_t batch_index,
-    at::TensorList states, int64_t state_index) {
-  // Validate the states before copying any KV, so a bad state index fails without work.
-  state_offsets(states, state_index);
-  at::Tensor kv = snapshot_kv(be, k, v, index, start, end, layout, batch_index);
-  at::Tensor state = snapshot_state(be, states, state_index);
-  return {kv, state};
-}
-
 void restore_chain(const Backend& be, at::TensorList slabs,
                    const c10::List<std::optional<at::Tensor>>& indices, at::IntArrayRef starts,
                    const std::string& layout, int64_t batch_index, at::TensorList k,

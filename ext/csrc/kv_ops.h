@@ -27,10 +27,6 @@ void snapshot_kv_out(const Backend& be, at::TensorList k, at::TensorList v,
 at::Tensor snapshot_state(const Backend& be, at::TensorList states, int64_t index);
 void snapshot_state_out(const Backend& be, at::TensorList states, int64_t index,
                         const at::Tensor& out);
-std::tuple<at::Tensor, at::Tensor> thick_snapshot(
-    const Backend& be, at::TensorList k, at::TensorList v, const std::optional<at::Tensor>& index,
-    int64_t start, int64_t end, const std::string& layout, int64_t batch_index,
-    at::TensorList states, int64_t state_index);
 void restore_chain(const Backend& be, at::TensorList slabs,
                    const c10::List<std::optional<at::Tensor>>& indices, at::IntArrayRef starts,
                    const std::string& layout, int64_t batch_index, at::TensorList k,

@@ -16,9 +16,6 @@ TORCH_LIBRARY(anchorcache, m) {
       "int batch_index, Tensor(a!) out) -> ()");
   m.def("snapshot_state(Tensor[] states, int index) -> Tensor");
   m.def("snapshot_state_out(Tensor[] states, int index, Tensor(a!) out) -> ()");
-  m.def(
-      "thick_snapshot(Tensor[] k, Tensor[] v, Tensor? index, int start, int end, str layout, "
-      "int batch_index, Tensor[] states, int state_index) -> (Tensor, Tensor)");
   // Link j writes slabs[j] into rows indices[j] (or [starts[j], starts[j] + n_rows_j)) of every
   // layer, links in order; then state_slab (if given) goes into states[i][state_index].
   m.def(

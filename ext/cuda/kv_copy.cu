@@ -177,13 +177,6 @@ void snapshot_state_out_cuda(at::TensorList states, int64_t index, const at::Ten
   snapshot_state_out(kCuda, states, index, out);
 }
 
-std::tuple<at::Tensor, at::Tensor> thick_snapshot_cuda(
-    at::TensorList k, at::TensorList v, const std::optional<at::Tensor>& index, int64_t start,
-    int64_t end, const std::string& layout, int64_t batch_index, at::TensorList states,
-    int64_t state_index) {
-  return thick_snapshot(kCuda, k, v, index, start, end, layout, batch_index, states, state_index);
-}
-
 void restore_chain_cuda(at::TensorList slabs,
                         const c10::List<std::optional<at::Tensor>>& indices,
                         at::IntArrayRef starts, const std::string& layout, int64_t batch_index,
@@ -201,7 +194,6 @@ TORCH_LIBRARY_IMPL(anchorcache, CUDA, m) {
   m.impl("snapshot_kv_out", &snapshot_kv_out_cuda);
   m.impl("snapshot_state", &snapshot_state_cuda);
   m.impl("snapshot_state_out", &snapshot_state_out_cuda);
-  m.impl("thick_snapshot", &thick_snapshot_cuda);
   m.impl("restore_chain", &restore_chain_cuda);
 }
 

@@ -10,7 +10,7 @@ import torch
 from anchorcache.ext import _C, ops  # noqa: F401  (ops: loads the schema and fakes)
 
 OPS = ["snapshot_kv", "snapshot_kv_out", "snapshot_state", "snapshot_state_out",
-       "thick_snapshot", "restore_chain"]
+       "restore_chain"]
 
 
 @pytest.mark.parametrize("name", OPS)

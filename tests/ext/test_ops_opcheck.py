@@ -29,7 +29,6 @@ def _samples(device):
                                 rand((2, 2, 3, 2, 8), torch.bfloat16, gen))),
         (_ops.snapshot_state, (states, 2)),
         (_ops.snapshot_state_out, (states, 0, torch.empty_like(state_slab))),
-        (_ops.thick_snapshot, (k, v, None, 3, 7, "thd", 0, states, 1)),
         (_ops.restore_chain, ([slab_a, slab_b], [None, idx], [0, 0], "thd", 0, k, v,
                               state_slab, states, 0)),
         (_ops.restore_chain, ([slab_a], [None], [6], "thd", 0, k, v, None, [], 0)),

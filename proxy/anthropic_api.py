@@ -4,8 +4,9 @@ The request is parsed into the pipeline's `Generation` (`anthropic_schema`; the 
 `cache_control` marks become `cut_after` hints), run by the same `Completion` as chat
 completions (same splitter, planner, anchors and worker), and the deltas are
 framed as Anthropic content blocks: one `text` block per run of text, one `tool_use` block
-per tool call. Errors are Anthropic error objects with the status of the error table
-(`errors.py`: the one error middleware formats them for these routes).
+per tool call (a call cut short by max_tokens: its input as far as it was written, with
+stop reason `max_tokens`). Errors are Anthropic error objects with the status of the error
+table (`errors.py`: the one error middleware formats them for these routes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .anthropic_schema import parse_messages_request
 from .errors import ApiError, json_response
 from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
 from .schema import read_json
+from .splitter.partial_json import close_json
 from .splitter.types import OutputDelta
 from .state import STATE
 from .tenants import TENANT
@@ -36,8 +38,9 @@ def tool_use_id(call_id: str) -> str:
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
-    """A parsed call's arguments (JSON text of an object, checked by the parser)."""
-    value = orjson.loads(arguments) if arguments.strip() else {}
+    """A parsed call's arguments as an object: JSON text of one (checked by the parser) or,
+    for a call cut short by max_tokens, the object its text so far describes."""
+    value = close_json(arguments) if arguments.strip() else {}
     return value if isinstance(value, dict) else {}
 
 
@@ -96,11 +99,14 @@ class BlockFramer:
             yield from self._start({"type": "tool_use", "id": tool_use_id(tc.id),
                                     "name": tc.name, "input": {}})
             self._open, self._call_index = "tool_use", tc.index
-        if tc.arguments_delta:
-            self._args.append(tc.arguments_delta)
+        args = tc.arguments_delta
+        if tc.partial:  # cut by max_tokens: stream the object it parsed to, as valid JSON
+            args = orjson.dumps(tool_input(args)).decode()
+        if args:
+            self._args.append(args)
             yield sse("content_block_delta", {
                 "type": "content_block_delta", "index": len(self.blocks) - 1,
-                "delta": {"type": "input_json_delta", "partial_json": tc.arguments_delta}})
+                "delta": {"type": "input_json_delta", "partial_json": args}})
 
     def close(self) -> Iterator[bytes]:
         """End the open block, if any."""

@@ -125,10 +125,11 @@ class Choice:
         """The choice has ended (a stop sequence, its final chunk, or a worker that ended
         without one): flush the parser and settle its tool calls and finish reason."""
         self.closed = True
-        deltas = self._guard(self.parser.flush())
+        # cut by max_tokens: an unfinished call comes back partial, finish_reason "length"
+        deltas = self._guard(self.parser.flush(truncated=self._cut_by_length()))
         parsed = self.parser.finish()
         self.outcome.tool_calls = list(parsed.tool_calls)
-        if self.outcome.tool_calls:
+        if self.outcome.tool_calls and not any(c.partial for c in parsed.tool_calls):
             self.outcome.finish_reason = FinishReason.TOOL_CALLS
         return deltas
 

@@ -23,6 +23,7 @@ from aiohttp import web
 from anchorcache.wire import GREEDY_TEMPERATURE
 
 from .errors import ApiError
+from .splitter.partial_json import close_json
 from .structured import Constraint, ResponseFormat, parse_grammar, parse_response_format
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -93,13 +94,18 @@ ARGUMENTS_DEPTH = 7  # body → messages → message → tool_calls → call →
 
 def check_arguments(arguments: str, param: str, limits: BodyLimits = DEFAULT_LIMITS) -> None:
     """Tool-call arguments sent as a JSON string are decoded and rendered as objects later:
-    they must be JSON, and are held to the same limits as if they had been sent inline."""
+    they must be JSON, or JSON cut short (a call max_tokens cut, sent back in the history:
+    the object it describes is what renders), and are held to the same limits as if they
+    had been sent inline."""
     if len(arguments) <= 2 * (limits.max_depth - ARGUMENTS_DEPTH) or not arguments.strip():
         return  # too short to nest too deep; invalid JSON is refused by the splitter
     try:
         decoded = orjson.loads(arguments)
     except orjson.JSONDecodeError as e:
-        raise bad(f"tool-call arguments are not valid JSON: {e}", param) from None
+        decoded = close_json(arguments)
+        if decoded is None:
+            raise bad(f"tool-call arguments are not valid JSON, nor JSON cut short: {e}",
+                      param) from None
     check_shape(decoded, limits, depth=ARGUMENTS_DEPTH)
 
 

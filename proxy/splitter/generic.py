@@ -34,7 +34,12 @@ import jinja2
 
 from .base import Adapter
 from .hermes import lower_tools
-from .normalize import leading_system_count, newest_start, normalize_messages
+from .normalize import (
+    leading_system_count,
+    newest_start,
+    normalize_messages,
+    without_arguments_text,
+)
 from .parsers import OutputParser, TagParser
 from .specials import SpecialGuard
 from .types import Cut, CutKind, SplitError, SplitResult
@@ -91,6 +96,8 @@ class GenericAdapter(Adapter):
         tls = self.guard.defuse(self._tools(tools, canonical_tools))
         if not self.supports_tools:
             msgs, tls = lower_tools(msgs, tls), None
+        else:  # the template renders calls itself: the object a cut-short text describes
+            msgs = without_arguments_text(msgs)
         lead, newest = leading_system_count(msgs), newest_start(msgs)
         kwargs = dict(template_kwargs or {})
         try:

@@ -11,7 +11,8 @@ the two agree, and choosing the history-stable form where they do not):
 - user → user; a later system/developer message → a developer message;
 - assistant without tool calls → `final` channel; with tool calls, its text (if any) is a
   `commentary` preamble, then one message per call: `to=functions.NAME`, `commentary`,
-  `<|constrain|>json`, the arguments as JSON, ending in `<|call|>`. (gpt-oss's Jinja
+  `<|constrain|>json`, the arguments as JSON (a cut-short text as the client sent it: the
+  message is text, so it stays what the model wrote), ending in `<|call|>`. (gpt-oss's Jinja
   template renders such text as `analysis` and drops it once a final answer follows; that
   rewrites history, so no earlier prefix would ever hit again);
 - tool → author `functions.NAME` (the name of the call it answers), `to=assistant`.
@@ -28,13 +29,18 @@ it, appending messages never moves a cut.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from .base import Adapter
-from .normalize import leading_system_count, newest_start, normalize_messages
+from .normalize import (
+    arguments_text,
+    leading_system_count,
+    newest_start,
+    normalize_messages,
+)
 from .parsers import OutputParser, _partial_suffix, call_from_object
+from .partial_json import close_json
 from .types import Cut, CutKind, SplitError, SplitResult
 
 FUNCTIONS = "functions."
@@ -97,7 +103,7 @@ def harmony_messages(msgs: list[dict], tools: list[dict] | None, template_kwargs
             for c in m["tool_calls"]:
                 names[c["id"]] = c["function"]["name"]
                 out.append(h.Message.from_role_and_content(
-                    h.Role.ASSISTANT, json.dumps(c["function"]["arguments"], ensure_ascii=False))
+                    h.Role.ASSISTANT, arguments_text(c["function"]))
                     .with_channel("commentary")
                     .with_recipient(FUNCTIONS + c["function"]["name"])
                     .with_content_type(JSON_TYPE))
@@ -260,13 +266,24 @@ class HarmonyParser(OutputParser):
         else:
             self._kind = "content" if channel_name in ("final", "commentary") else "drop"
 
-    def _end_body(self, body: str, out: list) -> None:
+    def _end_body(self, body: str, out: list, *, cut: bool = False) -> None:
+        """`cut`: the output ended inside this body (see `OutputParser.flush(truncated=)`)."""
         self._in_body = False
         if self._kind == "call":
             call = call_from_object({"name": self._name, "arguments": body})
             if call is not None:
                 self._emit_call(*call, out)
                 return
+            if cut and self._truncated:
+                # whole but for (part of) its end marker, or its arguments cut short
+                body = body[: len(body) - max(_partial_suffix(body, m) for m in _MARKERS)]
+                call = call_from_object({"name": self._name, "arguments": body})
+                if call is not None:
+                    self._emit_call(*call, out)
+                    return
+                if not body.strip() or isinstance(close_json(body), dict):
+                    self._emit_call(self._name, body.strip(), out, partial=True)
+                    return
         if self._kind != "drop":
             self._emit_content(body, out)
 
@@ -292,7 +309,7 @@ class HarmonyParser(OutputParser):
                 continue
             if final:
                 self._buffer = ""
-                self._end_body(buf, out)
+                self._end_body(buf, out, cut=True)
                 return
             if self._kind == "content":  # stream what can no longer become a marker
                 keep = max(_partial_suffix(buf, m) for m in _MARKERS)

@@ -19,6 +19,7 @@ import json
 from typing import Any, ClassVar
 
 from .base import Piece, TextAdapter
+from .normalize import arguments_text
 from .parsers import OutputParser, TagParser
 from .probes import first_mismatch, ignores_tools
 
@@ -37,9 +38,9 @@ def tools_text(tools: list[dict]) -> str:
 
 
 def tool_call_text(call: dict) -> str:
-    fn = call["function"]
-    return ('<tool_call>\n{"name": "' + fn["name"] + '", "arguments": '
-            + json.dumps(fn["arguments"], ensure_ascii=False) + "}\n</tool_call>")
+    fn = call["function"]  # arguments as text, as Qwen3's template renders a string
+    return ('<tool_call>\n{"name": "' + fn["name"] + '", "arguments": ' + arguments_text(fn)
+            + "}\n</tool_call>")
 
 
 def _as_system(messages: list[dict]) -> list[dict]:

@@ -120,7 +120,10 @@ class JsonCallsParser(OutputParser):
         if final:
             calls = self._parse_calls(self._buffer)
             if calls is None:
-                self._emit_content(self._buffer, out)
+                body = self._buffer.strip().removeprefix(PYTHON_TAG)
+                if not self._emit_cut_calls(body, out, separators=" \t\r\n;",
+                                            args_keys=("parameters", "arguments")):
+                    self._emit_content(self._buffer, out)
             else:
                 for name, args in calls:
                     self._emit_call(name, args, out)

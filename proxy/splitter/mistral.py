@@ -148,6 +148,7 @@ class MistralCallsParser(OutputParser):
             if calls and len(ok) == len(calls):
                 for name, args in ok:
                     self._emit_call(name, args, out)
-            else:
+            elif not self._emit_cut_calls(self._buffer.lstrip().removeprefix("["), out,
+                                          separators=" \t\r\n,"):
                 self._emit_content(TOOL_CALLS + self._buffer, out)
             self._buffer = ""

@@ -12,7 +12,13 @@
   "\\n" (what vLLM and SGLang do); non-text parts are rejected.
 - Tool-call `arguments` arriving as JSON strings are parsed into objects, so templates that
   iterate or `tojson` them see an object and the rendering does not depend on the client's
-  whitespace. An invalid JSON string or a non-object is the client's fault: `SplitError`.
+  whitespace. A string that is an object's JSON cut short (a call `max_tokens` cut, which
+  OpenAI and this proxy return with `finish_reason: "length"` and agent SDKs send back) is
+  accepted: `arguments` is the object it describes (`partial_json.close_json`) and
+  `function.arguments_text` keeps the client's text, which adapters whose template takes
+  arguments as a string render as is (`arguments_text`), so the history shows what the
+  model wrote. Anything else that is not an object's JSON, or a non-string non-object, is
+  the client's fault: `SplitError`.
 
 Inputs are never mutated; the output is fresh dicts.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .partial_json import close_json
 from .types import SplitError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -104,20 +111,49 @@ def content_text(content: Any, param: str) -> str:
     raise SplitError("content must be a string, null or a list of text parts", param)
 
 
-def parse_arguments(arguments: Any, param: str) -> dict:
-    """Tool-call arguments as a dict; JSON strings are parsed, "" means no arguments."""
+ARGUMENTS_TEXT = "arguments_text"  # in a normalized call's `function`: see module docstring
+
+
+def parse_arguments(arguments: Any, param: str) -> tuple[dict, str | None]:
+    """Tool-call arguments as a dict ("" means no arguments), and the client's text when it
+    is an object's JSON cut short (else None)."""
     if isinstance(arguments, dict):
-        return arguments
+        return arguments, None
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
-        return {}
+        return {}, None
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments)
         except ValueError as exc:
-            raise SplitError(f"tool-call arguments are not valid JSON: {exc}", param) from None
+            closed = close_json(arguments)
+            if isinstance(closed, dict):
+                return closed, arguments
+            raise SplitError(f"tool-call arguments are not valid JSON, nor an object's JSON cut "
+                             f"short: {exc}", param) from None
+        except RecursionError:
+            raise SplitError("tool-call arguments nest too deep", param) from None
         if isinstance(value, dict):
-            return value
+            return value, None
     raise SplitError("tool-call arguments must be a JSON object", param)
+
+
+def arguments_text(function: dict) -> str:
+    """A normalized call's arguments as text, for templates that take them as a string: the
+    client's own text when it was cut short, else the object's JSON."""
+    text = function.get(ARGUMENTS_TEXT)
+    return text if isinstance(text, str) else json.dumps(function["arguments"],
+                                                         ensure_ascii=False)
+
+
+def without_arguments_text(messages: list[dict]) -> list[dict]:
+    """`messages` with every call's `function` in the usual shape (`name`, `arguments`), for
+    templates that render calls themselves: they get the object a cut-short text describes."""
+    if not any(ARGUMENTS_TEXT in c["function"] for m in messages for c in m.get("tool_calls", ())):
+        return messages
+    return [dict(m, tool_calls=[dict(c, function={k: v for k, v in c["function"].items()
+                                                  if k != ARGUMENTS_TEXT})
+                                for c in m["tool_calls"]]) if m.get("tool_calls") else m
+            for m in messages]
 
 
 def _tool_calls(calls: Any, param: str) -> list[dict]:
@@ -129,10 +165,12 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise SplitError("a tool call needs function.name", f"{p}.function.name")
+        arguments, text = parse_arguments(fn.get("arguments"), f"{p}.function.arguments")
+        function = {"name": fn["name"], "arguments": arguments}
+        if text is not None:
+            function[ARGUMENTS_TEXT] = text
         out.append({"id": call.get("id") or f"call_{j}", "type": "function",
-                    "function": {"name": fn["name"],
-                                 "arguments": parse_arguments(fn.get("arguments"),
-                                                              f"{p}.function.arguments")}})
+                    "function": function})
     return out
 
 

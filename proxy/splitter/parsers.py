@@ -8,12 +8,17 @@ whole result. Invariants shared by every parser:
 - a call whose body is not valid JSON is returned as content, verbatim;
 - trailing whitespace is held back until more content follows; whitespace right before a
   tool call, and at the end of a response with tool calls, is dropped;
-- `tool_choice="none"` parses nothing: everything is content.
+- `tool_choice="none"` parses nothing: everything is content;
+- a call cut short by `max_tokens` (`flush(truncated=True)`) whose name was written whole is
+  returned as a call: *partial* (`ToolCall.partial`) with the arguments' JSON text written
+  so far (OpenAI's behaviour; `partial_json.close_json` reads what it says), or whole when
+  only its closing markup was cut. Without `truncated` it stays content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +52,34 @@ def call_from_object(obj: Any, args_keys: tuple[str, ...] = ("arguments", "param
     return None if args is None else (obj["name"], args)
 
 
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(?:,\s*"(\w+)"\s*:\s*)?')
+
+
+def cut_call(text: str, args_keys: tuple[str, ...] = ("arguments", "parameters")
+             ) -> tuple[str, str, bool] | None:
+    """A call object cut short (`{"name": "f", "arguments": {"city": "Par`) → (name,
+    arguments, partial): the arguments' JSON text so far, and whether it is unfinished (the
+    arguments may be whole and only the object's end missing). Only a name written whole
+    counts (a cut name is no function), and only name-first objects, the order every
+    family's grammar writes. None if `text` is not such a start."""
+    m = _NAME_FIRST.match(text)
+    if m is None or (m.group(2) is not None and m.group(2) not in args_keys):
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except ValueError:  # a bad escape: no name
+        return None
+    if not isinstance(name, str) or not name:
+        return None
+    raw = text[m.end():] if m.group(2) is not None else ""
+    try:  # written whole (more keys may follow it)
+        value, _ = json.JSONDecoder().raw_decode(raw)
+    except (ValueError, RecursionError):
+        return name, raw, True
+    args = arguments_json(value)
+    return None if args is None else (name, args, False)
+
+
 class OutputParser:
     """Base parser: all text is content. Subclasses override `_scan`."""
 
@@ -59,6 +92,7 @@ class OutputParser:
         self._pending_ws = ""
         self._calls: list[ToolCall] = []
         self._finished = False
+        self._truncated = False  # the output was cut short (max_tokens): see `flush`
 
     # -- helpers for subclasses --------------------------------------------------------
 
@@ -73,12 +107,53 @@ class OutputParser:
         self._content.append(text)
         out.append(OutputDelta(content=text))
 
-    def _emit_call(self, name: str, arguments: str, out: list[OutputDelta]) -> None:
+    def _emit_call(self, name: str, arguments: str, out: list[OutputDelta], *,
+                   partial: bool = False) -> None:
         self._pending_ws = ""  # whitespace just before a call is formatting, not content
-        call = ToolCall(self._id_factory(), name, arguments)
+        call = ToolCall(self._id_factory(), name, arguments, partial=partial)
         out.append(OutputDelta(tool_call=ToolCallDelta(len(self._calls), call.id, name,
-                                                       arguments)))
+                                                       arguments, partial=partial)))
         self._calls.append(call)
+
+    def _emit_cut_call(self, text: str, out: list[OutputDelta],
+                       args_keys: tuple[str, ...] = ("arguments", "parameters")) -> bool:
+        """At the end of an output cut short (`flush(truncated=True)`): `text`, one
+        unfinished call object, as a call (`cut_call`). False (nothing emitted) if it is not
+        one or the output was not cut short."""
+        call = cut_call(text, args_keys) if self._truncated else None
+        if call is None:
+            return False
+        name, args, partial = call
+        self._emit_call(name, args, out, partial=partial)
+        return True
+
+    def _emit_cut_calls(self, text: str, out: list[OutputDelta], *, separators: str,
+                        args_keys: tuple[str, ...] = ("arguments", "parameters")) -> bool:
+        """At the end of an output cut short: `text`, a run of call objects (apart by
+        `separators`, a list's brackets included) whose last one may be unfinished, as
+        calls. False (nothing emitted) if it is not that or the output was not cut short."""
+        if not self._truncated:
+            return False
+        decoder, pos, calls = json.JSONDecoder(), 0, []
+        while True:
+            while pos < len(text) and text[pos] in separators:
+                pos += 1
+            try:
+                obj, pos = decoder.raw_decode(text, pos)
+            except (ValueError, RecursionError):
+                break
+            call = call_from_object(obj, args_keys)
+            if call is None:
+                return False
+            calls.append((*call, False))
+        if text[pos:].strip(separators + "]"):
+            last = cut_call(text[pos:], args_keys)
+            if last is None:
+                return False
+            calls.append(last)
+        for name, args, partial in calls:
+            self._emit_call(name, args, out, partial=partial)
+        return bool(calls)
 
     def _scan(self, out: list[OutputDelta], final: bool) -> None:
         """Consume `self._buffer` as far as is safe; at `final`, consume all of it."""
@@ -98,10 +173,13 @@ class OutputParser:
             OutputParser._scan(self, out, final=False)
         return out
 
-    def flush(self) -> list[OutputDelta]:
-        """End of stream: the deltas still held back (call once, then `finish`)."""
+    def flush(self, *, truncated: bool = False) -> list[OutputDelta]:
+        """End of stream: the deltas still held back (call once, then `finish`).
+        `truncated`: the output was cut short (max_tokens), so an unfinished call is
+        returned as a partial call rather than as content."""
         if self._finished:
             return []
+        self._truncated = truncated
         out: list[OutputDelta] = []
         if self.parse_tools:
             self._scan(out, final=True)
@@ -157,6 +235,17 @@ class TagParser(OutputParser):
             idx = self._buffer.find(self.close_tag, idx + 1)
         return idx
 
+    def _emit_cut_call(self, text: str, out: list[OutputDelta],
+                       args_keys: tuple[str, ...] = ("arguments", "parameters")) -> bool:
+        if not self._truncated:
+            return False
+        body = text[: len(text) - _partial_suffix(text, self.close_tag)]
+        call = self._parse_body(body)  # whole but for (part of) its close tag
+        if call is not None:
+            self._emit_call(*call, out)
+            return True
+        return super()._emit_cut_call(body, out, args_keys)
+
     def _close(self, body: str, out: list[OutputDelta], closed: bool) -> None:
         call = self._parse_body(body)
         if call is not None:
@@ -182,7 +271,8 @@ class TagParser(OutputParser):
                     return
                 idx = self._buffer.find(self.close_tag)  # no valid call: the first tag ends it
                 if idx < 0:
-                    self._close(self._buffer, out, closed=False)
+                    if not self._emit_cut_call(self._buffer, out):
+                        self._close(self._buffer, out, closed=False)
                     self._buffer, self._in_call = "", False
                     return
             body, self._buffer = self._buffer[:idx], self._buffer[idx + len(self.close_tag):]

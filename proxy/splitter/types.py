@@ -83,7 +83,8 @@ class SplitError(ValueError):
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON text of an object
+    arguments: str  # JSON text of an object; of its start only when `partial`
+    partial: bool = False  # cut short by max_tokens: `arguments` is what was written
 
     def to_openai(self) -> dict:
         return {"id": self.id, "type": "function",
@@ -95,13 +96,15 @@ class ToolCallDelta:
     """One streamed piece of a tool call (OpenAI `delta.tool_calls[i]`).
 
     The first delta of a call carries `id` and `name`; our parsers emit each call whole once
-    its closing marker is seen, so `arguments_delta` is then the complete JSON text.
+    its closing marker is seen, so `arguments_delta` is then the complete JSON text (or, for
+    a call cut short by max_tokens, `partial`, the text written before the cut).
     """
 
     index: int
     id: str | None
     name: str | None
     arguments_delta: str
+    partial: bool = False
 
 
 @dataclass(frozen=True)

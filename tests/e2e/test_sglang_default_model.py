@@ -64,8 +64,9 @@ def test_forced_tool_calls_through_sglangs_grammar(stack):
             model="default", messages=msgs, tools=tools, tool_choice=choice, temperature=0,
             max_tokens=80, parallel_tool_calls=False).choices[0]
         assert c.message.content is None, (i, c)
-        if c.finish_reason == "length":
-            assert "cut off by max_tokens" in c.model_extra["tool_call_error"]
+        if c.finish_reason == "length":  # the partial call, or why there is none
+            assert c.message.tool_calls or \
+                "cut off by max_tokens" in c.model_extra["tool_call_error"]
             continue
         assert c.finish_reason == "tool_calls", (i, c)
         validate_calls(c.message, tools)

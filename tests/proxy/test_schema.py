@@ -56,8 +56,16 @@ def test_argument_strings_are_held_to_the_same_limits():
     check_arguments(json.dumps(nested(14)), "p", limits)  # levels 7..20
     with pytest.raises(ApiError, match="deeper"):
         check_arguments(json.dumps(nested(15)), "p", limits)
-    with pytest.raises(ApiError, match="not valid JSON"):
+    # JSON cut short (a call max_tokens cut, sent back) is held to the limits of what it says
+    check_arguments(json.dumps(nested(14))[:-4], "p", limits)
+    with pytest.raises(ApiError, match="deeper"):
+        check_arguments(json.dumps(nested(15))[:-4], "p", limits)
+    with pytest.raises(ApiError, match="deeper"):
         check_arguments("[" * 100, "p", limits)
+    with pytest.raises(ApiError, match="not valid JSON, nor JSON cut short"):
+        check_arguments('{"a": 1} ' + "x" * 200, "p", limits)
+    with pytest.raises(ApiError, match="not valid JSON"):
+        check_arguments("[" * 100_000, "p")  # past the json module's recursion: refused
     check_arguments("{oops", "p", limits)  # short: left to the splitter's message
     check_arguments("   ", "p", limits)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from anchorcache.proxy.splitter.mistral import TOOL_CALLS
+from anchorcache.proxy.splitter.partial_json import close_json
+from anchorcache.proxy.splitter.types import SplitError
 from tests.proxy.splitter.split_strategies import arguments, names
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
@@ -129,3 +132,157 @@ def test_stop_tokens(adapters, tokenizers_by_name):
     assert tokenizers_by_name["llama3"].token_to_id("<|eot_id|>") in \
         adapters["llama3"].stop_token_ids
     assert adapters["mistral"].stop_token_ids
+
+
+def is_prefix(part: Any, whole: Any) -> bool:
+    """Whether `part`, the value a JSON text cut short describes, is where `whole` starts."""
+    if isinstance(part, dict) and isinstance(whole, dict):
+        keys = list(part)
+        return keys == list(whole)[:len(keys)] and all(
+            is_prefix(part[k], whole[k]) if k == keys[-1] else part[k] == whole[k] for k in keys)
+    if isinstance(part, list) and isinstance(whole, list):
+        return not part or (len(part) <= len(whole) and part[:-1] == whole[:len(part) - 1]
+                            and is_prefix(part[-1], whole[len(part) - 1]))
+    if isinstance(part, str) and isinstance(whole, str):  # a cut may split a surrogate pair
+        return whole.encode("utf-16-le", "surrogatepass").startswith(
+            part.encode("utf-16-le", "surrogatepass"))
+    if isinstance(part, bool) or isinstance(whole, bool):
+        return part == whole
+    return part == whole or (isinstance(part, int | float) and isinstance(whole, int | float)
+                             and json.dumps(whole).startswith(json.dumps(part)))
+
+
+def _cut_parse(adapter, text: str, *, truncated: bool = True):
+    parser = adapter.output_parser(TOOLS)
+    deltas = parser.feed(text) + parser.flush(truncated=truncated)
+    return deltas, parser.finish()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "chatml", "llama3", "mistral", "harmony"])
+@SETTINGS
+@given(calls=calls_strategy, data=st.data())
+def test_a_call_cut_short_comes_back_as_far_as_it_was_written(adapters, name, calls, data):
+    adapter = adapters[name]
+    assume(name != "harmony" or "<|" not in json.dumps(calls, ensure_ascii=False))
+    text = _assistant_text(adapter, calls)
+    cut = data.draw(st.integers(0, len(text)), label="cut")
+    deltas, parsed = _cut_parse(adapter, text[:cut])
+    got = parsed.tool_calls
+    assert [c.name for c in got] == [n for n, _ in calls][:len(got)]
+    assert not any(c.partial for c in got[:-1])
+    for call, (_, args) in zip(got, calls, strict=False):
+        if not call.partial:
+            assert json.loads(call.arguments) == args
+            continue
+        # the arguments' text as written before the cut, and what it says so far
+        assert text[:cut].rstrip().endswith(call.arguments.rstrip())
+        value = close_json(call.arguments) if call.arguments.strip() else {}
+        assert isinstance(value, dict) and is_prefix(value, args), (call.arguments, args)
+    streamed = [d.tool_call for d in deltas if d.tool_call]
+    assert [(d.name, d.arguments_delta, d.partial) for d in streamed] == \
+        [(c.name, c.arguments, c.partial) for c in got]
+    if cut < len(text):  # an output that was not cut short keeps today's reading
+        _, whole = _cut_parse(adapter, text[:cut], truncated=False)
+        assert not any(c.partial for c in whole.tool_calls)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "chatml", "llama3", "mistral", "harmony"])
+def test_every_cut_after_the_name_keeps_the_call(adapters, name):
+    args = {"city": "Paris", "days": 3, "tags": ["old", "new"]}
+    adapter = adapters[name]
+    text = _assistant_text(adapter, [("get_weather", args)])
+    start = text.index("<|message|>") + len("<|message|>") if name == "harmony" \
+        else text.index('"get_weather"') + len('"get_weather"')
+    for cut in range(start, len(text) + 1):
+        _, parsed = _cut_parse(adapter, text[:cut])
+        [call] = parsed.tool_calls
+        assert call.name == "get_weather"
+        assert parsed.content is None, (cut, parsed.content)
+        value = json.loads(call.arguments) if not call.partial else \
+            close_json(call.arguments) if call.arguments.strip() else {}
+        assert is_prefix(value, args), (cut, call)
+    # cut within its name, the call is not one: content (the pipeline cuts it at its marker)
+    _, parsed = _cut_parse(adapter, text[:start - 3])
+    assert parsed.tool_calls == ()
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ('{"city": "Par', {"city": "Par"}), ('{"a": 1, "b', {"a": 1}), ('{"a": 1,', {"a": 1}),
+    ('{"a": ', {}), ('{"a": tr', {}), ('[1, 2', [1, 2]), ('{"a": {"b": [1, {"c": "d', {
+        "a": {"b": [1, {"c": "d"}]}}), ('{"a": "x\\', {"a": "x"}), ('{"a": "x\\u00', {"a": "x"}),
+    ('{"a": "x\\\\', {"a": "x\\"}), ('{"a": "\\u00e9t', {"a": "\u00e9t"}), ('{"k": "}"', {"k": "}"}),
+    ('{"a": 1}', {"a": 1}), ("", None), ("nul", None), ('{"a": 1} x', None), ('{"a": 1}}', None)])
+def test_close_json(text, value):
+    assert close_json(text) == value
+
+
+def _history(call) -> list[dict]:
+    """The next turn's request after `call`: what an agent SDK sends back (the call as the
+    proxy returned it, the tool's answer)."""
+    return [{"role": "user", "content": "do it"},
+            {"role": "assistant", "content": None, "tool_calls": [call.to_openai()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "error: arguments cut off"}]
+
+
+def _render(adapter, msgs) -> str:
+    if adapter.name in ("mistral", "harmony"):  # rendered by their own libraries, as ids
+        return adapter.tokenizer.decode(list(adapter.split(msgs, TOOLS).input_ids))
+    return adapter.render_text(msgs, TOOLS)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "chatml", "llama3", "mistral", "harmony"])
+def test_a_partial_call_sent_back_renders(adapters, name):
+    """A call cut anywhere after its name, sent back in the history, is accepted. Templates
+    that take arguments as a string (Qwen3's, the Hermes lowering, harmony's message text)
+    render the text as written, so the prompt holds what the model wrote (the response
+    anchor's tokens); the others (Llama 3's and Mistral's `tojson`) the object it says."""
+    args = {"city": "Paris", "days": 3, "tags": ["old", "new"]}
+    adapter = adapters[name]
+    text = _assistant_text(adapter, [("get_weather", args)])
+    start = text.index("<|message|>") + len("<|message|>") if name == "harmony" \
+        else text.index('"get_weather"') + len('"get_weather"')
+    raw = name in ("qwen3", "chatml", "harmony")
+    seen_partial = 0
+    for cut in range(start, len(text) + 1):
+        _, parsed = _cut_parse(adapter, text[:cut])
+        [call] = parsed.tool_calls
+        if not call.partial or not call.arguments.strip():
+            continue
+        seen_partial += 1
+        adapter.split(_history(call), TOOLS)  # no SplitError
+        render = _render(adapter, _history(call))
+        if raw:
+            assert text[:cut].rstrip() in render, (cut, call.arguments)
+        else:
+            assert json.dumps(close_json(call.arguments), ensure_ascii=False) in render
+    assert seen_partial > 10
+
+
+def test_qwen3_renders_a_partial_call_as_its_own_template_renders_a_string(adapters,
+                                                                           tokenizers_by_name):
+    partial = '{"city": "Par'
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": partial}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "cut off"}]
+    own = tokenizers_by_name["qwen3"].render(msgs, TOOLS, add_generation_prompt=True)
+    assert adapters["qwen3"].render_text(msgs, TOOLS) == own
+    assert '"arguments": {"city": "Par}\n</tool_call>' in own
+    # a template that renders calls itself with `tojson` gets the object the text says
+    generic = adapters["generic-qwen3"]
+    ids = generic.split(msgs, TOOLS).input_ids
+    assert '"arguments": {"city": "Par"}}' in generic.tokenizer.decode(list(ids))
+
+
+@pytest.mark.parametrize("arguments", ["hello", "[1, 2", "5", '"{}"', '{"a": 1} x', "{]"])
+def test_arguments_that_are_not_an_objects_json_nor_its_start_are_refused(adapters,
+                                                                          arguments):
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+    with pytest.raises(SplitError) as e:
+        adapters["qwen3"].split(msgs, TOOLS)
+    assert e.value.param == "messages[1].tool_calls[0].function.arguments"

@@ -106,10 +106,13 @@ def test_string_and_object_arguments_render_the_same(adapters):
 
 
 @pytest.mark.parametrize("bad, param", [
-    ('{"folder": ', "messages[1].tool_calls[0].function.arguments"),
+    ('{"folder": 1} x', "messages[1].tool_calls[0].function.arguments"),
+    ("hello", "messages[1].tool_calls[0].function.arguments"),
     ("[1, 2]", "messages[1].tool_calls[0].function.arguments"),
 ])
 def test_invalid_arguments_are_a_split_error(adapters, bad, param):
+    """Not an object's JSON, nor its start (JSON cut short, a call max_tokens cut, renders:
+    test_split_parsers.test_a_partial_call_sent_back_renders)."""
     msgs = [{"role": "user", "content": "go"},
             {"role": "assistant", "content": "", "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "cd", "arguments": bad}}]},

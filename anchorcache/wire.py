@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -696,6 +696,21 @@ STATS_COUNTERS = ("num_slots", "used_slots", "reserved_slots", "free_slots", "by
 
 
 @dataclass(frozen=True)
+class CallTime:
+    """The scheduler's own time in one kind of anchor work (SGLang: an RPC op, or
+    `snapshot` for the copies a checkpoint makes): what it costs every running request."""
+
+    op: str
+    calls: int
+    total_ms: float
+    max_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "calls": self.calls, "total_ms": round(self.total_ms, 3),
+                "max_ms": round(self.max_ms, 3)}
+
+
+@dataclass(frozen=True)
 class StatsReply:
     """`/anchor/stats`: the slot table's counters (`STATS_COUNTERS`, ext/slots.py's
     SlotStats), the staged anchors, and what is locked on the device (SGLang; 0 on a worker
@@ -707,26 +722,34 @@ class StatsReply:
     device_locked_tokens: int = 0
     device_pinned_tokens: int = 0
     device_pin_budget_tokens: int = 0
+    scheduler_calls: tuple[CallTime, ...] = ()  # a worker with a scheduler loop (SGLang)
 
     @classmethod
     def of(cls, counters: dict[str, int], staged: int, epoch: str, **device: int) -> StatsReply:
         return cls(tuple((name, int(counters[name])) for name in STATS_COUNTERS), staged, epoch,
-                   **device)
+                   **{k: int(v) for k, v in device.items()})  # type: ignore[arg-type]
 
     def to_json(self) -> dict[str, Any]:
         return {**dict(self.counters), "staged": self.staged,
                 "device_locked_tokens": self.device_locked_tokens,
                 "device_pinned_tokens": self.device_pinned_tokens,
-                "device_pin_budget_tokens": self.device_pin_budget_tokens, "epoch": self.epoch}
+                "device_pin_budget_tokens": self.device_pin_budget_tokens,
+                "scheduler_calls": [c.to_json() for c in self.scheduler_calls],
+                "epoch": self.epoch}
 
 
 def parse_stats(obj: Any) -> StatsReply:
     d = _obj(obj, "stats reply")
-    return StatsReply.of({name: _int(d, name, lo=0) for name in STATS_COUNTERS},
-                         _int(d, "staged", lo=0), _epoch(d),
-                         **{name: _int(d, name, 0, lo=0) for name in (
-                             "device_locked_tokens", "device_pinned_tokens",
-                             "device_pin_budget_tokens")})
+    calls = tuple(CallTime(str(c.get("op")), _int(c, "calls", lo=0),
+                           float(c.get("total_ms", 0.0)), float(c.get("max_ms", 0.0)))
+                  for c in (_obj(c, "scheduler_calls[]")
+                            for c in _list(d.get("scheduler_calls", []), "scheduler_calls")))
+    reply = StatsReply.of({name: _int(d, name, lo=0) for name in STATS_COUNTERS},
+                          _int(d, "staged", lo=0), _epoch(d),
+                          **{name: _int(d, name, 0, lo=0) for name in (
+                              "device_locked_tokens", "device_pinned_tokens",
+                              "device_pin_budget_tokens")})
+    return replace(reply, scheduler_calls=calls)
 
 
 PIN_DEVICE = ("none", "locked", "over_budget", "no_device_space", "no_tokens", "unsupported")

@@ -34,7 +34,7 @@ import logging
 import secrets
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from anchorcache.wire import (
     AnchorKind,
     AnchorPlan,
     AnchorWritten,
+    CallTime,
     ConfirmReply,
     FlushReply,
     KeyOpReply,
@@ -130,11 +131,13 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         self._fault: str | None = None  # one armed fault (`--fault-injection` only)
         self._zmq: zmq.Context[Any] = zmq.Context.instance()
         self._reply: dict[str, zmq.Socket[Any]] = {}
+        self._call_ms: dict[str, tuple[int, float, float]] = {}  # op: (calls, total, max)
 
     # ---- RPC entry (scheduler loop) ---------------------------------------------------
     def __call__(self, op: str, payload: str, reply_to: str, call_id: int,
                  now: float | None = None) -> None:
         self._call_now = now  # every TP rank runs this call with the same `now`
+        t = time.perf_counter()
         try:
             if self._repin:
                 self._pin_again()
@@ -147,6 +150,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             result = {"ok": False, "status": 500, "message": f"{type(e).__name__}: {e}"}
         result["epoch"] = self.epoch
         result["call_id"] = call_id
+        self._timed(op, t)
         if not tp.is_reply_rank(self._tp_rank):
             return  # one reply per call: rank 0's (the ranks decided alike)
         sock = self._reply.get(reply_to)
@@ -154,6 +158,13 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             sock = self._reply[reply_to] = self._zmq.socket(zmq.PUSH)
             sock.connect(reply_to)
         sock.send(orjson.dumps(result))
+
+    def _timed(self, op: str, since: float) -> None:
+        """Count the scheduler's time in anchor work of kind `op` (`/anchor/stats`
+        `scheduler_calls`): every running request waits that long."""
+        ms = 1e3 * (time.perf_counter() - since)
+        calls, total, peak = self._call_ms.get(op, (0, 0.0, 0.0))
+        self._call_ms[op] = (calls + 1, total + ms, max(peak, ms))
 
     def _call_time(self) -> float:
         """The current call's time (the caller's clock), else this process's."""
@@ -212,9 +223,11 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         return self.anchors.slots(self.epoch).to_json()
 
     def _op_stats(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.anchors.stats(self.epoch, device_locked_tokens=self._locked_tokens,
-                                  device_pinned_tokens=self._pinned_tokens,
-                                  device_pin_budget_tokens=self._pin_budget).to_json()
+        reply = self.anchors.stats(self.epoch, device_locked_tokens=self._locked_tokens,
+                                   device_pinned_tokens=self._pinned_tokens,
+                                   device_pin_budget_tokens=self._pin_budget)
+        calls = tuple(CallTime(op, *c) for op, c in sorted(self._call_ms.items()))
+        return replace(reply, scheduler_calls=calls).to_json()
 
     def _op_pin(self, body: dict[str, Any]) -> dict[str, Any]:
         """Pin in the host tier (never evicted from the slot table) and lock the anchor's
@@ -426,6 +439,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
                 log.exception("snapshot of request %s failed", req.rid)
                 p.todo = []
             p.snapshot_s += time.perf_counter() - t
+            self._timed("snapshot", t)
         super().checkpoint(req, up_to=up_to, **kwargs)
 
     def _snapshot(self, req: Any, p: _Pending, up_to: int) -> None:

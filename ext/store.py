@@ -28,16 +28,14 @@ it just wrote, though the proxy planned both before either ran.
 Tips: per request, the deepest anchor restored, held or written so far; a new snapshot
 stores only the rows past it and names it as parent.
 
-Thread model: `restore`, `write` and `release_request` run on the worker's owning loop
-(embedded: the engine thread; SGLang: the scheduler); confirm/abort/pin/list may come
-from another thread (embedded: the HTTP handlers). One lock guards the slab maps; the
-slot table is itself thread-safe.
+Thread model: one owner. Every call runs on the worker's own loop (embedded: the engine
+thread, to which the contract's calls are queued; SGLang: the scheduler, through the
+scheduler RPC), so the store takes no lock: nothing else may call it.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from array import array
 from collections.abc import Callable
@@ -134,7 +132,6 @@ class AnchorStore:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.state_bytes = state_bytes
         self.fault: Callable[[str], None] = lambda where: None
-        self._lock = threading.RLock()
         self._live: dict[int, Slab] = {}
         self._slot_of: dict[bytes, int] = {}
         self._staged: dict[int, tuple[Slab, str]] = {}  # slot → (slab, rid)
@@ -151,49 +148,48 @@ class AnchorStore:
         keys = _link_keys(plan, self.model_id, ids)
         chain: list[Slab] = []
         misses: list[dict[str, Any]] = []
-        with self._lock:
-            prev = _Tip()
-            for ref in plan.restore:
-                reason = None
-                slot = None
-                if ref.depth >= len(ids):
-                    reason = "covers_prompt"  # at least the last token must be prefilled
-                elif keys[ref] != ref.key:
-                    reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
-                elif (slot := self.table.lookup(ref.key, ref.depth)) is None:
-                    reason = "not_resident"
-                else:
-                    slab = self._live.get(slot)
-                    if slab is None or slab.key != ref.key or slab.depth != ref.depth \
-                            or slab.start != prev.depth or slab.parent != prev.key:
-                        reason = "chain_mismatch"
-                if reason is not None:
-                    misses.append({"key": ref.key.hex(), "depth": ref.depth, "reason": reason})
-                    break
-                assert slot is not None
-                chain.append(self._live[slot])
-                prev = _Tip(ref.key, ref.depth)
-            # Late lookup (ext/held_chain.py): a cut this request would snapshot may have
-            # been written since the proxy planned it, by the request ahead of it in the
-            # queue; restore it instead of prefilling it again.
-            late = deepest_held_chain(plan.namespace, self.model_id, ids,
-                                      [s.depth for s in plan.snapshot], self._held_locked)
-            held: list[AnchorHeld] = []
-            if late and late[-1].depth > prev.depth:
-                planned = {r.key for r in plan.restore}
-                for slab in late:
-                    if slab.key in self._slot_of:  # committed: LRU touch and a hit
-                        self.table.lookup(slab.key, slab.depth)
-                        if slab.key not in planned:  # the proxy may not know it: report it
-                            held.append(AnchorHeld(self._slot_of[slab.key], slab.key, slab.depth,
-                                                   slab.parent, slab.nbytes, slab.kind))
-                chain, prev = late, _Tip(late[-1].key, late[-1].depth)
+        prev = _Tip()
+        for ref in plan.restore:
+            reason = None
+            slot = None
+            if ref.depth >= len(ids):
+                reason = "covers_prompt"  # at least the last token must be prefilled
+            elif keys[ref] != ref.key:
+                reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
+            elif (slot := self.table.lookup(ref.key, ref.depth)) is None:
+                reason = "not_resident"
+            else:
+                slab = self._live.get(slot)
+                if slab is None or slab.key != ref.key or slab.depth != ref.depth \
+                        or slab.start != prev.depth or slab.parent != prev.key:
+                    reason = "chain_mismatch"
+            if reason is not None:
+                misses.append({"key": ref.key.hex(), "depth": ref.depth, "reason": reason})
+                break
+            assert slot is not None
+            chain.append(self._live[slot])
+            prev = _Tip(ref.key, ref.depth)
+        # Late lookup (ext/held_chain.py): a cut this request would snapshot may have
+        # been written since the proxy planned it, by the request ahead of it in the
+        # queue; restore it instead of prefilling it again.
+        late = deepest_held_chain(plan.namespace, self.model_id, ids,
+                                  [s.depth for s in plan.snapshot], self._held)
+        held: list[AnchorHeld] = []
+        if late and late[-1].depth > prev.depth:
+            planned = {r.key for r in plan.restore}
+            for slab in late:
+                if slab.key in self._slot_of:  # committed: LRU touch and a hit
+                    self.table.lookup(slab.key, slab.depth)
+                    if slab.key not in planned:  # the proxy may not know it: report it
+                        held.append(AnchorHeld(self._slot_of[slab.key], slab.key, slab.depth,
+                                               slab.parent, slab.nbytes, slab.kind))
+            chain, prev = late, _Tip(late[-1].key, late[-1].depth)
         restored = tuple({"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
                          for s in chain)
         return RestoreCheck(tuple(chain), restored, tuple(misses),
                             late_lookup=bool(late) and chain is late, held=tuple(held))
 
-    def _held_locked(self, key: bytes, depth: int) -> Slab | None:
+    def _held(self, key: bytes, depth: int) -> Slab | None:
         """The slab of `key` at `depth` if it may be restored: committed (slot-checked), or
         staged by a request that finished well and awaits the proxy's confirm. Such a slab is
         complete and was keyed by this worker over the prompt it prefilled; confirmation
@@ -239,13 +235,12 @@ class AnchorStore:
         capture failed (the request goes on; the slot's old anchor stays). `check` runs
         before anything is reserved and may raise (a caller bug, not a failed snapshot)."""
         tip = self._tips.setdefault(rid, _Tip())
-        with self._lock:
-            held_slot = self._slot_of.get(key)
-            live = self._live.get(held_slot) if held_slot is not None else None
-            if held_slot is not None and live is not None and live.key == key \
-                    and self.table.contains(key, depth):
-                self._tips[rid] = _Tip(key, depth)  # saved by an earlier request: chain on
-                return AnchorHeld(held_slot, key, depth, live.parent, live.nbytes, live.kind)
+        held_slot = self._slot_of.get(key)
+        live = self._live.get(held_slot) if held_slot is not None else None
+        if held_slot is not None and live is not None and live.key == key \
+                and self.table.contains(key, depth):
+            self._tips[rid] = _Tip(key, depth)  # saved by an earlier request: chain on
+            return AnchorHeld(held_slot, key, depth, live.parent, live.nbytes, live.kind)
         if check is not None:
             check()
         start = tip.depth
@@ -264,82 +259,76 @@ class AnchorStore:
             return None
         tokens = array("q", ids[start:depth]) if ids is not None else None
         slab = Slab(key, depth, start, tip.key, kind, kv, state, nbytes, tokens)
-        with self._lock:
-            self._staged[res.slot] = (slab, rid)
+        self._staged[res.slot] = (slab, rid)
         self._tips[rid] = _Tip(key, depth)
         return AnchorWritten(res.slot, key, depth, tip.key, nbytes, kind)
 
     def release_request(self, rid: str, *, ok: bool) -> None:
         """The request ended: on failure drop its staged anchors now, else start their TTL."""
         self._tips.pop(rid, None)
-        with self._lock:
-            self._sweep_locked()
-            mine = [slot for slot, (_, r) in self._staged.items() if r == rid]
-            if not ok:
-                self._abort_locked(mine)
-            else:
-                deadline = self.clock() + STAGED_TTL_S
-                for slot in mine:
-                    self._staged_deadline[slot] = deadline
+        self._sweep()
+        mine = [slot for slot, (_, r) in self._staged.items() if r == rid]
+        if not ok:
+            self._abort_slots(mine)
+        else:
+            deadline = self.clock() + STAGED_TTL_S
+            for slot in mine:
+                self._staged_deadline[slot] = deadline
 
     # ---- any thread ---------------------------------------------------------------------
     def confirm(self, slots: list[int]) -> tuple[list[int], list[bytes]]:
         """Make staged anchors visible; returns (confirmed slots, keys evicted)."""
         confirmed, evicted = [], []
-        with self._lock:
-            self._sweep_locked()
-            for slot in slots:
-                entry = self._staged.pop(slot, None)
-                self._staged_deadline.pop(slot, None)
-                if entry is None:
-                    continue
-                slab = entry[0]
-                gone = self.table.confirm(slot)
-                for key in gone:
-                    old = self._slot_of.pop(key, None)
-                    if old is not None and old != slot:
-                        self._live.pop(old, None)
-                prev = self._live.get(slot)
-                if prev is not None:
-                    self._slot_of.pop(prev.key, None)
-                self._live[slot] = slab
-                self._slot_of[slab.key] = slot
-                confirmed.append(slot)
-                evicted.extend(gone)
+        self._sweep()
+        for slot in slots:
+            entry = self._staged.pop(slot, None)
+            self._staged_deadline.pop(slot, None)
+            if entry is None:
+                continue
+            slab = entry[0]
+            gone = self.table.confirm(slot)
+            for key in gone:
+                old = self._slot_of.pop(key, None)
+                if old is not None and old != slot:
+                    self._live.pop(old, None)
+            prev = self._live.get(slot)
+            if prev is not None:
+                self._slot_of.pop(prev.key, None)
+            self._live[slot] = slab
+            self._slot_of[slab.key] = slot
+            confirmed.append(slot)
+            evicted.extend(gone)
         return confirmed, evicted
 
     def abort(self, slots: list[int]) -> list[int]:
-        with self._lock:
-            return self._abort_locked([s for s in slots if s in self._staged])
+        return self._abort_slots([s for s in slots if s in self._staged])
 
     def abort_request(self, rid: str) -> list[int]:
-        with self._lock:
-            return self._abort_locked([slot for slot, (_, r) in self._staged.items() if r == rid])
+        return self._abort_slots([slot for slot, (_, r) in self._staged.items() if r == rid])
 
-    def _abort_locked(self, slots: list[int]) -> list[int]:
+    def _abort_slots(self, slots: list[int]) -> list[int]:
         for slot in slots:
             self._staged.pop(slot, None)
             self._staged_deadline.pop(slot, None)
             self.table.abort(slot)
         return slots
 
-    def _sweep_locked(self) -> None:
+    def _sweep(self) -> None:
         now = self.clock()
-        self._abort_locked([s for s, t in self._staged_deadline.items() if t < now])
+        self._abort_slots([s for s, t in self._staged_deadline.items() if t < now])
 
     def prefix_of(self, key: bytes) -> tuple[tuple[Slab, ...], tuple[int, ...]] | None:
         """The committed chain root→`key` and the tokens it covers, or None when a link
         is gone or a slab has no tokens."""
-        with self._lock:
-            chain: list[Slab] = []
-            cur: bytes | None = key
-            while cur is not None:
-                slot = self._slot_of.get(cur)
-                slab = self._live.get(slot) if slot is not None else None
-                if slab is None or slab.tokens is None or len(chain) > len(self._live):
-                    return None
-                chain.append(slab)
-                cur = slab.parent
+        chain: list[Slab] = []
+        cur: bytes | None = key
+        while cur is not None:
+            slot = self._slot_of.get(cur)
+            slab = self._live.get(slot) if slot is not None else None
+            if slab is None or slab.tokens is None or len(chain) > len(self._live):
+                return None
+            chain.append(slab)
+            cur = slab.parent
         chain.reverse()
         tokens: list[int] = []
         for slab in chain:
@@ -359,26 +348,23 @@ class AnchorStore:
                                  for d in depths), epoch)
 
     def evict(self, key: bytes) -> bool:
-        with self._lock:
-            if not self.table.evict(key):
-                return False
-            slot = self._slot_of.pop(key, None)
-            if slot is not None:
-                self._live.pop(slot, None)
-            return True
+        if not self.table.evict(key):
+            return False
+        slot = self._slot_of.pop(key, None)
+        if slot is not None:
+            self._live.pop(slot, None)
+        return True
 
     def flush(self) -> int:
-        with self._lock:
-            self._abort_locked(list(self._staged))
-            self.table.clear()
-            n = len(self._live)
-            self._live.clear()
-            self._slot_of.clear()
-            return n
+        self._abort_slots(list(self._staged))
+        self.table.clear()
+        n = len(self._live)
+        self._live.clear()
+        self._slot_of.clear()
+        return n
 
     def staged_count(self) -> int:
-        with self._lock:
-            return len(self._staged)
+        return len(self._staged)
 
     def slots(self, epoch: str) -> SlotsReply:
         return SlotsReply(tuple(SlotEntry(*e) for e in self.table.entries()), epoch)

@@ -8,8 +8,8 @@ snapshot copies rows `[start, depth)` (and, on recurrent models, the state at `d
 Late lookup (a queued request restores what the request ahead of it just wrote) and the
 `held` report live in the store too (`ext/store.py`, `ext/held_chain.py`).
 
-Thread model: the engine thread snapshots and restores; HTTP handlers confirm, abort, pin
-and list.
+Thread model: the engine thread alone uses the store: it snapshots and restores, and runs
+the contract's confirm, abort, pin and list calls queued to it (`backend.py`).
 """
 
 from __future__ import annotations

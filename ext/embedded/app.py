@@ -12,7 +12,10 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from . import anchor_api, server
+from anchorcache.wire import ModelInfo
+
+from . import server
+from .backend import EmbeddedBackend
 from .engine import Engine
 from .model_store import resolve_model
 
@@ -61,7 +64,7 @@ def _vocab_size(model: Any) -> int:
     return int(embeddings.num_embeddings)
 
 
-def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
+def load_engine(config: WorkerConfig) -> tuple[Engine, ModelInfo]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import cache_io
@@ -74,7 +77,7 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
     model.eval()
     spec = cache_io.CacheSpec.from_model(model)
     max_ctx = config.max_context_tokens or int(getattr(model.config, "max_position_embeddings", 0) or 8192)
-    info = server.ModelInfo(
+    info = ModelInfo(
         model_id=path.name, model_path=str(path), tokenizer_path=str(path),
         architecture=model.config.architectures[0] if model.config.architectures else type(model).__name__,
         max_context_tokens=max_ctx, eos_token_ids=_eos_ids(model, tokenizer),
@@ -99,7 +102,7 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, server.ModelInfo]:
 
 
 def create_app(config: WorkerConfig, *, engine: Engine | None = None,
-               info: server.ModelInfo | None = None) -> web.Application:
+               info: ModelInfo | None = None) -> web.Application:
     """The worker app. Pass a loaded `engine`/`info` to share one model between apps (tests)."""
     app = web.Application(middlewares=[server.error_middleware], client_max_size=256 << 20)
     app[server.EPOCH] = secrets.token_hex(8)
@@ -108,15 +111,12 @@ def create_app(config: WorkerConfig, *, engine: Engine | None = None,
         nonlocal engine, info
         if engine is None or info is None:
             engine, info = load_engine(config)
-        app[server.ENGINE], app[server.INFO] = engine, info
+        app[server.BACKEND] = EmbeddedBackend(engine, info, app[server.EPOCH])
         engine.start()
         log.info("worker ready: %s (epoch %s)", info.model_id, app[server.EPOCH])
         yield
         engine.stop()
 
     app.cleanup_ctx.append(lifecycle)
-    server.add_routes(app)
-    anchor_api.add_routes(app)
-    if config.fault_injection:
-        app.router.add_post("/debug/fault", server.inject_fault)
+    server.add_routes(app, fault_injection=config.fault_injection)
     return app

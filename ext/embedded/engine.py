@@ -1,9 +1,11 @@
 """The embedded worker's engine: one thread owns the model and runs requests one at a time.
 
 Requests are queued to that thread (llama.cpp's slots API: snapshot state has one owner),
-so the model, its cache and the anchor slabs are never touched concurrently. Results flow
-back to the asyncio side through `loop.call_soon_threadsafe`. An abort sets a flag that the
-thread checks between prefill chunks and decode steps.
+and so is every other use of the anchor store (`call`: confirm, pin, list, ...), which the
+thread runs between requests or between a running request's prefill chunks and decode
+steps; so the model, its cache, the anchor slabs and the slot table have one owner and
+need no lock. Results flow back to the asyncio side through `loop.call_soon_threadsafe`.
+An abort sets a flag that the thread checks at those same points.
 
 A request for n > 1 samples prefills its prompt once; every sample then decodes from that
 state (the first n - 1 from a copy of the cache, the last from the cache itself), one
@@ -23,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -77,6 +79,38 @@ class Aborted(Exception):
     pass
 
 
+T = TypeVar("T")
+
+
+@dataclass
+class _Call:
+    """A function to run on the engine thread, and the asyncio future of its result."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except BaseException as e:
+            self.loop.call_soon_threadsafe(_settle, self.future, None, e)
+        else:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, None)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # its caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+_WAKE = object()  # queued after a call, so that an idle thread wakes to run it
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: tuple[int, ...],
                  recurrent: bool, anchors: Any | None = None,
@@ -90,9 +124,10 @@ class Engine:
         self.anchors = anchors  # AnchorStore or None (see anchors.py)
         if anchors is not None:
             anchors.fault = self._fault
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue: queue.Queue[Job | object | None] = queue.Queue()
+        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the job registry only: `jobs()` answers /health
         self._thread = threading.Thread(target=self._run, name="anchorcache-engine", daemon=True)
         self.fault_hook: Callable[[str], None] | None = None  # tests inject faults here
         self._spec = spec  # the model's cache layout (measured on the first copy if None)
@@ -120,14 +155,24 @@ class Engine:
         self._queue.put(job)
         return job
 
-    def abort(self, rid: str) -> bool:
-        """Cancel request `rid` (queued or running) and drop its unconfirmed anchors."""
+    def cancel(self, rid: str) -> bool:
+        """Cancel request `rid` (queued or running): it ends at its next check, and its
+        staged anchors are dropped. False when no such request is queued or running."""
         with self._lock:
             job = self._jobs.get(rid)
         if job is not None:
             job.cancelled.set()
-        dropped = self.anchors.abort_request(rid) if self.anchors is not None else []
-        return job is not None or bool(dropped)
+        return job is not None
+
+    def call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `fn()` on the engine thread, between requests or between a running request's
+        prefill chunks and decode steps; its result (or exception) in the future. A wedged
+        engine never runs it."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put(_Call(fn, loop, future))
+        self._queue.put(_WAKE)
+        return future
 
     def jobs(self) -> list[Job]:
         with self._lock:
@@ -137,6 +182,9 @@ class Engine:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while (job := self._queue.get()) is not None:
+            self._run_calls()
+            if not isinstance(job, Job):
+                continue
             ok = False
             try:
                 job.started = True
@@ -152,12 +200,22 @@ class Engine:
                     self.anchors.release_request(job.rid, ok=ok)
                 with self._lock:
                     self._jobs.pop(job.rid, None)
+        self._run_calls()
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            call.run()
 
     def _fault(self, where: str) -> None:
         if self.fault_hook is not None:
             self.fault_hook(where)
 
     def _check(self, job: Job, where: str) -> None:
+        self._run_calls()
         if job.cancelled.is_set():
             raise Aborted
         self._fault(where)

@@ -43,6 +43,8 @@ import torch
 import zmq
 
 from anchorcache.ext import ops
+from anchorcache.ext.contract import key_arg as _key
+from anchorcache.ext.contract import slots_arg as _slots
 from anchorcache.ext.slots import SlotTable
 from anchorcache.ext.store import AnchorStore, Slab
 from anchorcache.wire import (
@@ -501,24 +503,6 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             self._pins.clear()
             self._pinned_tokens = 0
         super().reset()
-
-
-def _slots(body: Any) -> list[int]:
-    slots = body.get("slots") if isinstance(body, dict) else None
-    if not isinstance(slots, list) or not all(isinstance(s, int) and not isinstance(s, bool)
-                                              for s in slots):
-        raise WireError("'slots' must be a list of integers")
-    return slots
-
-
-def _key(body: Any) -> bytes:
-    try:
-        key = bytes.fromhex(body["key"])
-    except (TypeError, KeyError, ValueError):
-        raise WireError("'key' must be a hex string") from None
-    if len(key) != 16:
-        raise WireError("'key' must be 16 bytes of hex")
-    return key
 
 
 def build(ctx: Any) -> AnchorRadixCache:

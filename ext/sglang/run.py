@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+from anchorcache.ext.contract import Event, Tokens
 from anchorcache.wire import (
     AnchorReport,
     GenerateMeta,
@@ -127,10 +128,10 @@ class Run:
         except HTTPException as e:
             raise SchedulerError(e.status_code, str(e.detail)) from None
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """Contract events: new ids (and logprobs) per sample, then each sample's meta."""
+    async def events(self) -> AsyncGenerator[Event, None]:
+        """Contract events: new ids (and logprobs) per sample, then each sample's meta.
+        `finish` follows, also when this fails or is closed early."""
         self.worker.samples[self.rid] = [s.rid for s in self.samples]
-        ok = False
         try:
             req = self.req
             if req.anchor is not None:
@@ -154,22 +155,18 @@ class Run:
                     event = self._add(sample, out)
                     if event is not None:
                         yield event
-                ok = True
-                await self._finish(True)
+                await self.finish(True)
                 yield self._meta(0)
             else:
                 await self._prefill()
-                await self._finish(True)
+                await self.finish(True)
                 async for event in self._merged():
                     yield event
-                ok = True
         except BaseException:  # an error, or the client went away (cancelled, closed)
             self._abort_samples()
             raise
         finally:
             self.worker.samples.pop(self.rid, None)
-            if not self.finished:
-                await asyncio.shield(self._finish(ok))
 
     async def _prefill(self) -> None:
         """The prompt once (no token sampled), under the request's own id."""
@@ -181,7 +178,7 @@ class Run:
             if meta.get("finish_reason") is not None:
                 self.cached_tokens = int(meta.get("cached_tokens") or 0)
 
-    async def _merged(self) -> AsyncIterator[dict[str, Any]]:
+    async def _merged(self) -> AsyncIterator[Event]:
         queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = \
             asyncio.Queue()
 
@@ -213,7 +210,7 @@ class Run:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _add(self, sample: Sample, out: dict[str, Any]) -> dict[str, Any] | None:
+    def _add(self, sample: Sample, out: dict[str, Any]) -> Tokens | None:
         """Fold one SGLang output into `sample`; the contract event for its new ids."""
         if sample.t_first is None:
             sample.t_first = time.perf_counter()
@@ -228,22 +225,22 @@ class Run:
             sample.finish_reason = finish_reason(meta, sample.output_ids)
         if not new:
             return None
-        event: dict[str, Any] = {"rid": self.rid, "output_ids": new}
-        if len(self.samples) > 1:
-            event["index"] = self.samples.index(sample)
-        if self.req.return_logprob:
-            rows = meta.get("output_token_logprobs") or []
-            tops = meta.get("output_top_logprobs") or []
-            start = 0 if incremental else sent
-            take = slice(start, start + len(new))
-            event["output_token_logprobs"] = [[lp, t, None] for lp, t, *_ in rows[take]]
-            if self.req.top_logprobs_num:
-                event["output_top_logprobs"] = [[[lp, t, None] for lp, t, *_ in top or []]
-                                                for top in tops[take]]
-        return event
+        index = self.samples.index(sample)
+        if not self.req.return_logprob:
+            return Tokens(tuple(new), index)
+        rows = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or []
+        start = 0 if incremental else sent
+        take = slice(start, start + len(new))
+        return Tokens(tuple(new), index, tuple((lp, t) for lp, t, *_ in rows[take]),
+                      tuple(tuple((lp, t) for lp, t, *_ in top or []) for top in tops[take])
+                      if self.req.top_logprobs_num else None)
 
-    async def _finish(self, ok: bool) -> None:
-        """Drop the restore lock; learn what the prefill saved."""
+    async def finish(self, ok: bool) -> None:
+        """Drop the restore lock; learn what the prefill saved. Once: a later call (the
+        contract's, after the events) does nothing."""
+        if self.finished:
+            return
         self.finished = True
         if self.prepared:
             fin = await self.worker.call("finish", {"rid": self.rid, "ok": ok})
@@ -258,7 +255,7 @@ class Run:
             if rid in tm.rid_to_state:
                 tm.abort_request(rid=rid)
 
-    def _meta(self, index: int) -> dict[str, Any]:
+    def _meta(self, index: int) -> GenerateMeta:
         sample = self.samples[index]
         n = len(self.req.input_ids)
         cached = self.cached_tokens
@@ -266,8 +263,7 @@ class Run:
             cached = int(sample.sglang_meta.get("cached_tokens") or 0)
         now = time.perf_counter()
         first = sample.t_first or now
-        many = len(self.samples) > 1
-        meta = GenerateMeta(
+        return GenerateMeta(
             epoch=self.worker.epoch or "", rid=self.rid, prompt_tokens=n,
             completion_tokens=len(sample.output_ids), cached_tokens=cached,
             prefill_tokens=n - cached, restore_ms=round(self.restore_ms, 3),
@@ -277,8 +273,4 @@ class Run:
             decode_ms=round((now - first) * 1e3, 3), snapshot_ms=self.snapshot_ms,
             finish_type=sample.finish_reason["type"],
             matched=sample.finish_reason.get("matched"), anchors=self.anchors,
-            index=index if many else None)
-        event: dict[str, Any] = {"rid": self.rid, "output_ids": [], "meta_info": meta.to_json()}
-        if many:
-            event["index"] = index
-        return event
+            index=index if len(self.samples) > 1 else None)

@@ -1,0 +1,382 @@
+"""The worker contract's HTTP layer (docs/worker-protocol.md), one for both workers.
+
+One route table (`ROUTES`, and `/generate`), one body parser (`read_body`), one error table
+(`error_reply`), over a `Backend`: the embedded worker's (`ext/embedded/backend.py`) queues
+every call onto its engine thread, SGLang's (`ext/sglang/http.py`) runs them on the
+scheduler's loop through the scheduler RPC. The two serve different HTTP frameworks
+(aiohttp; SGLang's own Starlette app), so this layer speaks bytes: `handle` answers a
+`Reply` (status, JSON body) and `generate` a `Reply` or a `Stream` of server-sent events;
+each worker's adapter hands those to its framework in a few lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from anchorcache import wire
+from anchorcache.wire import (
+    KEY_BYTES,
+    GenerateMeta,
+    GenerateRequest,
+    WireError,
+    parse_generate,
+    parse_ids,
+)
+
+log = logging.getLogger("anchorcache.worker")
+
+
+class ContractError(Exception):
+    """A call the backend refuses with this HTTP status (404: not on this worker, 409:
+    not now, 503: not ready)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New output ids of one sample; with their logprobs when the request asked for them."""
+
+    output_ids: tuple[int, ...]
+    index: int = 0
+    logprobs: tuple[tuple[float, int], ...] | None = None  # (logprob, token) per id
+    top_logprobs: tuple[tuple[tuple[float, int], ...], ...] | None = None  # most likely first
+
+
+Event = Tokens | GenerateMeta
+
+
+class Backend(ABC):
+    """What a worker does for the contract; the HTTP layer does the rest (parsing, errors,
+    the reply's framing). Replies are the records of `anchorcache/wire.py`, with `epoch` set.
+
+    Every call that reads or changes the anchor store runs on the backend's own loop (the
+    embedded engine thread; SGLang's scheduler), so the store has one owner. Errors: a
+    WireError is a 400 (the call cannot be served as asked; nothing changed), a
+    ContractError its status, anything else a 500 (the store is left as the failed call
+    found it or with its change complete, never half done).
+    """
+
+    @property
+    @abstractmethod
+    def epoch(self) -> str:
+        """A fresh id per process start; anchors never outlive it."""
+
+    @abstractmethod
+    async def prepare(self, req: GenerateRequest, context: Any) -> Any:
+        """Admit `req` (its `rid` is set): check what the parser cannot know (vocabulary,
+        context, constraint, an id already running) and queue it. Returns the handle the
+        other generate calls take. Raises WireError, changing nothing. `context` is the
+        framework's request (SGLang watches it for a client that went away)."""
+
+    @abstractmethod
+    def generate(self, handle: Any) -> AsyncGenerator[Event, None]:
+        """Run the prepared request: each sample's `Tokens` as they come, then its
+        `GenerateMeta`. Restores and stages the request's anchors. Raises when the request
+        fails (SGLang: also when it aborted it); closing the iterator early aborts it."""
+
+    @abstractmethod
+    async def finish(self, handle: Any, ok: bool) -> None:
+        """End the request, once, after `generate` ended, failed or was cancelled: release
+        what it holds (restore locks); unless `ok`, its staged anchors are dropped. Never
+        raises for a request the backend already ended."""
+
+    @abstractmethod
+    async def abort(self, rid: str) -> wire.AbortReply:
+        """Cancel request `rid`, queued or running, and drop its unconfirmed anchors."""
+
+    @abstractmethod
+    async def confirm(self, slots: list[int]) -> wire.ConfirmReply:
+        """Make the staged anchors in `slots` visible and evict their victims; slots not
+        staged are left out of the reply."""
+
+    @abstractmethod
+    async def abort_slots(self, slots: list[int]) -> wire.SlotsAborted:
+        """Drop the staged anchors in `slots` (their victims survive)."""
+
+    @abstractmethod
+    async def lookup(self, namespace: bytes, ids: tuple[int, ...],
+                     depths: tuple[int, ...]) -> wire.LookupReply:
+        """Which prefixes `ids[:d]` are committed. Changes nothing (no LRU touch); WireError
+        for a depth outside `[1, len(ids)]`."""
+
+    @abstractmethod
+    async def pin(self, key: bytes) -> wire.KeyOpReply:
+        """Keep the committed anchor `key` from eviction (SGLang: also lock its prefix on the
+        device, within a budget; `device` says how)."""
+
+    @abstractmethod
+    async def unpin(self, key: bytes) -> wire.KeyOpReply:
+        """Undo `pin`; false when `key` was not pinned."""
+
+    @abstractmethod
+    async def evict(self, key: bytes) -> wire.KeyOpReply:
+        """Drop the committed anchor `key`; false when it holds none."""
+
+    @abstractmethod
+    async def flush(self, device: bool) -> wire.FlushReply:
+        """`device=False`: drop every anchor, staged ones included. `device=True`
+        (`/flush_cache`): the worker's own prefix cache (SGLang: its device tree, the host
+        anchors survive; ContractError 409 while requests run; embedded: every anchor)."""
+
+    @abstractmethod
+    async def slots(self) -> wire.SlotsReply:
+        """Every committed anchor and pending reservation. Changes nothing."""
+
+    @abstractmethod
+    async def stats(self) -> wire.StatsReply:
+        """The slot table's counters. Changes nothing."""
+
+    @abstractmethod
+    async def model_info(self) -> wire.ModelInfo:
+        """The model served and its limits. Changes nothing."""
+
+    @abstractmethod
+    async def health(self) -> wire.WorkerHealth:
+        """Answered even while the engine is busy or wedged: never waits for its loop.
+        ContractError 503 while the worker is not ready."""
+
+    async def verify(self, key: bytes) -> wire.VerifyReply:
+        """Compare the device rows of the committed anchor `key` with its host slabs."""
+        raise ContractError(404, "this worker has no device rows to verify")
+
+    async def fault(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Arm one injected fault (tests; only with --fault-injection)."""
+        raise ContractError(404, "fault injection is off")
+
+
+# ---- bodies and errors ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes  # JSON
+
+
+Stream = AsyncGenerator[bytes, None]  # server-sent events, `data: [DONE]` last; aclose() it
+
+
+def read_body(raw: bytes) -> Any:
+    """A request body: JSON, or `{}` when empty. JSONDecodeError (a 400) otherwise."""
+    return orjson.loads(raw) if raw.strip() else {}
+
+
+def _obj(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise WireError("body must be an object")
+    return body
+
+
+def slots_arg(body: Any) -> list[int]:
+    slots = _obj(body).get("slots")
+    if not isinstance(slots, list) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                              for s in slots):
+        raise WireError("'slots' must be a list of integers")
+    return slots
+
+
+def key_arg(body: Any) -> bytes:
+    try:
+        key = bytes.fromhex(_obj(body)["key"])
+    except (TypeError, KeyError, ValueError):
+        key = b""
+    if len(key) != KEY_BYTES:
+        raise WireError(f"'key' must be a hex string of {KEY_BYTES} bytes")
+    return key
+
+
+def _rid(body: Any) -> str:
+    rid = _obj(body).get("rid")
+    if not isinstance(rid, str):
+        raise WireError("'rid' must be a string")
+    return rid
+
+
+def _lookup(backend: Backend, body: Any) -> Awaitable[wire.LookupReply]:
+    d = _obj(body)
+    try:
+        namespace = bytes.fromhex(d.get("namespace", ""))
+    except (TypeError, ValueError) as e:
+        raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
+    return backend.lookup(namespace, parse_ids(d.get("input_ids"), "input_ids"),
+                          parse_ids(d.get("depths"), "depths"))
+
+
+def _json(data: Any, status: int = 200) -> Reply:
+    return Reply(status, orjson.dumps(data))
+
+
+def error_json(message: str, status: int) -> bytes:
+    """`{"error": {"message", "type", "code"}}`, the contract's (and OpenAI's) error body."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    code = "invalid_request" if status == 400 else "worker_error" if status == 500 else str(status)
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
+
+
+def _status(e: BaseException) -> int | None:
+    if isinstance(e, (WireError, orjson.JSONDecodeError)):
+        return 400
+    status = getattr(e, "status", None)  # ContractError, SGLang's SchedulerError and Aborted
+    return status if isinstance(status, int) and 400 <= status < 600 else None
+
+
+def error_reply(e: Exception) -> Reply:
+    """The one error table: WireError and bad JSON are 400s, an error that carries an HTTP
+    `status` that status, anything else a 500 (logged)."""
+    status = _status(e)
+    if status is None:
+        log.error("worker request failed", exc_info=e)
+        return Reply(500, error_json(f"{type(e).__name__}: {e}", 500))
+    return Reply(status, error_json(str(e), status))
+
+
+# ---- routes --------------------------------------------------------------------------------
+
+Call = Callable[[Backend, Any], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    call: Call  # (backend, parsed body) → a wire record (or a dict: /debug/fault)
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/abort_request", lambda b, body: b.abort(_rid(body))),
+    Route("GET", "/health", lambda b, _: b.health()),
+    Route("GET", "/model_info", lambda b, _: b.model_info()),
+    Route("POST", "/flush_cache", lambda b, _: b.flush(device=True)),
+    Route("POST", "/anchor/flush", lambda b, _: b.flush(device=False)),
+    Route("POST", "/anchor/confirm", lambda b, body: b.confirm(slots_arg(body))),
+    Route("POST", "/anchor/abort", lambda b, body: b.abort_slots(slots_arg(body))),
+    Route("POST", "/anchor/lookup", _lookup),
+    Route("GET", "/anchor/slots", lambda b, _: b.slots()),
+    Route("GET", "/anchor/stats", lambda b, _: b.stats()),
+    Route("POST", "/anchor/pin", lambda b, body: b.pin(key_arg(body))),
+    Route("POST", "/anchor/unpin", lambda b, body: b.unpin(key_arg(body))),
+    Route("POST", "/anchor/evict", lambda b, body: b.evict(key_arg(body))),
+    Route("POST", "/anchor/verify", lambda b, body: b.verify(key_arg(body))),
+)
+FAULT_ROUTE = Route("POST", "/debug/fault", lambda b, body: b.fault(_obj(body)))
+
+
+def routes(fault_injection: bool) -> tuple[Route, ...]:
+    """The contract's routes but `/generate` (see `generate`)."""
+    return ROUTES + ((FAULT_ROUTE,) if fault_injection else ())
+
+
+async def handle(backend: Backend, route: Route, raw: bytes) -> Reply:
+    try:
+        result = await route.call(backend, read_body(raw) if route.method == "POST" else {})
+        return _json(result if isinstance(result, dict) else result.to_json())
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        return error_reply(e)
+
+
+# ---- /generate -----------------------------------------------------------------------------
+
+def _token_json(rid: str, req: GenerateRequest, ev: Tokens) -> dict[str, Any]:
+    data: dict[str, Any] = {"rid": rid, "output_ids": list(ev.output_ids)}
+    if req.sampling.n > 1:
+        data["index"] = ev.index
+    if ev.logprobs is not None:  # SGLang's shapes: [logprob, token_id, text], text left out
+        data["output_token_logprobs"] = [[lp, t, None] for lp, t in ev.logprobs]
+        if req.top_logprobs_num:
+            data["output_top_logprobs"] = [[[lp, t, None] for lp, t in top]
+                                           for top in ev.top_logprobs or ()]
+    return data
+
+
+def _meta_json(rid: str, req: GenerateRequest, meta: GenerateMeta) -> dict[str, Any]:
+    data: dict[str, Any] = {"rid": rid, "output_ids": [], "meta_info": meta.to_json()}
+    if req.sampling.n > 1:
+        data["index"] = meta.index
+    return data
+
+
+async def _run(backend: Backend, handle_: Any) -> AsyncGenerator[Event, None]:
+    """The request's events, then `finish` (also when the consumer stops early: an async
+    generator left at a yield runs its `finally` only when closed, so each is closed)."""
+    events = backend.generate(handle_)
+    ok = False
+    try:
+        async for ev in events:
+            yield ev
+        ok = True
+    finally:
+        try:
+            await events.aclose()
+        finally:
+            await asyncio.shield(backend.finish(handle_, ok))
+
+
+async def generate(backend: Backend, raw: bytes, context: Any = None) -> Reply | Stream:
+    """`POST /generate`: a JSON reply (a list of them for n > 1, SGLang's batch shape), or
+    with `stream` a `Stream` whose errors after the first event are sent in-band."""
+    try:
+        req = parse_generate(read_body(raw))
+        req = replace(req, rid=req.rid or uuid.uuid4().hex)
+        handle_ = await backend.prepare(req, context)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        return error_reply(e)
+    rid = req.rid
+    assert rid is not None
+    if req.stream:
+        return _stream(backend, req, handle_)
+    outputs: list[dict[str, Any]] = [{"rid": rid, "output_ids": []} for _ in range(req.sampling.n)]
+    events = _run(backend, handle_)
+    try:
+        async for ev in events:
+            out = outputs[ev.index or 0]
+            if isinstance(ev, Tokens):
+                token = _token_json(rid, req, ev)
+                out["output_ids"].extend(ev.output_ids)
+                for key in ("output_token_logprobs", "output_top_logprobs"):
+                    if key in token:
+                        out.setdefault(key, []).extend(token[key])
+            else:
+                out["meta_info"] = ev.to_json()
+                if req.sampling.n > 1:
+                    out["index"] = ev.index
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        return error_reply(e)
+    finally:
+        await events.aclose()
+    return _json(outputs if req.sampling.n > 1 else outputs[0])
+
+
+async def _stream(backend: Backend, req: GenerateRequest, handle_: Any) -> Stream:
+    rid = req.rid or ""
+    events = _run(backend, handle_)
+    try:
+        async for ev in events:
+            data = _token_json(rid, req, ev) if isinstance(ev, Tokens) else _meta_json(rid, req, ev)
+            yield b"data: " + orjson.dumps(data) + b"\n\n"
+    except (asyncio.CancelledError, ConnectionResetError, GeneratorExit):
+        await events.aclose()
+        raise
+    except Exception as e:  # headers are sent: the error goes in-band, then the stream ends
+        status = _status(e)
+        if status is None:
+            log.exception("streamed generate failed")
+        message = str(e) if status is not None else f"{type(e).__name__}: {e}"
+        err = {"error": {"message": message, "type": "server_error", "code": "worker_error"}}
+        yield b"data: " + orjson.dumps(err) + b"\n\n"
+    yield b"data: [DONE]\n\n"

@@ -164,7 +164,9 @@ def sglang_command(python: str, *, model: str, host: str, port: int, log_level: 
             "--radix-cache-backend", "anchorcache", "--skip-server-warmup",
             "--log-level", log_level, *extra]
     if not gpu:
-        args = with_cpu_args(args, default_pool_tokens(model))
+        from .cpu_kernels import with_hybrid_args
+
+        args = with_hybrid_args(with_cpu_args(args, default_pool_tokens(model)), model)
     return [python, "-m", "anchorcache.ext.sglang.launch", *args]
 
 
@@ -181,6 +183,9 @@ def register_cpu_hooks() -> None:
     """In every SGLang process of the CPU engine (`SGLANG_USE_CPU_ENGINE=1`): no PyNccl."""
     if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
         return
+    from .cpu_kernels import install
+
+    install()  # reference kernels for the CPU ops of hybrid models, where missing
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def no_pynccl(original: Any, *args: Any, **kwargs: Any) -> Any:

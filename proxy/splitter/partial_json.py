@@ -4,8 +4,12 @@ Two sides use it: a tool call cut by `max_tokens` (the Anthropic `tool_use` inpu
 object, the OpenAI arguments stay the text), and such a call sent back in a conversation's
 history (normalize.py renders it for templates that need an object).
 
-Request text reaches it, so its cost is bounded: one pass over the text, then a few
-`json.loads` (see `close_json`), never one per possible cut.
+The value is jiter's partial mode (pydantic's JSON parser, a dependency of the OpenAI SDK
+too). jiter also reads some text that is no JSON's start (`[1}`, `{"a": 1 x`), so the text
+is first checked to be one: one pass tracks the open containers and string, then the text
+must parse once completed (the open string closed, an unfinished literal, number, key or
+escape finished by one of a few fixed fillers, the containers closed). Request text reaches
+it, so its cost is bounded: one pass and a few parses.
 """
 
 from __future__ import annotations
@@ -13,74 +17,73 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jiter
+
 _CLOSER = {"{": "}", "[": "]"}
+# what may finish a text cut outside a string: nothing, a number's or a value's missing
+# digit, a key's colon and value, a pair after a comma, a literal's rest
+_FILLERS = ("", "0", ":0", '"":0', "rue", "ue", "e", "alse", "lse", "se", "ull", "ll", "l")
 
 
 def close_json(text: str) -> Any | None:
     """The value a JSON text cut short describes: its open string and containers closed; an
-    unfinished key, literal or number (or a half-written escape) dropped. A complete text
-    gives its own value; None if no prefix of it reads as JSON, text follows a whole value,
-    or it nests too deep for the json module.
-
-    Candidates are the text closed at its end, then closed at the cuts where a value may stop
-    (before each `,` and after each `{` / `[` outside strings), longest first. A candidate
-    that fails at a character of the text rules out every longer cut (they hold that
-    character too), so the next one tried ends at or before it: a handful of parses in all,
-    not one per cut. The stack of open containers at each cut is a parent-linked node, so
-    noting a cut costs O(1) however deep the text nests."""
+    unfinished key, literal or number (and the key it belongs to) dropped. A complete text
+    gives its own value; None if the text is not the start of a JSON value, text follows a
+    whole value, or it nests too deep."""
     try:
         return json.loads(text)
-    except ValueError:
+    except json.JSONDecodeError:
         pass
     except RecursionError:
         return None
-    # open containers as linked nodes: node i is (closer, parent node), -1 the empty stack
-    nodes: list[tuple[str, int]] = []
-    top = -1
-    cuts: list[tuple[int, int]] = []  # (end of the kept text, stack node there)
+    if not is_json_start(text):
+        return None
+    try:
+        return jiter.from_json(text.encode(), partial_mode="trailing-strings")
+    except ValueError:  # nests past jiter's limit
+        return None
+
+
+def is_json_start(text: str) -> bool:
+    """Whether some text appended to `text` makes it one whole JSON value."""
+    stack: list[str] = []
     in_string = False
-    escape: int | None = None  # where an escape sequence began, while it is unfinished
+    escape: int | None = None  # where an unfinished escape sequence began
+    whole = False  # a whole top-level value has been read
     for i, ch in enumerate(text):
-        if top < 0 and cuts and not in_string and not ch.isspace():
-            return None  # more after a whole value: not a value cut short
+        if whole and not ch.isspace():
+            return False
         if in_string:
             if escape is not None:
-                done = text[escape + 1] != "u" or i - escape == 5
-                escape = None if done else escape
+                if text[escape + 1] != "u" or i - escape == 5:
+                    escape = None
             elif ch == "\\":
                 escape = i
             elif ch == '"':
                 in_string = False
+                whole = not stack
         elif ch == '"':
             in_string = True
         elif ch in _CLOSER:
-            nodes.append((_CLOSER[ch], top))
-            top = len(nodes) - 1
-            cuts.append((i + 1, top))
+            stack.append(_CLOSER[ch])
         elif ch in "}]":
-            if top < 0 or nodes[top][0] != ch:
-                return None  # a closer with nothing, or something else, open
-            top = nodes[top][1]
-        elif ch == ",":
-            cuts.append((i, top))
-
-    def closers(node: int) -> str:
-        out = []
-        while node >= 0:
-            closer, node = nodes[node]
-            out.append(closer)
-        return "".join(out)
-
-    kept = text[:escape] if escape is not None else text
-    limit = len(text)
-    for end, node in [(len(kept), top), *reversed(cuts)]:
-        if end > limit:
-            continue
-        tail = '"' if end == len(kept) and in_string else ""  # only the text's own end
+            if not stack or stack.pop() != ch:
+                return False
+            whole = not stack
+    closers = "".join(reversed(stack))
+    if in_string:
+        tail = ""
+        if escape is not None:
+            tail = "n" if escape == len(text) - 1 else "0" * (6 - (len(text) - escape))
+        fillers: tuple[str, ...] = (tail + '"', tail + '":0')
+    else:
+        fillers = _FILLERS
+    for filler in fillers:
         try:
-            return json.loads(text[:end] + tail + closers(node))
-        except json.JSONDecodeError as e:
-            limit = min(limit, e.pos)  # a character of the text that no cut after it can fix
+            json.loads(text + filler + closers)
+            return True
+        except json.JSONDecodeError:
+            continue
         except RecursionError:
-            return None
-    return None
+            return False
+    return False

@@ -28,12 +28,13 @@ def test_mismatched_or_trailing_text_is_no_prefix():
     assert close_json('{"a": [1}') is None
     assert close_json('{"a": 1}]') is None
     assert close_json('{"a": 1} {') is None
+    assert close_json("{not json") is None  # no JSON value starts like that
+    assert close_json('{"a": 1, "k": tru, 1') is None
 
 
-def test_hostile_text_costs_a_few_parses_not_one_per_cut():
-    # each would be ~10^10 characters parsed if every cut were tried (or copied its closers)
-    assert close_json("[x" + ",[" * 100_000) == []  # invalid at once: only `[` before it
-    assert close_json('{"a": [' * 30_000 + "1," * 1_000) is None  # past json's recursion
+def test_hostile_text_is_read_once_and_refused():
+    assert close_json("[x" + ",[" * 100_000) is None
+    assert close_json('{"a": [' * 30_000 + "1," * 1_000) is None  # nests too deep
     assert close_json("[" * 200_000) is None
-    assert close_json('{"a": 1, "k": tru' + ", 1" * 100_000) == {"a": 1}
-    assert close_json('{"a": 1,' * 50_000) == {"a": 1}
+    assert close_json('{"a": 1,' * 50_000) is None
+    assert close_json('{"a": "' + "x" * 1_000_000) == {"a": "x" * 1_000_000}

@@ -46,7 +46,7 @@ from anchorcache.ext import ops
 from anchorcache.ext.contract import key_arg as _key
 from anchorcache.ext.contract import slots_arg as _slots
 from anchorcache.ext.slots import SlotTable
-from anchorcache.ext.store import AnchorStore, Slab
+from anchorcache.ext.store import AnchorStore
 from anchorcache.wire import (
     AnchorHeld,
     AnchorKind,
@@ -65,25 +65,18 @@ from anchorcache.wire import (
 
 from . import tp
 from .config import SGLangAnchorConfig
+from .device import DevicePin, DeviceTree
 
 log = logging.getLogger("anchorcache.sglang")
 
 try:  # SGLang is an optional dependency of the package; this module runs inside it
     from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 except ImportError:  # pragma: no cover
     UnifiedRadixCache = object  # type: ignore[misc,assignment]
     FINISH_MATCHED_TOKEN = ()  # type: ignore[misc,assignment]
-
-
-@dataclass
-class _DevicePin:
-    """A pinned anchor's prefix, held in SGLang's tree by a lock reference."""
-
-    lock: Any
-    tokens: int
 
 
 @dataclass
@@ -101,7 +94,7 @@ class _Pending:
     snapshot_s: float = 0.0  # spent writing the request's anchors (snapshot_ms)
 
 
-class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
+class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,valid-type]
     """SGLang's unified radix cache that also keeps anchors; see the module docstring."""
 
     def attach_anchors(self, config: SGLangAnchorConfig, model_id: str) -> None:
@@ -126,7 +119,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         self._pool_tokens = int(self.token_to_kv_pool_allocator.size)
         # pinned anchors' prefixes stay locked in the tree, within their own budget, which
         # the contract's request limit leaves free (so no admitted request can starve)
-        self._pins: dict[bytes, _DevicePin] = {}
+        self._pins: dict[bytes, DevicePin] = {}
         self._pinned_tokens = 0
         self._pin_budget = int(config.pin_budget_fraction * self._pool_tokens)
         self._repin: set[bytes] = set()  # pins a device flush dropped, placed again lazily
@@ -290,41 +283,6 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             self._fault = body["where"]
         return {"armed": self._fault}
 
-    # ---- device pins --------------------------------------------------------------------
-    def _pin_device(self, key: bytes) -> str:
-        """Lock the committed anchor `key`'s prefix in the tree; how it went: `locked`,
-        or why not (`over_budget`, `no_device_space`, `no_tokens`)."""
-        if key in self._pins:
-            return "locked"
-        found = self.anchors.prefix_of(key)
-        if found is None:
-            return "no_tokens"
-        chain, ids = found
-        ids = ids[:self._paged(len(ids))]
-        if not ids:
-            return "no_tokens"  # shorter than one page: nothing the tree can hold
-        if self._pinned_tokens + len(ids) > self._pin_budget:
-            return "over_budget"
-        placed = self._to_device(chain, ids)
-        if placed is None:
-            return "no_device_space"
-        self._pins[key] = _DevicePin(placed[0], len(ids))
-        self._pinned_tokens += len(ids)
-        return "locked"
-
-    def _unpin_device(self, key: bytes) -> None:
-        self._repin.discard(key)
-        pin = self._pins.pop(key, None)
-        if pin is not None:
-            self.unlock(pin.lock)
-            self._pinned_tokens -= pin.tokens
-
-    def _pin_again(self) -> None:
-        keys, self._repin = self._repin, set()
-        pinned = {e.key for e in self.anchors.table.entries() if e.pinned}
-        for key in keys & pinned:
-            self._pin_device(key)
-
     # ---- restore ----------------------------------------------------------------------
     def _restore(self, rid: str, p: _Pending) -> tuple[int, int]:
         """(tokens scattered from slabs, tokens already on the device) for the chain."""
@@ -354,71 +312,6 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         self._locked_tokens += depth
         self.anchors.chained(rid, check.chain[-1].key, check.depth)
         return scattered, on_device
-
-    def _paged(self, depth: int) -> int:
-        """The page-aligned part of a prefix of `depth` tokens."""
-        return depth - depth % self.page_size
-
-    def _to_device(self, chain: tuple[Slab, ...], ids: tuple[int, ...]
-                   ) -> tuple[Any, int, int] | None:
-        """Put the prefix `ids` (the rows of `chain`) into the tree and lock it: what SGLang
-        still holds stays, the rest is scattered from the slabs into fresh pool slots.
-        (lock, tokens scattered, tokens found on the device), or None without room. `ids` is
-        whole pages; the chain may reach further (its rows past `ids` are left alone)."""
-        depth = len(ids)
-        key = RadixKey(array("q", ids))
-        fresh = self._alloc(depth)  # before the match: allocation may evict tree nodes
-        match = self.match_prefix(MatchPrefixParams(key=key))
-        on_device = int(match.device_prefix_len)
-        scattered = 0
-        if on_device < depth:
-            if fresh is None:
-                return None
-            need = depth - on_device
-            rows = fresh[:need]
-            if need < len(fresh):
-                self.token_to_kv_pool_allocator.free(fresh[need:])
-            self._scatter(chain, on_device, depth, rows)
-            prefix = self.path_device_indices(match.last_device_node)[:on_device].to(torch.int64)
-            # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
-            # (the insert frees any other overlap itself)
-            self.insert(InsertParams(key=key, value=torch.cat([prefix, rows]),
-                                     prev_prefix_len=on_device))
-            scattered = need
-            match = self.match_prefix(MatchPrefixParams(key=key))
-        elif fresh is not None:
-            self.token_to_kv_pool_allocator.free(fresh)
-        assert int(match.device_prefix_len) == depth, (match.device_prefix_len, depth)
-        return self.lock(match.last_device_node), scattered, on_device
-
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        allocator = self.token_to_kv_pool_allocator
-        if allocator.available_size() < n:
-            self.evict(EvictParams(num_tokens=n - allocator.available_size()))
-        if allocator.available_size() < n:
-            return None
-        got = allocator.alloc(n)
-        return None if got is None else got.to(torch.int64)
-
-    def _scatter(self, chain: tuple[Slab, ...], skip: int, end: int, rows: torch.Tensor) -> None:
-        """Write the chain's rows `[skip, end)` into pool slots `rows`."""
-        slabs, where = [], []
-        for slab in chain:
-            a, b = max(slab.start, skip), min(slab.depth, end)
-            if b <= a or slab.kv is None:
-                continue
-            kv = slab.kv
-            if (a, b) != (slab.start, slab.depth):
-                kv = kv[:, :, a - slab.start:b - slab.start].contiguous()
-            slabs.append(kv)
-            where.append(rows[a - skip: b - skip].contiguous())
-        if self._fault == "restore_shift_row" and slabs and slabs[-1].shape[2] > 1:
-            self._fault = None
-            kv = slabs[-1].clone()
-            mid = kv.shape[2] // 2
-            kv[:, :, mid] = kv[:, :, mid - 1]
-            slabs[-1] = kv
-        ops.restore_chain(slabs, where, self._k, self._v, layout="thd")
 
     def _unlock(self, p: _Pending) -> None:
         if p.lock is not None:

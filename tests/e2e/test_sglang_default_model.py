@@ -20,9 +20,16 @@ from tests.servers import proxy_process, sglang_worker_process
 pytestmark = pytest.mark.slow
 
 
+# SmolLM2's config says float32, which SGLang's `--dtype auto` turns into float16; on a CPU
+# without native half-precision matmuls (AVX2 only) that doubled every prefill and decode step
+# here (a 660-token prefill 23 s, a 34-token forced call 42 s; in float32 10 s and 21 s, on a
+# busy 2-core machine). float32 is also the embedded worker's default dtype.
+DTYPE = ("--dtype", "float32")
+
+
 @pytest.fixture(scope="module")
 def stack(default_model_dir):
-    with sglang_worker_process(model=str(default_model_dir)) as w, \
+    with sglang_worker_process(*DTYPE, model=str(default_model_dir)) as w, \
             proxy_process(w.url, "--anchors") as on, proxy_process(w.url, "--no-anchors") as off:
         yield w, on, off
 

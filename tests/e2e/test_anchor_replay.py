@@ -56,16 +56,24 @@ def test_tiny_models_on_equals_off(stack_factory, arch):
     assert stack.stats()["staged"] == 0
 
 
-def test_default_model_on_equals_off(stack_factory, default_model_dir):
-    stack = stack_factory(str(default_model_dir))
+@pytest.fixture(scope="module")
+def default_stack(stack_factory, default_model_dir):
+    """One default-model worker (and its two proxies) for both tests below; each used to start
+    its own, as the factory does not reuse stacks. Neither test depends on the other's anchors:
+    the echo test checks its deepest hit, which only its own first reply can have written."""
+    return stack_factory(str(default_model_dir))
+
+
+def test_default_model_on_equals_off(default_stack):
+    stack = default_stack
     conv = short_conversations(1)[0]
     [seen] = replay(stack, [conv], max_turns=3, max_tokens=16)
     assert seen[0][1] == 0
     assert all(cached > 0 for _, cached, _ in seen[1:])
 
 
-def test_an_echoed_reply_hits_the_response_anchor(stack_factory, default_model_dir):
-    stack = stack_factory(str(default_model_dir))
+def test_an_echoed_reply_hits_the_response_anchor(default_stack):
+    stack = default_stack
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     first = stack.chat("on", msgs, max_tokens=40)
     assert first["choices"][0]["finish_reason"] == "stop"

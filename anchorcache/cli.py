@@ -187,8 +187,20 @@ def worker(
 
 @app.command()
 def proxy(
-    worker: Annotated[str, typer.Option(envvar="ANCHORCACHE_WORKER_URL", help="Worker base URL.")]
-    = "http://127.0.0.1:8001",
+    worker: Annotated[list[str] | None, typer.Option(
+        help="Worker base URL; give it once per worker (or ANCHORCACHE_WORKER_URLS, "
+             "comma-separated).")] = None,
+    route: Annotated[str, typer.Option(
+        envvar="ANCHORCACHE_ROUTE",
+        help="How requests pick a worker: affinity (deepest anchor chain, unless its load is "
+             "--route-max-imbalance above the least loaded), least_load, round_robin.")]
+    = "affinity",
+    route_max_imbalance: Annotated[int, typer.Option(
+        envvar="ANCHORCACHE_ROUTE_MAX_IMBALANCE",
+        help="Affinity yields to a worker with this many fewer requests in flight.")] = 2,
+    health_interval_s: Annotated[float, typer.Option(
+        envvar="ANCHORCACHE_HEALTH_INTERVAL_S",
+        help="Seconds between health checks of every worker (failover, coming back).")] = 2.0,
     host: Host = "127.0.0.1",
     port: Annotated[int, typer.Option(envvar="ANCHORCACHE_PORT")] = 8000,
     anchors: Anchors = True,
@@ -206,23 +218,34 @@ def proxy(
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     log_level: LogLevel = "info",
 ) -> None:
-    """Run the OpenAI-compatible proxy in front of a running worker."""
+    """Run the OpenAI-compatible proxy in front of running workers (one or more)."""
     _logging(log_level)
     from anchorcache.proxy.app import create_app
     from anchorcache.proxy.config import ProxyConfig
     from anchorcache.state.records import Quotas
 
-    config = ProxyConfig(worker_url=worker, host=host, port=port, anchors=anchors, adapter=adapter,
-                         canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
-                         state_dir=state_dir, admin_token=admin_token or None,
-                         anonymous=anonymous, strict_keys=strict_keys,
-                         default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
-                                               max_in_flight=max_in_flight),
-                         pin_budget_bytes=pin_budget_bytes,
-                         metrics_max_tenants=metrics_max_tenants,
-                         metrics_worker_timeout_s=metrics_worker_timeout_s)
+    urls = [u.strip() for w in (worker or []) for u in w.split(",") if u.strip()]
+    if not urls:
+        env = os.environ.get("ANCHORCACHE_WORKER_URLS") or os.environ.get("ANCHORCACHE_WORKER_URL")
+        urls = [u.strip() for u in (env or "http://127.0.0.1:8001").split(",") if u.strip()]
+    try:
+        config = ProxyConfig(worker_urls=tuple(urls), route=route,
+                             route_max_imbalance=route_max_imbalance,
+                             health_interval_s=health_interval_s, host=host, port=port,
+                             anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
+                             max_body_bytes=max_body_bytes, state_dir=state_dir,
+                             admin_token=admin_token or None, anonymous=anonymous,
+                             strict_keys=strict_keys,
+                             default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
+                                                   max_in_flight=max_in_flight),
+                             pin_budget_bytes=pin_budget_bytes,
+                             metrics_max_tenants=metrics_max_tenants,
+                             metrics_worker_timeout_s=metrics_worker_timeout_s)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     asyncio.run(_serve_forever(create_app(config), host, port,
                                "anchorcache proxy listening on http://{host}:{port}/v1"))
+
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -293,7 +316,7 @@ def serve(
         raise typer.BadParameter(f"unexpected arguments {ctx.args}")
     from anchorcache.proxy.config import ProxyConfig
 
-    config = ProxyConfig(worker_url=f"http://127.0.0.1:{worker_port}", host=host, port=port,
+    config = ProxyConfig(worker_urls=(f"http://127.0.0.1:{worker_port}",), host=host, port=port,
                          anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
                          max_body_bytes=max_body_bytes, state_dir=state_dir,
                          admin_token=admin_token or None, anonymous=anonymous,
@@ -324,7 +347,7 @@ async def _serve_supervised(worker_cmd: list[str], config, watch: SuperviseConfi
 
         def stalled_s() -> float | None:  # the proxy's view: it holds the requests
             state = web_app.get(STATE)
-            return state.worker.progress.stalled_s() if state is not None else None
+            return state.targets.primary.worker.progress.stalled_s() if state is not None else None
 
         supervisor.on_ready = on_ready
         supervisor.stalled_s = stalled_s

@@ -36,15 +36,32 @@ from tests.data import conversations, turn_requests  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 
 
+class Url(str):
+    """A spawned server's base URL, with its process id (`pid`)."""
+
+    pid: int
+
+
+def model_or_tiny(model: str | None) -> str:
+    """`model`, or the tiny random Qwen3 (the real Qwen3 tokenizer), built once."""
+    if model is not None:
+        return model
+    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+
+    return str(build_tiny_model("qwen3", tiny_model_dir("qwen3"), seed=0))
+
+
 @contextmanager
 def spawn(*args: str, tail: tuple[str, ...] = ()):
-    """`anchorcache ARGS --port P ... TAIL` in its own session; its URL once healthy. On exit
-    the whole session is killed (an SGLang worker's scheduler and detokenizer too)."""
+    """`anchorcache ARGS --port P ... TAIL` in its own session; its URL (a `Url`) once
+    healthy. On exit the whole session is killed (an SGLang worker's scheduler and
+    detokenizer too)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
                              "--log-level", "warning", *tail], start_new_session=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
+    url = Url(f"http://127.0.0.1:{port}")
+    url.pid = proc.pid
     try:
         wait_ready(url + "/health", proc, timeout_s=900)
         yield url

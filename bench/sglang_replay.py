@@ -38,7 +38,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from replay_bench import spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
+from replay_bench import model_or_tiny, spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
 
 from anchorcache import bench  # noqa: E402
 from anchorcache.proxy.splitter import get_adapter  # noqa: E402
@@ -157,12 +157,7 @@ def main() -> None:
     ap.add_argument("--name", default="sglang_replay_tiny_qwen3")
     args = ap.parse_args()
 
-    if args.model is None:
-        from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
-
-        model = str(build_tiny_model("qwen3", tiny_model_dir("qwen3"), seed=0))
-    else:
-        model = args.model
+    model = model_or_tiny(args.model)
     adapter = get_adapter("auto", load_tokenizer(model))
 
     def tokenize(messages, tools):

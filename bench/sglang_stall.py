@@ -40,7 +40,7 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from replay_bench import spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
+from replay_bench import model_or_tiny, spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
 
 from anchorcache import bench  # noqa: E402
 from anchorcache.wire import (  # noqa: E402
@@ -139,12 +139,7 @@ def main() -> None:
     ap.add_argument("--name", default="sglang_stall")
     args = ap.parse_args()
 
-    if args.model is None:
-        from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
-
-        model = str(build_tiny_model("qwen3", tiny_model_dir("qwen3"), seed=0))
-    else:
-        model = args.model
+    model = model_or_tiny(args.model)
     depth = args.anchor_tokens
     rng = random.Random(0)
     pool = int(2.5 * (depth + 64)) + args.streams * (256 + args.stream_tokens)

@@ -83,11 +83,11 @@ def slots(url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) ->
         data = AdminClient(url, token).get("/admin/slots")
         _emit(data, as_json, lambda: _table(
             f"slots (epoch {data['epoch'][:8]})",
-            ["slot", "kind", "tenant", "depth", "parent", "bytes", "pinned", "hits", "last use",
-             "state", "key"],
-            [[s["slot"], s["kind"] or "?", s["tenant"] or "?", s["depth"], _short(s["parent"]),
-              _bytes(s["bytes"]), "yes" if s["pinned"] else "", s["hits"], s["last_use"],
-              s["state"], _short(s["key"])] for s in data["data"]]))
+            ["worker", "slot", "kind", "tenant", "depth", "parent", "bytes", "pinned", "hits",
+             "last use", "state", "key"],
+            [[s.get("worker", "-"), s["slot"], s["kind"] or "?", s["tenant"] or "?", s["depth"],
+              _short(s["parent"]), _bytes(s["bytes"]), "yes" if s["pinned"] else "", s["hits"],
+              s["last_use"], s["state"], _short(s["key"])] for s in data["data"]]))
     _run(go)
 
 
@@ -184,6 +184,56 @@ def pin(toolset: str, url: Url = DEFAULT_URL, token: Token = None, as_json: Json
 def unpin(toolset: str, url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) -> None:
     """Unpin a toolset."""
     _toolset_op("/admin/unpin", toolset, url, token, as_json)
+
+
+def _workers_view(data: dict[str, Any]) -> Table:
+    return _table(
+        f"workers (routing: {data['route']})",
+        ["name", "url", "health", "load", "in flight", "routed", "anchors", "bytes", "hit rate",
+         "epoch"],
+        [[w["name"], w["url"],
+          "draining" if w["draining"] else "ok" if w["healthy"] else f"out: {w['error']}",
+          w["load"], w["in_flight"], w["routed"], w["anchors"], _bytes(w["bytes"]),
+          "-" if w["hit_rate"] is None else f"{w['hit_rate']:.0%}", (w["epoch"] or "-")[:8]]
+         for w in data["data"]])
+
+
+@app.command()
+def workers(url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) -> None:
+    """The workers behind the proxy: health, load, anchors, bytes and hit rate."""
+    def go() -> None:
+        data = AdminClient(url, token).get("/admin/workers")
+        _emit(data, as_json, lambda: _workers_view(data))
+    _run(go)
+
+
+@app.command("worker-add")
+def worker_add(worker_url: Annotated[str, typer.Argument(help="The worker's base URL.")],
+               url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) -> None:
+    """Add a worker live (it must serve the proxy's model)."""
+    def go() -> None:
+        data = AdminClient(url, token).post("/admin/workers", {"url": worker_url})
+        _emit(data, as_json, lambda: f"worker {data['name']} added: {data['url']} "
+                                     f"(epoch {data['epoch'][:8]})")
+    _run(go)
+
+
+@app.command("worker-remove")
+def worker_remove(name: Annotated[str, typer.Argument(help="The worker's name (w1) or URL.")],
+                  url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) -> None:
+    """Drain a worker (its in-flight requests finish, nothing new goes to it) and remove it."""
+    def go() -> None:
+        client = AdminClient(url, token)
+        target = name
+        if name.startswith(("http://", "https://")):  # a URL: its name
+            listed = client.get("/admin/workers")["data"]
+            target = next((w["name"] for w in listed if w["url"] == name.rstrip("/")), "")
+            if not target:
+                raise OpsError(f"no worker {name}", 5)
+        data = client.delete(f"/admin/workers/{target}")
+        _emit(data, as_json, lambda: f"worker {data['name']} removed "
+                                     f"({'drained' if data['drained'] else 'drain timed out'})")
+    _run(go)
 
 
 @app.command()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import re
+from collections import Counter
 from typing import Any
 
 import orjson
@@ -20,6 +21,7 @@ from anchorcache.state.records import AnchorStatus, Quotas, Toolset
 from .errors import ApiError, json_response
 from .splitter.types import CutKind, SplitError
 from .state import STATE, ProxyState
+from .targets import Target
 from .tenants import TENANTS, TenantContext, bearer
 from .toolsets import SHARED_TENANT
 
@@ -103,8 +105,8 @@ async def list_tenants(request: web.Request) -> web.Response:
             continue
         out.append({**t.to_json(), "keys": [k.to_json() for k in led.keys(t.name)],
                     "in_flight": tenants.in_flight.get(t.name, 0),
-                    "anchor_bytes": led.anchor_bytes(t.name, state.lifecycle.worker_id,
-                                                     state.lifecycle.epoch),
+                    "anchor_bytes": sum(led.anchor_bytes(t.name, w.id, w.lifecycle.epoch)
+                                        for w in state.targets.all),
                     "toolsets": len(led.toolsets(t.name)),
                     "pinned_toolsets": len(led.toolsets(t.name, pinned=True))})
     return json_response({"data": out})
@@ -173,27 +175,33 @@ def _check_pin(state: ProxyState, ts: Toolset) -> None:
     if limit is not None and len(pinned) >= limit:
         raise ApiError("quota_exceeded", f"tenant {ts.tenant!r} may pin {limit} toolsets "
                        "(its quota); unpin one first")
-    lc = state.lifecycle
-    used = sum(rec.nbytes for t in led.toolsets(pinned=True) if t.toolset != ts.toolset
-               for _, _, key in lc.toolsets.keys(t) if (rec := lc.live(key)) is not None)
-    mine = sum(rec.nbytes for _, _, key in lc.toolsets.keys(ts) if (rec := lc.live(key)) is not None)
-    if used + mine > state.config.pin_budget_bytes:
-        raise ApiError("quota_exceeded", f"pinning this toolset ({mine} bytes) would exceed the "
-                       f"global pin budget ({used} of {state.config.pin_budget_bytes} bytes used)")
+    for target in state.targets.all:  # the budget is per worker (its memory)
+        lc = target.lifecycle
+        used = sum(rec.nbytes for t in led.toolsets(pinned=True) if t.toolset != ts.toolset
+                   for _, _, key in lc.toolsets.keys(t) if (rec := lc.live(key)) is not None)
+        mine = sum(rec.nbytes for _, _, key in lc.toolsets.keys(ts)
+                   if (rec := lc.live(key)) is not None)
+        if used + mine > state.config.pin_budget_bytes:
+            raise ApiError("quota_exceeded", f"pinning this toolset ({mine} bytes) would exceed "
+                           f"the global pin budget on worker {target.name} ({used} of "
+                           f"{state.config.pin_budget_bytes} bytes used)")
 
 
 async def _apply(state: ProxyState, ts: Toolset, pin: bool | None, shared: bool | None) -> Toolset:
-    led, lc = state.ledger, state.lifecycle
+    led, serving = state.ledger, state.targets.serving()
     if shared is not None and shared != ts.shared:
         ts = led.set_toolset(ts.toolset, shared=shared)
-    await lc.toolsets.ensure(ts)  # warm (shared copy too) before pinning: the pin needs the bytes
+    for t in serving:  # warm (shared copy too) before pinning: the pin needs the bytes
+        await t.lifecycle.toolsets.ensure(ts)
     if pin:
         _check_pin(state, ts)
         ts = led.set_toolset(ts.toolset, pinned=True)
-        await lc.toolsets.ensure(ts)
+        for t in serving:  # pinned toolsets are warm on every worker
+            await t.lifecycle.toolsets.ensure(ts)
     elif pin is False and ts.pinned:
         ts = led.set_toolset(ts.toolset, pinned=False)
-        await lc.toolsets.unpin(ts)
+        for t in serving:
+            await t.lifecycle.toolsets.unpin(ts)
     led.event("toolset", ts.tenant, toolset=ts.toolset, pinned=ts.pinned, shared=ts.shared)
     return ts
 
@@ -211,17 +219,20 @@ async def create_toolset(request: web.Request) -> web.Response:
     tenant = state.ledger.tenant(name)
     assert tenant is not None
     ns = TenantContext(tenant).caller().namespace
-    rec = await state.lifecycle.warm(name, ns, ids)
-    ts = state.ledger.put_toolset(name, ns, rec.key, ids)
+    recs = [await t.lifecycle.warm(name, ns, ids) for t in state.targets.serving()]
+    ts = state.ledger.put_toolset(name, ns, recs[0].key, ids)
     ts = await _apply(state, ts, pin, shared)
     return json_response(_toolset_json(ts))
 
 
 async def list_toolsets(request: web.Request) -> web.Response:
     tenant = request.query.get("tenant")
-    lc = _state(request).lifecycle
-    return json_response({"data": [{**_toolset_json(ts), "warm": lc.live(ts.key) is not None}
-                                   for ts in _state(request).ledger.toolsets(tenant)]})
+    targets = _state(request).targets.all
+    out = []
+    for ts in _state(request).ledger.toolsets(tenant):
+        warm_on = [t.name for t in targets if t.lifecycle.live(ts.key) is not None]
+        out.append({**_toolset_json(ts), "warm": bool(warm_on), "warm_on": warm_on})
+    return json_response({"data": out})
 
 
 async def _toolset_arg(request: web.Request) -> tuple[Toolset, dict[str, Any]]:
@@ -259,28 +270,45 @@ async def anchors(request: web.Request) -> web.Response:
     except ValueError:
         raise ApiError("invalid_request", f"unknown status {status!r}", param="status") from None
     everywhere = request.query.get("epoch") == "all"
-    rows = state.ledger.anchors(tenant=request.query.get("tenant") or None, status=st,
-                                worker=None if everywhere else state.lifecycle.worker_id,
-                                epoch=None if everywhere else state.lifecycle.epoch)
+    tenant = request.query.get("tenant") or None
+    targets = _targets(request)
+    if everywhere:
+        rows = [r for r in state.ledger.anchors(tenant=tenant, status=st)
+                if "worker" not in request.query or r.worker == targets[0].id]
+    else:  # each worker's current epoch
+        rows = [r for t in targets for r in state.ledger.anchors(
+            tenant=tenant, status=st, worker=t.id, epoch=t.lifecycle.epoch)]
     return json_response({"data": [r.to_json() for r in rows if r.tenant != SHARED_TENANT
                                    or request.query.get("tenant") in (None, SHARED_TENANT)]})
 
 
 async def slots(request: web.Request) -> web.Response:
+    """Every worker's slots (`?worker=NAME|URL`: one worker's); a worker that does not
+    answer is skipped unless it was asked for by name."""
     state = _state(request)
-    listing = await state.worker.slots()  # the life cycle observed its epoch
-    rows = {r.key: r for r in state.ledger.anchors(worker=state.lifecycle.worker_id,
-                                                   epoch=listing.epoch)}
-    out = []
-    for s in listing.slots:
-        r = rows.get(s.key)
-        out.append({"slot": s.slot, "key": s.key.hex(), "depth": s.depth,
-                    "parent": s.parent.hex() if s.parent else None, "bytes": s.nbytes,
-                    "state": s.state, "pinned": s.pinned, "hits": s.hits, "last_use": s.last_use,
-                    "kind": r.kind if r else None, "tenant": r.tenant if r else None,
-                    "ledger_hits": r.hits if r else None, "last_hit": r.last_hit if r else None,
-                    "epoch": listing.epoch})
-    return json_response({"data": out, "epoch": listing.epoch})
+    out, epochs = [], {}
+    for t in _targets(request):
+        try:
+            listing = await t.worker.slots()  # its life cycle observed its epoch
+        except ApiError:
+            if "worker" in request.query:
+                raise
+            continue
+        epochs[t.name] = listing.epoch
+        rows = {r.key: r for r in state.ledger.anchors(worker=t.id, epoch=listing.epoch)}
+        for s in listing.slots:
+            r = rows.get(s.key)
+            out.append({"slot": s.slot, "key": s.key.hex(), "depth": s.depth,
+                        "parent": s.parent.hex() if s.parent else None, "bytes": s.nbytes,
+                        "state": s.state, "pinned": s.pinned, "hits": s.hits,
+                        "last_use": s.last_use, "kind": r.kind if r else None,
+                        "tenant": r.tenant if r else None,
+                        "ledger_hits": r.hits if r else None,
+                        "last_hit": r.last_hit if r else None, "epoch": listing.epoch,
+                        "worker": t.name})
+    if not epochs:
+        raise ApiError("worker_unavailable", "no worker listed its slots")
+    return json_response({"data": out, "epoch": next(iter(epochs.values())), "epochs": epochs})
 
 
 async def evict(request: web.Request) -> web.Response:
@@ -289,26 +317,86 @@ async def evict(request: web.Request) -> web.Response:
         key = bytes.fromhex(body["key"])
     except (KeyError, TypeError, ValueError):
         raise ApiError("invalid_request", "'key' must be a hex anchor key", param="key") from None
-    return json_response({"key": key.hex(), "evicted": await _state(request).lifecycle.evict(key)})
+    evicted = False
+    for t in _targets(request):
+        evicted = await t.lifecycle.evict(key) or evicted
+    return json_response({"key": key.hex(), "evicted": evicted})
 
 
 async def stats(request: web.Request) -> web.Response:
+    """The ledger's numbers, and the first serving worker's (`worker`, `epoch`...) with
+    every worker's under `workers`."""
     state = _state(request)
-    try:
-        worker: dict[str, Any] | None = await state.worker.stats()
-    except ApiError:
-        worker = None
-    lc = state.lifecycle
-    return json_response({"ledger": state.ledger.stats(), "worker": worker,
-                          "requests": dict(lc.counters),
-                          "epoch": lc.epoch, "worker_url": lc.worker_id,
+    workers = []
+    for t in state.targets.all:
+        try:
+            stats: dict[str, Any] | None = await t.worker.stats()
+        except ApiError:
+            stats = None
+        workers.append({**t.to_json(), "stats": stats})
+    lc = state.targets.primary.lifecycle
+    requests: Counter[str] = Counter()
+    for t in state.targets.all:
+        requests.update(t.lifecycle.counters)
+    first = next(w for w in workers if w["id"] == lc.worker_id)
+    return json_response({"ledger": state.ledger.stats(), "worker": first["stats"],
+                          "requests": dict(requests),
+                          "epoch": lc.epoch, "worker_url": lc.worker_id, "workers": workers,
                           "in_flight": dict(request.app[TENANTS].in_flight),
                           "last_reconcile": lc.last_reconcile.to_json() if lc.last_reconcile else None})
 
 
 async def reconcile(request: web.Request) -> web.Response:
-    report = await _state(request).lifecycle.reconcile("admin")
-    return json_response(report.to_json() if report else {"error": "no slot listing"})
+    """Reconcile the ledger with every worker (`?worker=`: one); the first one's report at
+    the top level, each one's under `workers`."""
+    reports = {t.name: await t.lifecycle.reconcile("admin") for t in _targets(request)}
+    first = next(iter(reports.values()), None)
+    body = first.to_json() if first else {"error": "no slot listing"}
+    return json_response({**body, "workers": {name: r.to_json() if r else None
+                                              for name, r in reports.items()}})
+
+
+# ---- workers (targets) ---------------------------------------------------------------------
+def _targets(request: web.Request) -> list[Target]:
+    """The workers a request names (`?worker=NAME|URL`), or all of them."""
+    targets = _state(request).targets
+    wanted = request.query.get("worker")
+    if wanted is None:
+        return list(targets.all)
+    target = targets.find(wanted)
+    if target is None:
+        raise ApiError("not_found", f"no worker {wanted!r}", param="worker")
+    return [target]
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    targets = _state(request).targets
+    await targets.check_all()  # fresh health and load
+    return json_response({"data": [t.to_json() for t in targets.all],
+                          "route": _state(request).config.route})
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    url = (await _json_body(request)).get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ApiError("invalid_request", "'url' must be the worker's http(s) base URL",
+                       param="url")
+    target = await _state(request).targets.add(url)
+    return json_response(target.to_json())
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    """Drain a worker (no new requests; its in-flight ones finish) and remove it."""
+    state = _state(request)
+    target = state.targets.find(request.match_info["name"])
+    if target is None:
+        raise ApiError("not_found", f"no worker {request.match_info['name']!r}")
+    if len(state.targets.all) == 1:
+        raise ApiError("conflict", "the last worker cannot be removed")
+    in_flight = target.in_flight
+    drained = await state.targets.drain(target, state.config.drain_timeout_s)
+    return json_response({**target.to_json(), "removed": True, "drained": drained,
+                          "in_flight_at_drain": in_flight})
 
 
 def add_routes(app: web.Application) -> None:
@@ -328,3 +416,6 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/admin/share", share)
     r.add_get("/admin/stats", stats)
     r.add_post("/admin/reconcile", reconcile)
+    r.add_get("/admin/workers", list_workers)
+    r.add_post("/admin/workers", add_worker)
+    r.add_delete("/admin/workers/{name}", remove_worker)

@@ -34,6 +34,9 @@ class AnchorIndex:
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self._by_key.values())
+
     def get(self, key: bytes) -> AnchorRecord | None:
         return self._by_key.get(key)
 

@@ -162,14 +162,15 @@ async def messages(request: web.Request) -> web.StreamResponse:
             pass
         return json_response({**message, "content": framer.blocks,
                               **_stop(completion.outcome),
-                              "usage": usage_json(completion.usage())})
+                              "usage": usage_json(completion.usage())},
+                             headers=completion.headers())
 
     # Wait for the first delta before sending headers, so that a worker that is down or
     # rejects the request still gets a proper status code rather than a 200 stream.
     async with contextlib.aclosing(completion.deltas()) as deltas:
         first = await anext(deltas, None)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache", **completion.headers()})
         await resp.prepare(request)
         # the prompt's split into cached and new tokens is known at the end (message_delta)
         start_usage = {"input_tokens": len(completion.split.input_ids), "output_tokens": 0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -15,7 +16,6 @@ from . import admin
 from .anthropic_api import count_tokens, messages
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
-from .lifecycle import AnchorLifecycle
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
 from .planner import tenant_namespace
@@ -23,9 +23,10 @@ from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
 from .splitter.tokenizers import load_tokenizer
 from .state import STATE, ProxyState
+from .targets import Targets
 from .tenants import TENANTS, Tenants, tenant_middleware
 from .toolsets import SHARED_TENANT
-from .worker_client import WorkerClient
+from .worker_client import WorkerClient, WorkerInfo
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -46,6 +47,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """`ok` while any worker serves (each worker's state under `workers`), else 503."""
     state = request.app[STATE]
     status = request.app[WORKER_STATUS]
     process = status().to_json() if status is not None else None
@@ -53,20 +55,46 @@ async def health(request: web.Request) -> web.Response:
     if process is not None and process["state"] != "running":  # `serve` is restarting it
         return json_response({"status": "degraded", "worker": None, **extra,
                               "error": f"worker {process['state']}"}, 503)
-    try:
-        worker = await state.worker.health()
-    except ApiError as e:
-        return json_response({"status": "degraded", "worker": None, **extra,
-                              "error": e.message}, 503)
+    targets = [t for t in state.targets.all if not t.draining]
+    replies = await asyncio.gather(*(t.worker.health() for t in targets), return_exceptions=True)
+    workers, first = [], None
+    for t, reply in zip(targets, replies, strict=True):
+        if isinstance(reply, ApiError):
+            workers.append({"id": t.id, "status": "unavailable", "error": reply.message})
+        elif isinstance(reply, BaseException):
+            raise reply
+        else:
+            workers.append({"id": t.id, **reply.to_json()})
+            first = first or reply
+    if first is None:
+        return json_response({"status": "degraded", "worker": None, "workers": workers, **extra,
+                              "error": "; ".join(w.get("error", "") for w in workers)
+                              or "no worker"}, 503)
     return json_response({"status": "ok", "model": state.info.model_id,
-                          "anchors": state.config.anchors, "worker": worker.to_json(), **extra})
+                          "anchors": state.config.anchors, "worker": first.to_json(),
+                          "workers": workers, **extra})
 
 
 async def refresh_worker_epoch(app: web.Application) -> None:
-    """A (re)started worker is a new epoch: ask its health, whose epoch the anchor life cycle
-    observes, so the old one's anchors are forgotten now (and the ledger reconciled, pinned
-    toolsets re-warmed in the background)."""
-    await app[STATE].worker.health()
+    """A (re)started worker is a new epoch: ask every worker's health, whose epoch its anchor
+    life cycle observes, so the old one's anchors are forgotten now (and the ledger
+    reconciled, pinned toolsets re-warmed in the background)."""
+    await app[STATE].targets.check_all()
+
+
+async def _first_answer(session: aiohttp.ClientSession,
+                        urls: tuple[str, ...]) -> tuple[str, WorkerInfo]:
+    """The first worker that answers `/model_info`, and its answer (the proxy needs one to
+    load the tokenizer; the others may come later)."""
+    error: ApiError | None = None
+    for url in urls:
+        try:
+            return url, await WorkerClient(session, url).model_info()
+        except ApiError as e:
+            log.warning("worker %s: %s", url, e.message)
+            error = error or e
+    assert error is not None
+    raise error
 
 
 def create_app(config: ProxyConfig, *,
@@ -86,28 +114,24 @@ def create_app(config: ProxyConfig, *,
         ledger = Ledger.open(config.state_dir)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as session:
-                worker = WorkerClient(session, config.worker_url)
-                info = await worker.model_info()
+                reached, info = await _first_answer(session, config.worker_urls)
                 tokenizer = load_tokenizer(info.tokenizer_path)
                 adapter = get_adapter(config.adapter, tokenizer,
                                       canonical_tools=config.canonical_tools)
                 splits = SplitPool(adapter, max_pending=config.max_pending_splits)
                 budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
                 shared = ledger.ensure_tenant(SHARED_TENANT)
-                anchors = AnchorLifecycle(
-                    worker, ledger, model_id=info.model_id, epoch=info.epoch,
-                    worker_id=config.worker_url.rstrip("/"),
-                    shared_namespace=tenant_namespace(shared.salt, shared.name),
-                    single_flight_wait_s=config.single_flight_wait_s)
-                app[STATE] = ProxyState(config, worker, info, tokenizer, adapter, splits, budget,
-                                        ledger, anchors, app[METRICS])
+                targets = Targets(config, session, ledger, info,
+                                  tenant_namespace(shared.salt, shared.name))
+                app[STATE] = ProxyState(config, targets, info, tokenizer, adapter, splits, budget,
+                                        ledger, app[METRICS])
                 app[TENANTS] = Tenants(ledger, anonymous=config.anonymous_access,
                                        placeholder_keys=config.placeholder_keys,
                                        default_quotas=config.default_quotas)
-                if config.anchors:
-                    await anchors.start()
-                log.info("proxy ready: model %s, adapter %s, anchors %s, tools in %s order, "
-                         "ledger %s", info.model_id, adapter.name,
+                await targets.start(reached, info)
+                log.info("proxy ready: model %s, %d worker(s) routed by %s, adapter %s, "
+                         "anchors %s, tools in %s order, ledger %s", info.model_id,
+                         len(targets.all), config.route, adapter.name,
                          "on" if config.anchors else "off",
                          "canonical" if config.canonical_tools else "client", config.state_dir)
                 if adapter.deviation:
@@ -116,7 +140,7 @@ def create_app(config: ProxyConfig, *,
                 try:
                     yield
                 finally:
-                    await anchors.close()
+                    await targets.close()
                     splits.close()
         finally:
             ledger.close()

@@ -11,7 +11,12 @@ from anchorcache.state.records import Quotas
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    worker_url: str = "http://127.0.0.1:8001"
+    # the workers (targets) behind the proxy; see proxy/targets.py for routing and failover
+    worker_urls: tuple[str, ...] = ("http://127.0.0.1:8001",)
+    route: str = "affinity"  # affinity | least_load | round_robin
+    route_max_imbalance: int = 2  # affinity yields to a target this many requests less loaded
+    health_interval_s: float = 2.0  # how often every target's /health is asked
+    drain_timeout_s: float = 600.0  # how long removing a worker waits for its requests
     host: str = "127.0.0.1"
     port: int = 8000
     anchors: bool = True  # plan/restore/snapshot anchors; off: same chunking, no anchor traffic
@@ -38,8 +43,19 @@ class ProxyConfig:
     max_pending_splits: int = 64  # requests waiting for the split thread; more get 503 overloaded
 
     def __post_init__(self) -> None:
-        if not self.worker_url.startswith(("http://", "https://")):
-            raise ValueError(f"worker_url must be an http(s) URL, not {self.worker_url!r}")
+        if not self.worker_urls:
+            raise ValueError("at least one worker URL is needed")
+        for url in self.worker_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"a worker URL must be http(s), not {url!r}")
+        if len({u.rstrip("/") for u in self.worker_urls}) != len(self.worker_urls):
+            raise ValueError("a worker URL is given twice")
+        if self.route not in ("affinity", "least_load", "round_robin"):
+            raise ValueError(f"route must be affinity, least_load or round_robin, not {self.route!r}")
+        if self.route_max_imbalance < 0:
+            raise ValueError("route_max_imbalance must be >= 0")
+        if not 0 < self.health_interval_s <= 3600:
+            raise ValueError("health_interval_s must be in (0, 3600]")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, not {self.port}")
         if self.max_body_bytes < 1024:
@@ -56,6 +72,11 @@ class ProxyConfig:
             raise ValueError("the admin token must be at least 16 characters")
         if self.pin_budget_bytes < 0:
             raise ValueError("pin_budget_bytes must be >= 0")
+
+    @property
+    def worker_url(self) -> str:
+        """The first worker (the one `anchorcache serve` supervises)."""
+        return self.worker_urls[0]
 
     @property
     def anonymous_access(self) -> bool:

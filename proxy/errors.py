@@ -76,8 +76,10 @@ class ApiError(Exception):
         return anthropic_body(self.status, self.message, self.param)
 
 
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+def json_response(data: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers=headers)
 
 
 def error_response(err: ApiError, *, anthropic: bool = False) -> web.Response:

@@ -174,7 +174,30 @@ class AnchorLifecycle:
 
         self._spawn(after())
 
+    def lose(self, why: str) -> int:
+        """The worker is out of reach (`targets.py` took it out): forget its anchors and
+        mark them lost in the ledger. Its next reply's epoch, the same or a new one, is then
+        a change: reconciled as a restart is. Returns how many anchors were marked."""
+        if not self.epoch:
+            return 0
+        old = self.epoch
+        self._planner.reset("")
+        lost = self.ledger.lose_worker(self.worker_id)
+        self.ledger.event("worker_lost", None, worker=self.worker_id, epoch=old, lost=lost,
+                          error=why)
+        return lost
+
+    def anchor_count(self) -> int:
+        return len(self._planner.index)
+
+    def anchor_bytes(self) -> int:
+        return self._planner.index.nbytes()
+
     # ---- requests ----------------------------------------------------------------------
+    def restore_depth(self, split: SplitResult, caller: Caller) -> int:
+        """How deep a restore this worker's anchors would give `split` (for routing)."""
+        return self._planner.plan(split, caller.namespace, shared=self.shared_namespace).restore_depth
+
     def chunk_only(self, split: SplitResult) -> Plan:
         """Anchors off: the plan that only chunks the prefill at the cuts."""
         return self._planner.chunk_only(split)

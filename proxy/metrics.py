@@ -8,9 +8,9 @@ Three sources feed it:
   kind, misses by kind and reason, prompt tokens prefilled vs restored, snapshot and
   restore bytes) and `record_reservations` (how the request's reserved snapshot slots
   ended: confirmed, or aborted and why).
-- `WorkerCollector`, at scrape time: the worker's own `/anchor/stats` counters, fetched with
-  a short timeout so a dead or hung worker costs one gauge (`anchorcache_worker_up` 0),
-  never the whole `/metrics` reply.
+- `WorkerCollector`, at scrape time: every worker's own `/anchor/stats` counters (label
+  `worker`), fetched at once with a short timeout so a dead or hung worker costs one gauge
+  (`anchorcache_worker_up` 0), never the whole `/metrics` reply.
 
 Per-tenant series take their label from `TenantLabels`, the one place that maps a tenant id
 to a label: the first `max_tenants` distinct ids pass, later ones become "other", so a flood
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -68,18 +68,39 @@ class TenantLabels:
         return OTHER
 
 
+class WorkerView(Protocol):
+    """What the collector reads of a target (`proxy/targets.py`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def id(self) -> str: ...  # its URL
+    @property
+    def serving(self) -> bool: ...
+    @property
+    def load(self) -> int: ...
+    @property
+    def routed(self) -> int: ...
+
+
 class WorkerCollector:
-    """The worker's `/anchor/stats` as `anchorcache_worker_*` metrics.
+    """Every worker's `/anchor/stats` as `anchorcache_worker_*` metrics, labelled `worker`
+    (its name, w0, w1...), with the proxy's view of it: `anchorcache_worker_healthy`,
+    `anchorcache_worker_load` and `anchorcache_worker_routed`.
 
     `refresh` (async, before each scrape) fetches the numbers; `collect` (sync, called by the
     registry right after, with no await in between) turns them into metric families.
     """
 
     def __init__(self) -> None:
-        self._stats: dict[str, float] | None = None
+        self._stats: dict[str, dict[str, float] | None] = {}
+        self._view: dict[str, tuple[bool, int, int]] = {}  # worker → healthy, load, routed
 
-    async def refresh(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> None:
-        self._stats = await self._fetch(session, base_url, timeout_s)
+    async def refresh(self, session: aiohttp.ClientSession, targets: Sequence[WorkerView],
+                      timeout_s: float) -> None:
+        stats = await asyncio.gather(*(self._fetch(session, t.id, timeout_s) for t in targets))
+        self._stats = {t.name: s for t, s in zip(targets, stats, strict=True)}
+        self._view = {t.name: (t.serving, t.load, t.routed) for t in targets}
 
     @staticmethod
     async def _fetch(session: aiohttp.ClientSession, base_url: str,
@@ -99,16 +120,37 @@ class WorkerCollector:
                 if isinstance(v, int | float) and not isinstance(v, bool)}
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("anchorcache_worker_up",
-                                "1 if the worker answered /anchor/stats at this scrape, else 0",
-                                value=0 if self._stats is None else 1)
-        for name, value in sorted((self._stats or {}).items()):
-            if name in _WORKER_COUNTERS:
-                yield CounterMetricFamily(f"anchorcache_worker_{name}",
-                                          f"worker anchor store: {name} (cumulative)", value=value)
-            else:
-                yield GaugeMetricFamily(f"anchorcache_worker_{name}",
-                                        f"worker anchor store: {name}", value=value)
+        up = GaugeMetricFamily("anchorcache_worker_up",
+                               "1 if the worker answered /anchor/stats at this scrape, else 0",
+                               labels=["worker"])
+        healthy = GaugeMetricFamily("anchorcache_worker_healthy",
+                                    "1 while the proxy routes to the worker, else 0",
+                                    labels=["worker"])
+        load = GaugeMetricFamily("anchorcache_worker_load",
+                                 "the worker's load as routing sees it (requests)",
+                                 labels=["worker"])
+        routed = CounterMetricFamily("anchorcache_worker_routed",
+                                     "requests routed to the worker", labels=["worker"])
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        for worker, stats in sorted(self._stats.items()):
+            up.add_metric([worker], 0 if stats is None else 1)
+            ok, n, r = self._view[worker]
+            healthy.add_metric([worker], int(ok))
+            load.add_metric([worker], n)
+            routed.add_metric([worker], r)
+            for name, value in sorted((stats or {}).items()):
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = (
+                        CounterMetricFamily(f"anchorcache_worker_{name}",
+                                            f"worker anchor store: {name} (cumulative)",
+                                            labels=["worker"])
+                        if name in _WORKER_COUNTERS else
+                        GaugeMetricFamily(f"anchorcache_worker_{name}",
+                                          f"worker anchor store: {name}", labels=["worker"]))
+                family.add_metric([worker], value)
+        yield from (up, healthy, load, routed)
+        yield from (families[k] for k in sorted(families))
 
 
 class ProxyMetrics:
@@ -239,7 +281,7 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """`GET /metrics`: the app's registry, the worker's counters refreshed first."""
     metrics = request.app[METRICS]
-    worker = request.app[STATE].worker
-    await metrics.worker.refresh(worker.session, worker.base_url, metrics.worker_timeout_s)
+    targets = request.app[STATE].targets
+    await metrics.worker.refresh(targets.session, list(targets.all), metrics.worker_timeout_s)
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
     return web.Response(body=encoder(metrics.registry), headers={"Content-Type": content_type})

@@ -139,7 +139,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                          **_choice_extra(o)}
                         for i, o in enumerate(completion.outcomes)],
             "usage": usage_json(completion.usage()),
-        })
+        }, headers=completion.headers())
 
     def frame(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         data = {"id": cid, "object": "chat.completion.chunk", "created": created,
@@ -159,7 +159,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with contextlib.aclosing(completion.choice_deltas()) as pieces:
         first = await anext(pieces, None)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache", **completion.headers()})
         await resp.prepare(request)
         for i in range(req.n):
             await resp.write(frame([{"index": i, "delta": {"role": "assistant", "content": ""},

@@ -47,6 +47,7 @@ from .schema import ToolChoice, rendered_chars
 from .splitter.types import OutputDelta, SplitResult
 from .state import ProxyState
 from .structured import FAMILY, Constraint, ResponseFormat, build_constraint
+from .targets import Target
 from .tenants import TenantContext
 from .worker_client import Chunk
 
@@ -111,6 +112,15 @@ def check_model(state: ProxyState, model: str) -> None:
                        f"serves {state.info.model_id!r}", param="model")
 
 
+async def _prepend(first: Chunk, rest: AsyncGenerator[Chunk, None]
+                   ) -> AsyncGenerator[Chunk, None]:
+    """`first`, then the rest of the stream; closing this closes the stream."""
+    async with contextlib.aclosing(rest):
+        yield first
+        async for chunk in rest:
+            yield chunk
+
+
 class Completion:
     """One request's run through the pipeline. Build it with `Completion.create`, consume
     `deltas()` once (inside `contextlib.aclosing`), then read `outcome` and `usage()`."""
@@ -128,6 +138,7 @@ class Completion:
         self.started = time.perf_counter() if started is None else started
         self.ttft_s: float | None = None  # pipeline start → first generated token
         self.constraint = self._constraint()
+        self.target: Target | None = None  # the worker serving it, once routed
 
     @classmethod
     async def create(cls, state: ProxyState, gen: Generation, *,
@@ -212,20 +223,13 @@ class Completion:
                                                              tool_choice=parser_choice),
                           stop=gen.stop, stop_ids=stop_ids, markers=markers)
                    for i in range(gen.n)]
-        flight: Flight | None = None
-        if state.anchors_on and gen.anchors:  # opens the reservation: the `finally` closes it
-            flight = await state.lifecycle.begin(self.rid, self.caller, self.split)
         settled = kept = False  # kept: a stop sequence ended it, its prompt anchors kept
         samples_done = 0  # samples the worker has finished
         reason = "cancelled"  # why the reservation is aborted, if it is
+        flight: Flight | None = None
         plan: Plan | None = None
         try:
-            plan = flight.plan if flight is not None else state.lifecycle.chunk_only(self.split)
-            req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
-                                  stream=True, anchor=plan.request,
-                                  return_logprob=gen.logprobs, top_logprobs_num=gen.top_logprobs)
-            # held open until the anchors are kept: a dropped stream aborts the worker request
-            chunks = cast(AsyncGenerator[Chunk, None], state.worker.generate(req))
+            target, flight, plan, chunks = await self._start(prompt_ids, sampling)
             async with contextlib.aclosing(chunks) as stream:
                 async for chunk in stream:
                     if not 0 <= chunk.index < len(choices):
@@ -244,14 +248,14 @@ class Completion:
                         reason = "stop_sequence"
                         break  # stop sequences ended what the worker still generates
                 if reason == "stop_sequence" and flight is not None:
-                    kept = await asyncio.shield(state.lifecycle.keep_prompt_anchors(flight))
+                    kept = await asyncio.shield(target.lifecycle.keep_prompt_anchors(flight))
             for c in choices:  # a worker that ended without a choice's finish
                 if not c.closed:
                     for d in c.close():
                         yield ChoiceDelta(c.index, d)
             if samples_done == len(choices) and self.meta is not None:
                 if flight is not None:
-                    await asyncio.shield(state.lifecycle.settle(flight, self.meta))
+                    await asyncio.shield(target.lifecycle.settle(flight, self.meta))
                 settled = True
         except ApiError as e:
             reason = e.kind
@@ -261,14 +265,61 @@ class Completion:
             raise
         finally:
             try:
-                if not settled:
+                if not settled and self.target is not None:
                     # client gone, stop sequence, or worker failure: nothing may linger
                     if flight is not None:
-                        state.lifecycle.fail(flight, reason)
-                    await asyncio.shield(self._abort())
+                        self.target.lifecycle.fail(flight, reason)
+                    await asyncio.shield(self._abort(self.target))
             finally:
+                if self.target is not None:
+                    self.target.leave()
                 self._observe(plan, flight is not None, "ok" if settled else reason,
                               settled or kept)
+
+    async def _start(self, prompt_ids: tuple[int, ...], sampling: SamplingParams
+                     ) -> tuple[Target, Flight | None, Plan, AsyncGenerator[Chunk, None]]:
+        """Route the request (targets.py), open its reservation there and start it, up to
+        the worker's first chunk. A worker that cannot be reached before then is taken out
+        and the request goes to the next one: nothing has reached the client yet. Sets
+        `self.target` (counted in flight there until the request ends)."""
+        state, gen = self.state, self.gen
+        tried: set[str] = set()
+        while True:
+            anchored = state.anchors_on and gen.anchors
+            target = state.targets.route(self.split, self.caller if anchored else None,
+                                         frozenset(tried))
+            self.target, flight = target, None
+            target.enter()
+            if anchored:  # opens the reservation: `choice_deltas` closes it
+                flight = await target.lifecycle.begin(self.rid, self.caller, self.split)
+            plan = flight.plan if flight is not None else target.lifecycle.chunk_only(self.split)
+            req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
+                                  stream=True, anchor=plan.request,
+                                  return_logprob=gen.logprobs, top_logprobs_num=gen.top_logprobs)
+            # held open until the anchors are kept: a dropped stream aborts the worker request
+            chunks = cast(AsyncGenerator[Chunk, None], target.worker.generate(req))
+            try:
+                first = await anext(chunks)
+            except BaseException as e:
+                await asyncio.shield(chunks.aclose())
+                if flight is not None:
+                    target.lifecycle.fail(flight, e.kind if isinstance(e, ApiError) else "error")
+                if not isinstance(e, ApiError) or e.kind not in ("worker_unavailable",
+                                                                 "worker_error"):
+                    raise  # `choice_deltas` aborts it on the worker
+                if e.kind == "worker_error":  # it failed this request: dead, or alive?
+                    await state.targets.check(target)
+                    if target.healthy:
+                        raise
+                self.target = None
+                target.leave()
+                state.targets.down(target, e.message)
+                tried.add(target.id)
+                log.warning("request %s: worker %s failed before replying (%s); retrying "
+                            "elsewhere", self.rid, target.id, e.message)
+                self.rid = uuid.uuid4().hex  # a new reservation: the failed one stays closed
+                continue
+            return target, flight, plan, _prepend(first, chunks)
 
     def _observe(self, plan: Plan | None, reserved: bool, reason: str, confirmed: bool) -> None:
         """The one place the pipeline feeds the metrics (`reason`: why the reservation
@@ -287,12 +338,18 @@ class Completion:
         except Exception:
             log.exception("recording metrics of request %s failed", self.rid)
 
-    async def _abort(self) -> None:
+    async def _abort(self, target: Target) -> None:
         """Abort the worker request; the worker then drops every snapshot it staged for it."""
+        if not target.healthy:
+            return  # out of reach: its requests and staged snapshots are gone or reconciled
         try:
-            await self.state.worker.abort(self.rid)
+            await target.worker.abort(self.rid)
         except ApiError:
             pass
+
+    def headers(self) -> dict[str, str]:
+        """Response headers: which worker served the request (for operators and tests)."""
+        return {"X-Anchorcache-Worker": self.target.name} if self.target is not None else {}
 
     def usage(self) -> Usage:
         """The request's usage: one prompt (prefilled once), every choice's completion."""

@@ -1,5 +1,6 @@
-"""What a running proxy holds: config, worker client and info, tokenizer, splitter (and the
-thread it runs on), ledger and the anchor life cycle (which alone holds the planner)."""
+"""What a running proxy holds: config, the workers (targets, each with its client and anchor
+life cycle, which alone holds its planner), the model's info and tokenizer, the splitter
+(and the thread it runs on) and the ledger."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from aiohttp import web
 from anchorcache.state.ledger import Ledger
 
 from .config import ProxyConfig
-from .lifecycle import AnchorLifecycle
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
-from .worker_client import WorkerClient, WorkerInfo
+from .targets import Targets
+from .worker_client import WorkerInfo
 
 if TYPE_CHECKING:  # metrics.py reads STATE from here
     from .metrics import ProxyMetrics
@@ -23,14 +24,13 @@ if TYPE_CHECKING:  # metrics.py reads STATE from here
 @dataclass
 class ProxyState:
     config: ProxyConfig
-    worker: WorkerClient
-    info: WorkerInfo
+    targets: Targets  # the workers, routing and failover
+    info: WorkerInfo  # the model's (every target serves the same)
     tokenizer: Any
     adapter: Adapter
     splits: SplitPool  # render + tokenize, off the event loop
     budget: TokenBudget  # early refusal of text that cannot fit the context
     ledger: Ledger
-    lifecycle: AnchorLifecycle  # the one owner of plan → generate → confirm/abort → record
     metrics: ProxyMetrics  # the same object as app[METRICS]
 
     @property

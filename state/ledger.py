@@ -307,6 +307,15 @@ class Ledger:
                     [status.value, now, worker, epoch, key.hex()]).rowcount
         return n
 
+    def lose_worker(self, worker: str) -> int:
+        """`worker` went out of reach: its committed and reserved anchors become lost (a
+        reconcile at the same epoch, once it answers again, takes back those it still lists).
+        Returns how many."""
+        with self.db.conn:
+            return self.db.execute(
+                "UPDATE anchors SET status = 'lost', updated_at = ? WHERE worker = ? "
+                "AND status IN ('committed', 'reserved')", [self.clock(), worker]).rowcount
+
     def record_hits(self, worker: str, epoch: str, keys: Iterable[bytes]) -> None:
         now = self.clock()
         with self.db.conn:
@@ -359,7 +368,8 @@ class Ledger:
         `held`: the worker's committed slots; `staged`: its reserved (unconfirmed) slots as
         (slot, key); `in_flight`: rids this proxy is still running (their reservations and
         reserved anchors are left to them; empty at start). Anchors of other epochs become
-        lost; committed anchors the worker no longer lists become evicted; reserved anchors it
+        lost (and lost ones of this epoch it still lists, committed again: it was out of
+        reach, not restarted); committed anchors the worker no longer lists become evicted; reserved anchors it
         lists as committed are adopted (a confirm whose reply was lost), the others aborted;
         open reservations not in flight are closed as abandoned.
         """
@@ -375,11 +385,18 @@ class Ledger:
                 "AND status IN ('committed', 'reserved')", [now, worker, epoch]).rowcount
             rows = list(self.db.execute(
                 "SELECT key, depth, status, slot, rid FROM anchors WHERE worker = ? AND epoch = ? "
-                "AND status IN ('committed', 'reserved')", [worker, epoch]).fetchall())
+                "AND status IN ('committed', 'reserved', 'lost')", [worker, epoch]).fetchall())
             for key, depth, status, slot, rid in rows:
                 if status == "reserved" and rid in keep:
                     continue
                 h = by_key.get(key)
+                if status == "lost":  # the worker was out of reach, not restarted
+                    if h is not None and h.depth == depth:
+                        self.db.execute("UPDATE anchors SET status = 'committed', slot = ?, "
+                                        "nbytes = ?, updated_at = ? WHERE worker = ? AND epoch = ? "
+                                        "AND key = ?", [h.slot, h.nbytes, now, worker, epoch, key])
+                        kept += 1
+                    continue
                 if h is not None and h.depth == depth:
                     self.db.execute("UPDATE anchors SET status = 'committed', slot = ?, nbytes = ?, "
                                     "updated_at = ? WHERE worker = ? AND epoch = ? AND key = ?",

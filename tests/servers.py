@@ -89,15 +89,17 @@ ADMIN_TOKEN = "test-admin-token-0123456789"
 
 
 @contextmanager
-def proxy_process(worker_url: str, *extra: str, env: dict[str, str] | None = None,
+def proxy_process(worker_url: str | list[str], *extra: str, env: dict[str, str] | None = None,
                   state_dir: str | None = None, port: int | None = None) -> Iterator[Server]:
     """A proxy with its own ledger (a fresh temporary one unless `state_dir` is given) and
-    the admin API on (token `ADMIN_TOKEN`)."""
+    the admin API on (token `ADMIN_TOKEN`), in front of one worker or several."""
+    urls = [worker_url] if isinstance(worker_url, str) else worker_url
     with contextlib.ExitStack() as stack:
         if state_dir is None:
             state_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="anchorcache-state-"))
         env = {"ANCHORCACHE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})}
-        server = _spawn(["proxy", "--worker", worker_url, "--state-dir", state_dir, *extra],
+        workers = [arg for url in urls for arg in ("--worker", url)]
+        server = _spawn(["proxy", *workers, "--state-dir", state_dir, *extra],
                         port or free_port(), env)
         try:
             yield server

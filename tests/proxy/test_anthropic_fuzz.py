@@ -65,7 +65,7 @@ FUZZ = settings(max_examples=250, derandomize=True, database=None, deadline=None
 
 @pytest.fixture()
 async def client(aiohttp_client, worker):
-    return await aiohttp_client(create_app(ProxyConfig(worker_url=worker.url)))
+    return await aiohttp_client(create_app(ProxyConfig(worker_urls=(worker.url,))))
 
 
 async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -115,10 +116,19 @@ async def test_a_dead_or_hung_worker_costs_one_gauge(aiohttp_server):
     m = ProxyMetrics(worker_timeout_s=0.2)
     async with aiohttp.ClientSession() as session:
         for url in (_closed_port_url(), str(hung.make_url(""))):
-            await m.worker.refresh(session, url, m.worker_timeout_s)
+            await m.worker.refresh(session, [View("w0", url)], m.worker_timeout_s)
             s = parse(generate_latest(m.registry).decode())
-            assert value(s, "anchorcache_worker_up") == 0
+            assert value(s, "anchorcache_worker_up", worker="w0") == 0
             assert not [k for k in s if k[0].startswith("anchorcache_worker_hits")]
+
+
+@dataclass
+class View:
+    name: str
+    id: str
+    serving: bool = True
+    load: int = 0
+    routed: int = 0
 
 
 # ---- a real proxy and worker --------------------------------------------------------------
@@ -186,15 +196,15 @@ def test_counters_move_by_the_exact_amounts_of_a_replay(metered: Server, worker:
     # every snapshot was confirmed: what the proxy counted written, the worker counted confirmed
     written = total(d, "anchorcache_snapshots_total", tenant=DEFAULT_TENANT)
     assert written > 0
-    assert value(d, "anchorcache_worker_confirms_total") == written
+    assert value(d, "anchorcache_worker_confirms_total", worker="w0") == written
     assert value(d, "anchorcache_reservations_total", tenant=DEFAULT_TENANT, outcome="confirmed",
                  reason="ok") == n
     assert total(d, "anchorcache_reservations_total", outcome="aborted") == 0
     # the worker's own counters, as they were at the scrape
-    assert value(after, "anchorcache_worker_up") == 1
+    assert value(after, "anchorcache_worker_up", worker="w0") == 1
     for name in ("hits", "misses", "confirms", "aborts"):
-        assert value(after, f"anchorcache_worker_{name}_total") == worker_stats[name]
-    assert value(after, "anchorcache_worker_bytes_used") == worker_stats["bytes_used"]
+        assert value(after, f"anchorcache_worker_{name}_total", worker="w0") == worker_stats[name]
+    assert value(after, "anchorcache_worker_bytes_used", worker="w0") == worker_stats["bytes_used"]
 
 
 @pytest.mark.slow

@@ -161,7 +161,7 @@ FUZZ = settings(max_examples=1200, derandomize=True, database=None, deadline=Non
 
 @pytest.fixture()
 async def client(aiohttp_client, worker, tmp_path):
-    config = ProxyConfig(worker_url=worker.url, default_max_tokens=1, state_dir=str(tmp_path))
+    config = ProxyConfig(worker_urls=(worker.url,), default_max_tokens=1, state_dir=str(tmp_path))
     return await aiohttp_client(create_app(config))
 
 

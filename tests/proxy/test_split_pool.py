@@ -50,7 +50,7 @@ def chat(text: str, **extra) -> dict:
 
 @pytest.fixture()
 async def client(aiohttp_client, worker, tmp_path):
-    config = ProxyConfig(worker_url=worker.url, max_body_bytes=32 * MiB, max_pending_splits=2,
+    config = ProxyConfig(worker_urls=(worker.url,), max_body_bytes=32 * MiB, max_pending_splits=2,
                          state_dir=str(tmp_path))
     return await aiohttp_client(create_app(config))
 

@@ -145,6 +145,23 @@ def test_reconcile_on_a_new_epoch_loses_everything_old(ledger):
     assert ledger.anchors(worker="http://other")[0].status == AnchorStatus.COMMITTED
 
 
+def test_a_worker_out_of_reach_loses_its_anchors_until_it_answers_again(ledger):
+    ledger.record_held(W, E1, NS, "t", [anchor(1, 10), anchor(2, 20, 1)])
+    ledger.record_held("http://other", E1, NS, "t", [anchor(1, 10)])
+    assert ledger.lose_worker(W) == 2
+    assert {a.status for a in ledger.anchors(worker=W)} == {AnchorStatus.LOST}
+    assert ledger.anchors(worker="http://other")[0].status == AnchorStatus.COMMITTED
+    # back at the same epoch (it was unreachable, not restarted): what it still lists returns
+    report = ledger.reconcile(W, E1, [HeldSlot(1, key(1), 10, None, 1000)])
+    assert (report.kept, report.lost, report.evicted) == (1, 0, 0)
+    status = {a.key: a.status for a in ledger.anchors(worker=W)}
+    assert status == {key(1): AnchorStatus.COMMITTED, key(2): AnchorStatus.LOST}
+    # back under a new epoch (restarted): nothing returns
+    ledger.lose_worker(W)
+    ledger.reconcile(W, E2, [HeldSlot(1, key(1), 10, None, 1000)])
+    assert {a.status for a in ledger.anchors(worker=W)} == {AnchorStatus.LOST}
+
+
 def test_reconcile_leaves_requests_in_flight_alone(ledger):
     ledger.open_reservation("live", "t", W, E1)
     ledger.record_written("live", W, E1, NS, "t", [anchor(1, 10)])

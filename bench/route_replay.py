@@ -1,0 +1,232 @@
+"""Agent traffic through one proxy in front of two workers: affinity routing against
+round-robin and least-load, and a worker killed halfway (issue 22).
+
+Starts two workers (SGLang with the CPU recipe by default, each with a KV pool about 1.2x
+the longest request; `--backend embedded` for the embedded worker) on the tiny Qwen3 (the
+real Qwen3 tokenizer) unless `--model`, then for each routing policy a fresh proxy (its own
+ledger) in front of both, the workers' device caches flushed first. `--conversations`
+BFCL conversations over `--toolsets` toolsets run `--concurrent` at a time, each its turns
+in order, as agents would. Per policy: prompt tokens prefilled against the ideal (tokens
+that no earlier request presented), TTFT p50/p99 per turn, requests/s, and the proxy's
+CPU milliseconds per request (user + system time of its process over the run). Then the
+affinity run again with the second worker SIGKILLed halfway: failed requests (only those
+streaming on it when it died may fail, with an error event; the agent retries them once),
+and the prefill it cost. Prints a table, writes bench/results/<name>.json and
+.png.
+
+    .venv/bin/python bench/route_replay.py [--backend sglang] [--conversations 16]
+        [--concurrent 4] [--turns 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import itertools
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from replay_bench import model_or_tiny, spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
+
+from anchorcache import bench  # noqa: E402
+from anchorcache.proxy.splitter import get_adapter  # noqa: E402
+from anchorcache.proxy.splitter.tokenizers import load_tokenizer  # noqa: E402
+from tests.data import conversations, turn_requests  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+POLICIES = ("affinity", "least_load", "round_robin")
+
+
+def pick(n: int, toolsets: int, turns: int) -> list[dict]:
+    """`n` conversations with at least `turns` turns from the `toolsets` most common
+    toolsets (by first tool), taken in turn from each."""
+    groups: dict[str, list[dict]] = {}
+    for conv in sorted(conversations("base"), key=lambda c: len(str(c))):
+        if len(turn_requests(conv, turns)) == turns:
+            groups.setdefault(conv["tools"][0]["function"]["name"], []).append(conv)
+    top = sorted(groups.values(), key=len, reverse=True)[:toolsets]
+    return [top[i % len(top)][i // len(top)] for i in range(n)]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def flush(workers: list[str]) -> None:
+    for w in workers:
+        try:
+            httpx.post(w + "/flush_cache", timeout=60)  # SGLang's device tree; absent: no-op
+        except httpx.HTTPError:
+            pass
+
+
+def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: int,
+        prompts: dict[tuple[int, int], list[int]],
+        kill: tuple[int, Callable[[], None]] | None = None) -> dict:
+    """Every conversation's turns in order, `concurrent` conversations at once. `kill`:
+    (at which request, what to call just before sending it)."""
+    order: list[tuple[int, int]] = []  # (conversation, turn) in the order sent
+    replies: dict[tuple[int, int], bench.Reply] = {}
+    failures: list[str] = []
+    lock = threading.Lock()
+    sent = itertools.count(1)
+
+    def one(c: int) -> None:
+        with httpx.Client(timeout=900) as client:
+            for t in range(turns):
+                n = next(sent)
+                if kill is not None and n == kill[0]:
+                    kill[1]()
+                with lock:
+                    order.append((c, t))
+                messages = turn_requests(convs[c], turns)[t]
+                for attempt in (1, 2):  # an agent retries a failed turn once
+                    try:
+                        replies[c, t] = bench.ask(client, bench.Target(proxy), messages,
+                                                  convs[c]["tools"], max_tokens)
+                        break
+                    except bench.BenchError as e:
+                        failures.append(str(e))
+                        if attempt == 2:
+                            return
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrent) as pool:
+        list(pool.map(one, range(len(convs))))
+    wall = time.perf_counter() - t0
+    # ideal: the tokens of each prompt that no prompt sent before it presented
+    seen: list[list[int]] = []
+    ideal = 0
+    for key in order:
+        p = prompts[key]
+        ideal += len(p) - max((bench.lcp(p, q) for q in seen), default=0)
+        seen.append(p)
+    per_turn = {}
+    for t in range(turns):
+        ttfts = sorted(r.ttft_s for (_, tt), r in replies.items() if tt == t)
+        if ttfts:
+            per_turn[t + 1] = {"ttft_p50_s": round(statistics.median(ttfts), 4),
+                               "ttft_p99_s": round(ttfts[min(len(ttfts) - 1,
+                                                            int(0.99 * len(ttfts)))], 4)}
+    prefilled = sum(r.usage["prompt_tokens"] - r.usage["prompt_tokens_details"]["cached_tokens"]
+                    for r in replies.values())
+    return {"requests": len(replies), "failed": len(failures), "failures": failures[:5],
+            "wall_s": round(wall, 2), "requests_per_s": round(len(replies) / wall, 3),
+            "prompt_tokens": sum(len(prompts[k]) for k in replies), "prefilled": prefilled,
+            "ideal": ideal, "prefill_over_ideal": round(prefilled / max(1, ideal), 3),
+            "per_turn": per_turn}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="sglang", choices=("sglang", "embedded"))
+    ap.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--toolsets", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--concurrent", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--name", default=None, help="default: route_replay_<backend>")
+    args = ap.parse_args()
+    name = args.name or f"route_replay_{args.backend}"
+
+    model = model_or_tiny(args.model)
+    adapter = get_adapter("auto", load_tokenizer(model))
+    convs = pick(args.conversations, args.toolsets, args.turns)
+    prompts = {(c, t): list(adapter.split(m, conv["tools"] or None).input_ids)
+               for c, conv in enumerate(convs)
+               for t, m in enumerate(turn_requests(conv, args.turns))}
+    longest = max(len(p) for p in prompts.values())
+    if args.backend == "sglang":
+        worker_args = ("worker", "--backend", "sglang", "--model", model)
+        tail: tuple[str, ...] = ("--", "--max-total-tokens", str(int(1.2 * longest) + 64))
+    else:
+        worker_args, tail = ("worker", "--model", model, "--threads", "1"), ()
+    print(f"{len(convs)} conversations x {args.turns} turns, {args.concurrent} at a time; "
+          f"prompts up to {longest} tokens; backend {args.backend}", flush=True)
+
+    results: dict[str, dict] = {}
+    with ExitStack() as stack:
+        workers = [stack.enter_context(spawn(*worker_args, tail=tail)) for _ in range(2)]
+        for policy in POLICIES:
+            flush(workers)
+            with spawn("proxy", *itertools.chain(*(("--worker", w) for w in workers)),
+                       "--route", policy) as proxy:
+                before = cpu_s(proxy.pid)
+                results[policy] = run(proxy, convs, args.turns, args.concurrent, args.max_tokens,
+                                      prompts)
+                used = cpu_s(proxy.pid) - before
+                results[policy]["proxy_cpu_ms_per_request"] = round(
+                    1e3 * used / max(1, results[policy]["requests"]), 2)
+            print(policy, json.dumps({k: v for k, v in results[policy].items()
+                                      if k != "per_turn"}), flush=True)
+        # affinity with the second worker SIGKILLed halfway (a fresh one: the pair above stays)
+        flush(workers[:1])
+        with spawn(*worker_args, tail=tail) as doomed, \
+                spawn("proxy", "--worker", workers[0], "--worker", doomed, "--route", "affinity",
+                      "--health-interval-s", "1") as proxy:
+            half = len(prompts) // 2
+            results["affinity_killed_halfway"] = run(
+                proxy, convs, args.turns, args.concurrent, args.max_tokens, prompts,
+                kill=(half, lambda: os.killpg(doomed.pid, signal.SIGKILL)))
+            print("killed", json.dumps({k: v for k, v in results["affinity_killed_halfway"].items()
+                                        if k != "per_turn"}), flush=True)
+
+    print()
+    print(f"{'run':>24} {'req':>4} {'fail':>4} {'prefilled':>9} {'ideal':>7} {'ratio':>6} "
+          f"{'req/s':>6} {'cpu ms/req':>10} " + " ".join(f"t{t} p50/p99" for t in
+                                                        range(1, args.turns + 1)))
+    for run_name, r in results.items():
+        ttft = " ".join(f"{r['per_turn'][t]['ttft_p50_s']:.2f}/{r['per_turn'][t]['ttft_p99_s']:.2f}"
+                        if t in r["per_turn"] else "-" for t in range(1, args.turns + 1))
+        print(f"{run_name:>24} {r['requests']:>4} {r['failed']:>4} {r['prefilled']:>9} "
+              f"{r['ideal']:>7} {r['prefill_over_ideal']:>6} {r['requests_per_s']:>6} "
+              f"{r.get('proxy_cpu_ms_per_request', '-'):>10} {ttft}")
+    data = {"backend": args.backend, "model": model, "conversations": len(convs),
+            "turns": args.turns, "concurrent": args.concurrent, "longest_prompt": longest,
+            "runs": results}
+    bench.write_json(data, RESULTS / f"{name}.json")
+    plot(results, args.turns, RESULTS / f"{name}.png",
+         f"2 {args.backend} workers, {len(convs)} BFCL conversations, {args.concurrent} at a time")
+
+
+def plot(results: dict[str, dict], turns: int, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(results)
+    ax1.bar(names, [results[n]["prefill_over_ideal"] for n in names])
+    ax1.axhline(1.0, color="gray", linestyle="--")
+    ax1.set_ylabel("prefilled / ideal")
+    ax1.tick_params(axis="x", rotation=20)
+    for n in names:
+        ts = [t for t in range(1, turns + 1) if t in results[n]["per_turn"]]
+        ax2.plot(ts, [results[n]["per_turn"][t]["ttft_p50_s"] for t in ts], marker="o", label=n)
+    ax2.set_xlabel("turn")
+    ax2.set_ylabel("TTFT p50 (s)")
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

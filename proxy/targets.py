@@ -1,0 +1,270 @@
+"""The workers behind the proxy (targets), and which one serves each request.
+
+A target is one worker URL; its id (the URL) is the ledger's `worker` column, so the ledger
+records which target holds each anchor, under that target's epoch. Each target has its own
+`WorkerClient` and its own `AnchorLifecycle` (planner, index, epoch), so everything the
+single-worker proxy did per worker (reconcile, re-warm pinned toolsets, quotas) happens per
+target unchanged. `Targets` adds what is between them:
+
+- **Routing** (`route`), by policy (`ProxyConfig.route`):
+  - `affinity` (default): the target whose anchors give the request the deepest restore
+    (its planner's plan, the same one `begin` makes), among the targets whose load is at
+    most `route_max_imbalance` above the least-loaded one; ties go to the less loaded, then
+    to the one that got fewer requests. So a conversation's next turn goes where its chain
+    is, a new conversation goes to the least-loaded target that holds its instruction
+    anchor, and a toolset whose target is busy gets its instruction anchor written on a
+    second target by the request that overflows there.
+  - `least_load`: the least-loaded target; `round_robin`: each in turn (for comparison).
+  Load is the larger of the requests this proxy has in flight on the target and the running
+  plus queued requests the worker's `/health` reported at the last check (other clients').
+- **Failover**: a target that refuses connections, or fails its health check, is taken out
+  (`down`): its anchors are marked lost in the ledger and forgotten by its planner; the
+  pipeline retries a request that has not streamed anything on the next target. A health
+  check every `health_interval_s` brings it back; its life cycle then reconciles under the
+  epoch it answers with (a restarted worker's anchors stay lost; a worker that was only
+  unreachable gets back those it still lists). With every target out, requests are still
+  tried on them (the answer is then the worker's own 503).
+- **Live changes**: `add(url)` (checked to serve the same model and tokenizer), `drain(id)`
+  (no new requests; removed once its in-flight requests end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from anchorcache.state.ledger import Ledger
+
+from .config import ProxyConfig
+from .errors import ApiError
+from .lifecycle import AnchorLifecycle, Caller
+from .splitter.types import SplitResult
+from .worker_client import WorkerClient, WorkerInfo
+
+log = logging.getLogger("anchorcache.proxy")
+
+POLICIES = ("affinity", "least_load", "round_robin")
+
+
+@dataclass(eq=False)
+class Target:
+    name: str  # w0, w1, ... in the order added (the admin API's and ops' handle)
+    id: str  # the worker's URL: the ledger's `worker` column
+    worker: WorkerClient
+    lifecycle: AnchorLifecycle
+    healthy: bool = True
+    verified: bool = True  # it answered /model_info with this proxy's model
+    draining: bool = False
+    in_flight: int = 0  # this proxy's requests on it now
+    reported: int = 0  # running + queued requests at its last health check
+    routed: int = 0  # requests routed to it since it was added
+    error: str | None = None  # why it is out, while it is
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while in_flight is 0
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def enter(self) -> None:
+        """A request of this proxy starts on it."""
+        self.in_flight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.reported)
+
+    @property
+    def serving(self) -> bool:
+        return self.healthy and not self.draining
+
+    def to_json(self) -> dict[str, Any]:
+        lc = self.lifecycle
+        n = lc.counters["count"]
+        return {"name": self.name, "id": self.id, "url": self.id, "healthy": self.healthy, "draining": self.draining,
+                "error": self.error, "epoch": lc.epoch, "load": self.load,
+                "in_flight": self.in_flight, "reported_load": self.reported,
+                "routed": self.routed, "anchors": lc.anchor_count(),
+                "bytes": lc.anchor_bytes(), "requests": n,
+                "hit_rate": round(lc.counters["hits"] / n, 4) if n else None,
+                "prompt_tokens": lc.counters["prompt_tokens"],
+                "cached_tokens": lc.counters["cached_tokens"]}
+
+
+class Targets:
+    def __init__(self, config: ProxyConfig, session: aiohttp.ClientSession, ledger: Ledger,
+                 info: WorkerInfo, shared_namespace: bytes) -> None:
+        self.config = config
+        self.session = session
+        self.ledger = ledger
+        self.info = info  # the first worker's: every other must serve the same model
+        self.shared_namespace = shared_namespace
+        self.all: list[Target] = []
+        self._turn = itertools.count()
+        self._names = itertools.count()
+        self._watch: asyncio.Task[None] | None = None
+
+    # ---- membership -----------------------------------------------------------------------
+    def get(self, target_id: str) -> Target | None:
+        return next((t for t in self.all if t.id == target_id), None)
+
+    def find(self, handle: str) -> Target | None:
+        """A target by name (w0...) or URL."""
+        url = handle.rstrip("/")
+        return next((t for t in self.all if handle == t.name or url == t.id), None)
+
+    def serving(self) -> list[Target]:
+        return [t for t in self.all if t.serving]
+
+    @property
+    def primary(self) -> Target:
+        """The first serving target (or the first at all): for single-worker callers."""
+        return next((t for t in self.all if t.serving), self.all[0])
+
+    def _new(self, url: str, info: WorkerInfo | None) -> Target:
+        worker = WorkerClient(self.session, url)
+        lifecycle = AnchorLifecycle(
+            worker, self.ledger, model_id=self.info.model_id,
+            epoch=info.epoch if info is not None else "", worker_id=worker.base_url,
+            shared_namespace=self.shared_namespace,
+            single_flight_wait_s=self.config.single_flight_wait_s)
+        return Target(f"w{next(self._names)}", worker.base_url, worker, lifecycle, healthy=info is not None,
+                      verified=info is not None,
+                      error=None if info is not None else "not reached yet")
+
+    def _check_model(self, info: WorkerInfo) -> None:
+        mine = self.info
+        if (info.model_id, info.tokenizer_path, info.eos_token_ids) != \
+                (mine.model_id, mine.tokenizer_path, mine.eos_token_ids):
+            raise ApiError("invalid_request", f"that worker serves {info.model_id!r} "
+                           f"(tokenizer {info.tokenizer_path!r}); this proxy serves "
+                           f"{mine.model_id!r} ({mine.tokenizer_path!r})")
+
+    async def start(self, reached: str, info: WorkerInfo) -> None:
+        """Make the configured targets (`reached` answered `info`); start those that answer,
+        keep the others out until their health answers; start the health checks."""
+        for url in self.config.worker_urls:
+            got: WorkerInfo | None = info if url == reached else None
+            if got is None:
+                try:
+                    got = await WorkerClient(self.session, url).model_info()
+                    self._check_model(got)
+                except ApiError as e:
+                    log.warning("worker %s is out for now: %s", url, e.message)
+                    got = None
+            target = self._new(url, got)
+            self.all.append(target)
+            if got is not None and self.config.anchors:
+                await target.lifecycle.start()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_health())
+
+    async def add(self, url: str) -> Target:
+        """Add a worker live; 400 if it serves another model, 503 if it does not answer."""
+        client = WorkerClient(self.session, url)
+        if self.get(client.base_url) is not None:
+            raise ApiError("conflict", f"worker {client.base_url} is already a target")
+        info = await client.model_info()
+        self._check_model(info)
+        target = self._new(url, info)
+        self.all.append(target)
+        if self.config.anchors:
+            await target.lifecycle.start()
+        self.ledger.event("worker_added", None, worker=target.id, epoch=info.epoch)
+        log.info("worker %s added (epoch %s)", target.id, info.epoch)
+        return target
+
+    async def drain(self, target: Target, timeout_s: float) -> bool:
+        """Route nothing new to `target`, wait (up to `timeout_s`) for its in-flight requests
+        to end, then remove it. Returns whether they all ended in time."""
+        target.draining = True
+        self.ledger.event("worker_draining", None, worker=target.id, in_flight=target.in_flight)
+        try:
+            await asyncio.wait_for(target.idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        drained = target.in_flight == 0
+        await target.lifecycle.idle()
+        self.all.remove(target)
+        await target.lifecycle.close()
+        self.ledger.event("worker_removed", None, worker=target.id, drained=drained)
+        log.info("worker %s removed (%s)", target.id, "drained" if drained else "timed out")
+        return drained
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        for target in self.all:
+            await target.lifecycle.close()
+
+    # ---- routing ----------------------------------------------------------------------------
+    def route(self, split: SplitResult, caller: Caller | None,
+              exclude: frozenset[str] = frozenset()) -> Target:
+        """The target for a request (see the module's docstring); `caller` None: anchors off
+        (affinity then routes by load). Counts it as routed; the caller `enter`s and `leave`s it."""
+        pool = [t for t in self.all if t.serving and t.id not in exclude]
+        if not pool:  # every target is out: try them anyway, the worker's answer decides
+            pool = [t for t in self.all if not t.draining and t.id not in exclude]
+        if not pool:
+            raise ApiError("worker_unavailable", "no worker can serve this request"
+                           + (" (all tried)" if exclude else ""))
+        policy = self.config.route
+        if policy == "round_robin":
+            target = pool[next(self._turn) % len(pool)]
+        else:
+            least = min(t.load for t in pool)
+            if policy == "affinity" and caller is not None:
+                near = [t for t in pool if t.load - least <= self.config.route_max_imbalance]
+                target = max(near, key=lambda t: (t.lifecycle.restore_depth(split, caller),
+                                                  -t.load, -t.routed))
+            else:
+                target = min(pool, key=lambda t: (t.load, t.routed))
+        target.routed += 1
+        return target
+
+    # ---- health -----------------------------------------------------------------------------
+    def down(self, target: Target, why: str) -> None:
+        """Take `target` out: its anchors are lost (ledger and planner) until it answers again."""
+        if not target.healthy:
+            return
+        target.healthy, target.error = False, why
+        lost = target.lifecycle.lose(why)
+        log.warning("worker %s taken out (%s): %d anchors marked lost", target.id, why, lost)
+
+    async def check(self, target: Target) -> bool:
+        """Ask `target`'s health; bring it back or take it out. Returns whether it is healthy."""
+        try:
+            if not target.verified:
+                self._check_model(await target.worker.model_info())
+                target.verified = True
+            health = await target.worker.health()  # its life cycle observes the epoch
+        except ApiError as e:
+            self.down(target, e.message)
+            target.error = e.message
+            return False
+        target.reported = len(health.running_requests) + len(health.queued_requests)
+        if not target.healthy:  # its life cycle reconciles under the epoch it just saw
+            target.healthy, target.error = True, None
+            self.ledger.event("worker_back", None, worker=target.id, epoch=health.epoch)
+            log.info("worker %s is back (epoch %s)", target.id, health.epoch)
+        return True
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(t) for t in list(self.all)))
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not end the checks
+                log.exception("health check failed")

@@ -219,7 +219,10 @@ async def create_toolset(request: web.Request) -> web.Response:
     tenant = state.ledger.tenant(name)
     assert tenant is not None
     ns = TenantContext(tenant).caller().namespace
-    recs = [await t.lifecycle.warm(name, ns, ids) for t in state.targets.serving()]
+    serving = state.targets.serving()
+    if not serving:
+        raise ApiError("worker_unavailable", "no worker is serving: the toolset cannot be warmed")
+    recs = [await t.lifecycle.warm(name, ns, ids) for t in serving]
     ts = state.ledger.put_toolset(name, ns, recs[0].key, ids)
     ts = await _apply(state, ts, pin, shared)
     return json_response(_toolset_json(ts))

@@ -42,12 +42,12 @@ sys.path.insert(0, str(REPO))
 from replay_bench import model_or_tiny, spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
 
 from anchorcache import bench  # noqa: E402
+from anchorcache.proxy.config import ROUTES  # noqa: E402
 from anchorcache.proxy.splitter import get_adapter  # noqa: E402
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer  # noqa: E402
 from tests.data import conversations, turn_requests  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-POLICIES = ("affinity", "least_load", "round_robin")
 
 
 def pick(n: int, toolsets: int, turns: int) -> list[dict]:
@@ -163,7 +163,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     with ExitStack() as stack:
         workers = [stack.enter_context(spawn(*worker_args, tail=tail)) for _ in range(2)]
-        for policy in POLICIES:
+        for policy in ROUTES:
             flush(workers)
             with spawn("proxy", *itertools.chain(*(("--worker", w) for w in workers)),
                        "--route", policy) as proxy:

@@ -275,9 +275,9 @@ async def anchors(request: web.Request) -> web.Response:
     everywhere = request.query.get("epoch") == "all"
     tenant = request.query.get("tenant") or None
     targets = _targets(request)
-    if everywhere:
-        rows = [r for r in state.ledger.anchors(tenant=tenant, status=st)
-                if "worker" not in request.query or r.worker == targets[0].id]
+    if everywhere:  # every epoch: of the worker asked for, or of any worker ever
+        rows = state.ledger.anchors(tenant=tenant, status=st, worker=targets[0].id
+                                    if "worker" in request.query else None)
     else:  # each worker's current epoch
         rows = [r for t in targets for r in state.ledger.anchors(
             tenant=tenant, status=st, worker=t.id, epoch=t.lifecycle.epoch)]
@@ -330,19 +330,19 @@ async def stats(request: web.Request) -> web.Response:
     """The ledger's numbers, and the first serving worker's (`worker`, `epoch`...) with
     every worker's under `workers`."""
     state = _state(request)
-    workers = []
+    workers, requests = [], Counter[str]()
+    primary, first = state.targets.primary, None
     for t in state.targets.all:
         try:
             stats: dict[str, Any] | None = await t.worker.stats()
         except ApiError:
             stats = None
         workers.append({**t.to_json(), "stats": stats})
-    lc = state.targets.primary.lifecycle
-    requests: Counter[str] = Counter()
-    for t in state.targets.all:
         requests.update(t.lifecycle.counters)
-    first = next(w for w in workers if w["id"] == lc.worker_id)
-    return json_response({"ledger": state.ledger.stats(), "worker": first["stats"],
+        if t is primary:
+            first = stats
+    lc = primary.lifecycle
+    return json_response({"ledger": state.ledger.stats(), "worker": first,
                           "requests": dict(requests),
                           "epoch": lc.epoch, "worker_url": lc.worker_id, "workers": workers,
                           "in_flight": dict(request.app[TENANTS].in_flight),

@@ -60,11 +60,12 @@ async def health(request: web.Request) -> web.Response:
     workers, first = [], None
     for t, reply in zip(targets, replies, strict=True):
         if isinstance(reply, ApiError):
-            workers.append({"id": t.id, "status": "unavailable", "error": reply.message})
+            workers.append({"name": t.name, "url": t.id, "status": "unavailable",
+                            "error": reply.message})
         elif isinstance(reply, BaseException):
             raise reply
         else:
-            workers.append({"id": t.id, **reply.to_json()})
+            workers.append({"name": t.name, "url": t.id, **reply.to_json()})
             first = first or reply
     if first is None:
         return json_response({"status": "degraded", "worker": None, "workers": workers, **extra,

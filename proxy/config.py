@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from anchorcache.paths import default_state_dir
 from anchorcache.state.records import Quotas
 
+ROUTES = ("affinity", "least_load", "round_robin")  # how a request picks a worker (targets.py)
+
 
 @dataclass(frozen=True)
 class ProxyConfig:
@@ -50,8 +52,8 @@ class ProxyConfig:
                 raise ValueError(f"a worker URL must be http(s), not {url!r}")
         if len({u.rstrip("/") for u in self.worker_urls}) != len(self.worker_urls):
             raise ValueError("a worker URL is given twice")
-        if self.route not in ("affinity", "least_load", "round_robin"):
-            raise ValueError(f"route must be affinity, least_load or round_robin, not {self.route!r}")
+        if self.route not in ROUTES:
+            raise ValueError(f"route must be one of {', '.join(ROUTES)}, not {self.route!r}")
         if self.route_max_imbalance < 0:
             raise ValueError("route_max_imbalance must be >= 0")
         if not 0 < self.health_interval_s <= 3600:

@@ -284,8 +284,8 @@ class Completion:
         `self.target` (counted in flight there until the request ends)."""
         state, gen = self.state, self.gen
         tried: set[str] = set()
+        anchored = state.anchors_on and gen.anchors
         while True:
-            anchored = state.anchors_on and gen.anchors
             target = state.targets.route(self.split, self.caller if anchored else None,
                                          frozenset(tried))
             self.target, flight = target, None

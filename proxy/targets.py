@@ -48,9 +48,6 @@ from .worker_client import WorkerClient, WorkerInfo
 
 log = logging.getLogger("anchorcache.proxy")
 
-POLICIES = ("affinity", "least_load", "round_robin")
-
-
 @dataclass(eq=False)
 class Target:
     name: str  # w0, w1, ... in the order added (the admin API's and ops' handle)
@@ -90,8 +87,8 @@ class Target:
     def to_json(self) -> dict[str, Any]:
         lc = self.lifecycle
         n = lc.counters["count"]
-        return {"name": self.name, "id": self.id, "url": self.id, "healthy": self.healthy, "draining": self.draining,
-                "error": self.error, "epoch": lc.epoch, "load": self.load,
+        return {"name": self.name, "url": self.id, "healthy": self.healthy,
+                "draining": self.draining, "error": self.error, "epoch": lc.epoch, "load": self.load,
                 "in_flight": self.in_flight, "reported_load": self.reported,
                 "routed": self.routed, "anchors": lc.anchor_count(),
                 "bytes": lc.anchor_bytes(), "requests": n,
@@ -114,9 +111,6 @@ class Targets:
         self._watch: asyncio.Task[None] | None = None
 
     # ---- membership -----------------------------------------------------------------------
-    def get(self, target_id: str) -> Target | None:
-        return next((t for t in self.all if t.id == target_id), None)
-
     def find(self, handle: str) -> Target | None:
         """A target by name (w0...) or URL."""
         url = handle.rstrip("/")
@@ -137,17 +131,19 @@ class Targets:
             epoch=info.epoch if info is not None else "", worker_id=worker.base_url,
             shared_namespace=self.shared_namespace,
             single_flight_wait_s=self.config.single_flight_wait_s)
-        return Target(f"w{next(self._names)}", worker.base_url, worker, lifecycle, healthy=info is not None,
-                      verified=info is not None,
+        return Target(f"w{next(self._names)}", worker.base_url, worker, lifecycle,
+                      healthy=info is not None, verified=info is not None,
                       error=None if info is not None else "not reached yet")
 
-    def _check_model(self, info: WorkerInfo) -> None:
-        mine = self.info
+    async def _model_info(self, worker: WorkerClient) -> WorkerInfo:
+        """`worker`'s `/model_info`; ApiError if it does not answer or serves another model."""
+        info, mine = await worker.model_info(), self.info
         if (info.model_id, info.tokenizer_path, info.eos_token_ids) != \
                 (mine.model_id, mine.tokenizer_path, mine.eos_token_ids):
             raise ApiError("invalid_request", f"that worker serves {info.model_id!r} "
                            f"(tokenizer {info.tokenizer_path!r}); this proxy serves "
                            f"{mine.model_id!r} ({mine.tokenizer_path!r})")
+        return info
 
     async def start(self, reached: str, info: WorkerInfo) -> None:
         """Make the configured targets (`reached` answered `info`); start those that answer,
@@ -156,8 +152,7 @@ class Targets:
             got: WorkerInfo | None = info if url == reached else None
             if got is None:
                 try:
-                    got = await WorkerClient(self.session, url).model_info()
-                    self._check_model(got)
+                    got = await self._model_info(WorkerClient(self.session, url))
                 except ApiError as e:
                     log.warning("worker %s is out for now: %s", url, e.message)
                     got = None
@@ -170,10 +165,9 @@ class Targets:
     async def add(self, url: str) -> Target:
         """Add a worker live; 400 if it serves another model, 503 if it does not answer."""
         client = WorkerClient(self.session, url)
-        if self.get(client.base_url) is not None:
+        if self.find(client.base_url) is not None:
             raise ApiError("conflict", f"worker {client.base_url} is already a target")
-        info = await client.model_info()
-        self._check_model(info)
+        info = await self._model_info(client)
         target = self._new(url, info)
         self.all.append(target)
         if self.config.anchors:
@@ -234,9 +228,10 @@ class Targets:
     # ---- health -----------------------------------------------------------------------------
     def down(self, target: Target, why: str) -> None:
         """Take `target` out: its anchors are lost (ledger and planner) until it answers again."""
+        target.error = why
         if not target.healthy:
             return
-        target.healthy, target.error = False, why
+        target.healthy = False
         lost = target.lifecycle.lose(why)
         log.warning("worker %s taken out (%s): %d anchors marked lost", target.id, why, lost)
 
@@ -244,12 +239,11 @@ class Targets:
         """Ask `target`'s health; bring it back or take it out. Returns whether it is healthy."""
         try:
             if not target.verified:
-                self._check_model(await target.worker.model_info())
+                await self._model_info(target.worker)
                 target.verified = True
             health = await target.worker.health()  # its life cycle observes the epoch
         except ApiError as e:
             self.down(target, e.message)
-            target.error = e.message
             return False
         target.reported = len(health.running_requests) + len(health.queued_requests)
         if not target.healthy:  # its life cycle reconciles under the epoch it just saw

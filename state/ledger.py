@@ -390,19 +390,14 @@ class Ledger:
                 if status == "reserved" and rid in keep:
                     continue
                 h = by_key.get(key)
-                if status == "lost":  # the worker was out of reach, not restarted
-                    if h is not None and h.depth == depth:
-                        self.db.execute("UPDATE anchors SET status = 'committed', slot = ?, "
-                                        "nbytes = ?, updated_at = ? WHERE worker = ? AND epoch = ? "
-                                        "AND key = ?", [h.slot, h.nbytes, now, worker, epoch, key])
-                        kept += 1
-                    continue
-                if h is not None and h.depth == depth:
+                if h is not None and h.depth == depth:  # lost: out of reach, not restarted
                     self.db.execute("UPDATE anchors SET status = 'committed', slot = ?, nbytes = ?, "
                                     "updated_at = ? WHERE worker = ? AND epoch = ? AND key = ?",
                                     [h.slot, h.nbytes, now, worker, epoch, key])
-                    kept += status == "committed"
+                    kept += status in ("committed", "lost")
                     adopted += status == "reserved"
+                    continue
+                if status == "lost":  # not listed: stays lost
                     continue
                 new = "evicted" if status == "committed" else "aborted"
                 self.db.execute("UPDATE anchors SET status = ?, updated_at = ? WHERE worker = ? "

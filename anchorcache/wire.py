@@ -647,6 +647,23 @@ def parse_abort(obj: Any) -> AbortReply:
 
 
 @dataclass(frozen=True)
+class StopReply:
+    """`/stop_request`: whether the request was still running and now ends as a stop."""
+
+    rid: str
+    stopped: bool
+    epoch: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rid": self.rid, "stopped": self.stopped, "epoch": self.epoch}
+
+
+def parse_stop(obj: Any) -> StopReply:
+    d = _obj(obj, "stop reply")
+    return StopReply(_str(d, "rid"), _bool(d, "stopped"), _epoch(d))
+
+
+@dataclass(frozen=True)
 class SlotsAborted:
     """`/anchor/abort`: the staged anchors dropped (their victims survive)."""
 
@@ -713,13 +730,12 @@ class CallTime:
 @dataclass(frozen=True)
 class StatsReply:
     """`/anchor/stats`: the slot table's counters (`STATS_COUNTERS`, ext/slots.py's
-    SlotStats), the staged anchors, and what is locked on the device (SGLang; 0 on a worker
+    SlotStats), the staged anchors, and what pins lock on the device (SGLang; 0 on a worker
     without a device tier)."""
 
     counters: tuple[tuple[str, int], ...]  # (name, value) in STATS_COUNTERS' order
     staged: int
     epoch: str
-    device_locked_tokens: int = 0
     device_pinned_tokens: int = 0
     device_pin_budget_tokens: int = 0
     scheduler_calls: tuple[CallTime, ...] = ()  # a worker with a scheduler loop (SGLang)
@@ -731,7 +747,6 @@ class StatsReply:
 
     def to_json(self) -> dict[str, Any]:
         return {**dict(self.counters), "staged": self.staged,
-                "device_locked_tokens": self.device_locked_tokens,
                 "device_pinned_tokens": self.device_pinned_tokens,
                 "device_pin_budget_tokens": self.device_pin_budget_tokens,
                 "scheduler_calls": [c.to_json() for c in self.scheduler_calls],
@@ -747,8 +762,7 @@ def parse_stats(obj: Any) -> StatsReply:
     reply = StatsReply.of({name: _int(d, name, lo=0) for name in STATS_COUNTERS},
                           _int(d, "staged", lo=0), _epoch(d),
                           **{name: _int(d, name, 0, lo=0) for name in (
-                              "device_locked_tokens", "device_pinned_tokens",
-                              "device_pin_budget_tokens")})
+                              "device_pinned_tokens", "device_pin_budget_tokens")})
     return replace(reply, scheduler_calls=calls)
 
 

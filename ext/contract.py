@@ -96,6 +96,15 @@ class Backend(ABC):
         """Cancel request `rid`, queued or running, and drop its unconfirmed anchors."""
 
     @abstractmethod
+    async def stop(self, rid: str, output_tokens: int | None) -> wire.StopReply:
+        """End running request `rid` as a stop (the proxy found a stop sequence): every
+        sample still generating finishes with `{"type": "stop", "matched": null}` and the
+        request ends as a finished one, its snapshots staged; with one sample and
+        `snapshot_response`, the response anchor is prompt + its first `output_tokens`
+        output ids, when the worker still holds their state. `stopped` is false when no such
+        request is running (it already ended: its reply is on its way)."""
+
+    @abstractmethod
     async def confirm(self, slots: list[int]) -> wire.ConfirmReply:
         """Make the staged anchors in `slots` visible and evict their victims; slots not
         staged are left out of the reply."""
@@ -202,6 +211,13 @@ def _rid(body: Any) -> str:
     return rid
 
 
+def _output_tokens(body: Any) -> int | None:
+    n = _obj(body).get("output_tokens")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise WireError("'output_tokens' must be a non-negative integer or null")
+    return n
+
+
 def _lookup(backend: Backend, body: Any) -> Awaitable[wire.LookupReply]:
     d = _obj(body)
     try:
@@ -254,6 +270,7 @@ class Route:
 
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/abort_request", lambda b, body: b.abort(_rid(body))),
+    Route("POST", "/stop_request", lambda b, body: b.stop(_rid(body), _output_tokens(body))),
     Route("GET", "/health", lambda b, _: b.health()),
     Route("GET", "/model_info", lambda b, _: b.model_info()),
     Route("POST", "/flush_cache", lambda b, _: b.flush(device=True)),

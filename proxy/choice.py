@@ -84,6 +84,7 @@ class Choice:
         self.markers = markers
         self.emitted = 0  # characters of detok.text already passed on
         self.closed = False  # a stop sequence or the worker ended it
+        self.kept_tokens: int | None = None  # a stop sequence: output ids wholly before it
 
     def feed(self, chunk: Chunk) -> list[ChoiceDelta]:
         outcome, stops = self.outcome, self.stop
@@ -103,6 +104,7 @@ class Choice:
         if stop is not None:
             outcome.finish_reason = FinishReason.STOP_SEQUENCE
             outcome.stop_sequence = stop[1]
+            self.kept_tokens = self.detok.tokens_before(stop[0])
         elif chunk.meta is not None:
             if chunk.meta.finish_type == "abort":  # the worker gave up: never a completion
                 raise ApiError("worker_error", "the worker aborted the request before it "

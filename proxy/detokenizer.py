@@ -21,6 +21,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        self.count = 0  # tokens added, skipped ones included
+        self.marks: list[tuple[int, int]] = []  # (tokens, len(text)) at each emission
+
+    def tokens_before(self, chars: int) -> int:
+        """How many leading tokens produced text that ends at or before `chars`: their
+        text is exactly a prefix of `text[:chars]`."""
+        return max((n for n, c in self.marks if c <= chars), default=0)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -29,6 +36,7 @@ class IncrementalDetokenizer:
         """Append tokens; return the newly completed text (possibly empty)."""
         out = []
         for t in token_ids:
+            self.count += 1
             if t in self.skip:
                 continue
             self.ids.append(t)
@@ -39,6 +47,7 @@ class IncrementalDetokenizer:
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
                 out.append(new)
+                self.marks.append((self.count, len(self.text) + sum(map(len, out))))
         piece = "".join(out)
         self.text += piece
         return piece
@@ -50,4 +59,5 @@ class IncrementalDetokenizer:
         rest = full[len(prefix):]
         self.read_offset = self.prefix_offset = len(self.ids)
         self.text += rest
+        self.marks.append((self.count, len(self.text)))
         return rest

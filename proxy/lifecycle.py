@@ -10,9 +10,8 @@ them for anchors:
 - `settle()` (success) records what the worker wrote as reserved, confirms it, commits what
   the worker acknowledged, learns the anchors the worker reported already held, and closes
   the reservation; `fail()` closes it aborted, with a reason (the pipeline aborts the
-  worker request by rid, which drops its staged snapshots); `keep_prompt_anchors()` settles
-  a request a client stop sequence ended before the worker did (its prompt anchors are
-  kept, found by key among the worker's staged slots) before the pipeline aborts it.
+  worker request by rid, which drops its staged snapshots). A request a client stop
+  sequence ended is stopped on the worker (`/stop_request`) and settled like any other.
 - It watches the worker's epoch: the worker client passes it the epoch of every reply
   (`WorkerClient.on_epoch`, the one place epochs are observed); a new epoch forgets the
   index, reconciles the ledger against the worker's slot listing and re-warms pinned
@@ -242,74 +241,31 @@ class AnchorLifecycle:
         finally:
             self._release(flight)
 
-    async def settle(self, flight: Flight, meta: GenerateMeta) -> None:
-        """The request succeeded: confirm what the worker wrote and record it all."""
+    async def settle(self, flight: Flight, meta: GenerateMeta, reason: str | None = None
+                     ) -> None:
+        """The request succeeded: confirm what the worker wrote and record it all (`reason`:
+        why it ended, when not on its own, e.g. `stop_sequence`)."""
         if flight.closed:
             return
         try:
-            await self._settle(flight, meta)
+            await self._settle(flight, meta, reason)
         finally:
             self._release(flight)
         await self.toolsets.enforce_quota(flight.caller)
 
-    async def keep_prompt_anchors(self, flight: Flight) -> bool:
-        """The request ended well before the worker finished it (a client stop sequence):
-        keep the anchors its prefill wrote, all prefixes of its prompt.
-
-        They are complete once staged, but the worker names them only in its final meta
-        info, which a request aborted mid-generation never sends. So they are found by key
-        (and depth) among the worker's staged slots and confirmed; the caller then aborts
-        the worker request, which drops the rest (the response anchor, which the worker
-        writes only at a stop token). A key staged twice (another request with the same
-        prefix) is left alone: it cannot be told whose it is. Returns whether the
-        reservation closed confirmed; on a worker failure it closes aborted (the request
-        itself is still served)."""
-        if flight.closed:
-            return False
-        try:
-            kept = await self._keep(flight)
-        except ApiError as e:
-            log.warning("keeping the prompt anchors of request %s failed: %s", flight.rid,
-                        e.message)
-            self.ledger.close_reservation(flight.rid, ReservationOutcome.ABORTED, "keep_failed")
-            return False
-        finally:
-            self._release(flight)
-        if kept:
-            await self.toolsets.enforce_quota(flight.caller)
-        return kept
-
-    async def _keep(self, flight: Flight) -> bool:
-        specs = flight.plan.request.snapshot if flight.plan.request is not None else ()
-        keys = anchor_keys(flight.plan.namespace, self._planner.model_id, flight.input_ids,
-                           [s.depth for s in specs])
-        wanted = {keys[s.depth]: s for s in specs}
-        listing = await self.worker.slots()  # observed its epoch
-        if listing.epoch != self.epoch:
-            self.ledger.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
-            return False
-        staged = [s for s in listing.slots if s.state == "reserved" and s.key in wanted
-                  and s.depth == wanted[s.key].depth]
-        twice = {k for k, n in Counter(s.key for s in staged).items() if n > 1}
-        written = tuple(AnchorWritten(s.slot, s.key, s.depth, s.parent, s.nbytes,
-                                      wanted[s.key].kind) for s in staged if s.key not in twice)
-        return await self._commit(flight, AnchorReport(written=written), listing.epoch,
-                                  reason="stop_sequence")
-
-    async def _settle(self, flight: Flight, meta: GenerateMeta) -> None:
+    async def _settle(self, flight: Flight, meta: GenerateMeta, reason: str | None) -> None:
         if not flight.rid.startswith("warm-"):
             self.counters.update(count=1, hits=int(meta.cached_tokens > 0),
                                  prompt_tokens=meta.prompt_tokens, cached_tokens=meta.cached_tokens)
         if meta.epoch != self.epoch:  # the worker client observed it as the reply came
             self.ledger.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
             return
-        await self._commit(flight, meta.anchors, meta.epoch)
+        await self._commit(flight, meta.anchors, meta.epoch, reason=reason)
 
     async def _commit(self, flight: Flight, report: AnchorReport, epoch: str, *,
-                      reason: str | None = None) -> bool:
+                      reason: str | None = None) -> None:
         """Record what the worker wrote for `flight`, confirm it, commit what the worker
-        acknowledged and close the reservation (`reason`: why, when it closes confirmed).
-        Returns whether it closed confirmed."""
+        acknowledged and close the reservation (`reason`: why, when it closes confirmed)."""
         caller, led = flight.caller, self.ledger
         if report.written:
             led.record_written(flight.rid, self.worker_id, epoch, caller.namespace, caller.tenant,
@@ -322,10 +278,10 @@ class AnchorLifecycle:
             except ApiError as e:  # the request succeeded; only these anchors are lost
                 log.warning("anchor confirm failed: %s", e.message)
                 led.close_reservation(flight.rid, ReservationOutcome.ABORTED, "confirm_failed")
-                return False
+                return
             if reply.epoch != epoch:
                 led.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
-                return False
+                return
             confirmed, evicted = reply.confirmed, reply.evicted
         settled = self._planner.record(caller.namespace, report, confirmed, evicted)
         ok = set(confirmed)
@@ -343,7 +299,6 @@ class AnchorLifecycle:
                 if rec.kind == AnchorKind.INSTRUCTION and rec.namespace == caller.namespace:
                     led.put_toolset(caller.tenant, rec.namespace, rec.key,
                                     flight.input_ids[:rec.depth])
-        return True
 
     # ---- warming, evicting --------------------------------------------------------------
     def key(self, namespace: bytes, ids: tuple[int, ...]) -> bytes:

@@ -7,9 +7,10 @@ Nothing here knows a wire format.
 
 One generator (`Completion.choice_deltas`) drives the worker; streaming and non-streaming
 replies are two consumers of it, so both see the same tokens. Whatever ends the request
-early (client gone, stop sequence, worker failure), its `finally` aborts the worker request,
-and the worker drops every anchor it staged for it; a stop sequence first keeps the prompt
-anchors (`AnchorLifecycle.keep_prompt_anchors`), so the next turn restores them.
+early (client gone, worker failure), its `finally` aborts the worker request, and the worker
+drops every anchor it staged for it. A stop sequence instead stops the worker request
+(`/stop_request`): it ends as a finished one, so its prompt anchors, and its response
+anchor up to the stop, are settled as usual and the next turn restores them.
 
 Structured output (`structured.py`): the request's constraint goes to the worker as an
 SGLang sampling parameter; a tool grammar replaces the adapter's forced prefix. `n > 1`
@@ -58,6 +59,7 @@ __all__ = ["AnchorHit", "ChoiceDelta", "Completion", "FinishReason", "Generation
 log = logging.getLogger("anchorcache.proxy")
 
 NO_TOOLS = ToolChoice("none")
+STOP_WAIT_S = 30.0  # a stopped worker request's last replies: then it is aborted instead
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,7 @@ class Completion:
                                                              tool_choice=parser_choice),
                           stop=gen.stop, stop_ids=stop_ids, markers=markers)
                    for i in range(gen.n)]
-        settled = kept = False  # kept: a stop sequence ended it, its prompt anchors kept
+        settled = False
         samples_done = 0  # samples the worker has finished
         reason = "cancelled"  # why the reservation is aborted, if it is
         flight: Flight | None = None
@@ -245,17 +247,20 @@ class Completion:
                         for piece in c.feed(chunk):
                             yield piece
                     if all(c.closed for c in choices) and samples_done < len(choices):
+                        # stop sequences ended what the worker still generates: with
+                        # anchors to keep it is stopped, else aborted (`finally`)
                         reason = "stop_sequence"
-                        break  # stop sequences ended what the worker still generates
-                if reason == "stop_sequence" and flight is not None:
-                    kept = await asyncio.shield(target.lifecycle.keep_prompt_anchors(flight))
+                        if flight is not None:
+                            samples_done += await self._stop(target, stream, choices)
+                        break
             for c in choices:  # a worker that ended without a choice's finish
                 if not c.closed:
                     for d in c.close():
                         yield ChoiceDelta(c.index, d)
             if samples_done == len(choices) and self.meta is not None:
                 if flight is not None:
-                    await asyncio.shield(target.lifecycle.settle(flight, self.meta))
+                    await asyncio.shield(target.lifecycle.settle(
+                        flight, self.meta, reason if reason == "stop_sequence" else None))
                 settled = True
         except ApiError as e:
             reason = e.kind
@@ -273,8 +278,29 @@ class Completion:
             finally:
                 if self.target is not None:
                     self.target.leave()
-                self._observe(plan, flight is not None, "ok" if settled else reason,
-                              settled or kept)
+                self._observe(plan, flight is not None,
+                              "ok" if settled and reason != "stop_sequence" else reason, settled)
+
+    async def _stop(self, target: Target, stream: AsyncGenerator[Chunk, None],
+                    choices: list[Choice]) -> int:
+        """Stop the worker request (a stop sequence closed every choice) and read its stream
+        to the end, ignoring the ids past the stops; returns how many samples finished. The
+        worker keeps what the request saved: prompt anchors, and the response anchor up to
+        the stop (one choice). Any failure, or no end within `STOP_WAIT_S`, leaves samples
+        unfinished: the caller then aborts the request."""
+        done = 0
+        try:
+            async with asyncio.timeout(STOP_WAIT_S):
+                keep = choices[0].kept_tokens if len(choices) == 1 else None
+                await target.worker.stop(self.rid, keep)  # not running: its end is on its way
+                async for chunk in stream:
+                    if chunk.meta is not None:
+                        done += 1
+                        self.meta = chunk.meta
+        except (ApiError, TimeoutError) as e:
+            log.warning("request %s: stopping it on the worker failed (%s); aborting it",
+                        self.rid, e.message if isinstance(e, ApiError) else "timed out")
+        return done
 
     async def _start(self, prompt_ids: tuple[int, ...], sampling: SamplingParams
                      ) -> tuple[Target, Flight | None, Plan, AsyncGenerator[Chunk, None]]:

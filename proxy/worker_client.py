@@ -28,6 +28,7 @@ from anchorcache.wire import (
     parse_generate_meta,
     parse_health,
     parse_slots,
+    parse_stop,
 )
 
 from .errors import ApiError
@@ -190,6 +191,14 @@ class WorkerClient:
 
     async def abort(self, rid: str) -> None:
         await self._call("POST", "/abort_request", {"rid": rid})
+
+    async def stop(self, rid: str, output_tokens: int | None) -> bool:
+        """End request `rid` as a stop, its anchors kept (the response anchor: prompt +
+        `output_tokens` output ids); its stream then ends with its meta as usual. False when
+        the worker no longer runs it (its reply is on its way)."""
+        reply = await self._typed(parse_stop, "POST", "/stop_request",
+                                  {"rid": rid, "output_tokens": output_tokens})
+        return reply.stopped
 
     async def confirm(self, slots: list[int]) -> ConfirmReply:
         """Make staged anchors visible; the reply names those confirmed and the keys evicted."""

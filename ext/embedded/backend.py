@@ -28,6 +28,7 @@ from anchorcache.wire import (
     SlotsAborted,
     SlotsReply,
     StatsReply,
+    StopReply,
     WireError,
     WorkerHealth,
 )
@@ -110,6 +111,9 @@ class EmbeddedBackend(Backend):
         if running:  # dropped at the engine's next step; a wedged one must not hold us
             return AbortReply(rid, True, self._epoch)
         return AbortReply(rid, bool(await drop), self._epoch)
+
+    async def stop(self, rid: str, output_tokens: int | None) -> StopReply:
+        return StopReply(rid, self.engine.stop_request(rid, output_tokens), self._epoch)
 
     # ---- anchors (engine thread) --------------------------------------------------------
     async def confirm(self, slots: list[int]) -> ConfirmReply:

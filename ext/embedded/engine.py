@@ -5,7 +5,8 @@ and so is every other use of the anchor store (`call`: confirm, pin, list, ...),
 thread runs between requests or between a running request's prefill chunks and decode
 steps; so the model, its cache, the anchor slabs and the slot table have one owner and
 need no lock. Results flow back to the asyncio side through `loop.call_soon_threadsafe`.
-An abort sets a flag that the thread checks at those same points.
+An abort sets a flag that the thread checks at those same points; so does a stop (the
+proxy found a stop sequence), which ends the request as finished, keeping its anchors.
 
 A request for n > 1 samples prefills its prompt once; every sample then decodes from that
 state (the first n - 1 from a copy of the cache, the last from the cache itself), one
@@ -68,6 +69,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    stopping: threading.Event = field(default_factory=threading.Event)  # end as a stop
+    stop_at: int | None = None  # with `stopping`: output tokens the response anchor keeps
     started: bool = False
     grammar: Any = None  # the request's compiled constraint (grammar.Grammars.compile)
 
@@ -163,6 +166,17 @@ class Engine:
         if job is not None:
             job.cancelled.set()
         return job is not None
+
+    def stop_request(self, rid: str, output_tokens: int | None) -> bool:
+        """End request `rid` at its next decode step as a stop, its anchors kept (the
+        response anchor: prompt + `output_tokens` output ids). False when it is not running."""
+        with self._lock:
+            job = self._jobs.get(rid)
+        if job is None or job.cancelled.is_set():
+            return False
+        job.stop_at = output_tokens
+        job.stopping.set()
+        return True
 
     def call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run `fn()` on the engine thread, between requests or between a running request's
@@ -278,11 +292,8 @@ class Engine:
             t_decode = time.perf_counter()
             if (self.anchors is not None and plan is not None and plan.snapshot_response
                     and p.n == 1 and out and finish["type"] == "stop"):
-                # the cache holds every token but the last sampled one: feed it so the
-                # state covers prompt + output exactly
-                cache_io.decode_step(self.model, sample_cache, out[-1], n + len(out) - 1)
                 t = time.perf_counter()
-                w = self.anchors.snapshot_response(job.rid, sample_cache, ids + tuple(out), plan)
+                w = self._snapshot_response(job, sample_cache, ids + tuple(out), n, plan)
                 snapshot_s += time.perf_counter() - t
                 if w is not None:
                     written.append(w)
@@ -302,6 +313,24 @@ class Engine:
                 matched=finish.get("matched"), anchors=anchors,
                 index=index if p.n > 1 else None)
             job.emit(FinishEvent(meta, index=index, last=last))
+
+    def _snapshot_response(self, job: Job, cache: Any, full: tuple[int, ...], n: int,
+                           plan: Any) -> AnchorWritten | AnchorHeld | None:
+        """The response anchor: prompt + output, or prompt + the `stop_at` output ids a stop
+        sequence left (a prefix of the next turn). The cache holds every token but the last
+        sampled one; a recurrent model's state exists only at the cache's end, so it keeps
+        one only when the kept ids end there (or one past, fed first)."""
+        assert self.anchors is not None
+        keep = len(full) - n if job.stop_at is None else min(job.stop_at, len(full) - n)
+        depth, held = n + keep, len(full) - 1
+        if depth <= n:
+            return None
+        if depth == held + 1:  # feed the last token so the state covers it
+            cache_io.decode_step(self.model, cache, full[-1], held)
+            held += 1
+        if self.recurrent and depth != held:
+            return None
+        return self.anchors.snapshot_response(job.rid, cache, full[:depth], plan)
 
     def _copy(self, cache: Any, depth: int) -> Any:
         """An independent cache holding the same `depth` tokens (and state) as `cache`."""
@@ -325,6 +354,9 @@ class Engine:
         out: list[int] = []
         finish: dict[str, Any] = {"type": "length", "length": 0}
         while len(out) < p.max_new_tokens:
+            if job.stopping.is_set():  # the proxy found a stop sequence
+                finish = {"type": "stop", "matched": None}
+                break
             pick = sampler(logits[0, -1])
             out.append(pick.token)
             job.emit(TokenEvent((pick.token,), index,

@@ -46,7 +46,7 @@ from anchorcache.ext import ops
 from anchorcache.ext.contract import key_arg as _key
 from anchorcache.ext.contract import slots_arg as _slots
 from anchorcache.ext.slots import SlotTable
-from anchorcache.ext.store import AnchorStore
+from anchorcache.ext.store import AnchorStore, RestoreCheck
 from anchorcache.wire import (
     AnchorHeld,
     AnchorKind,
@@ -85,13 +85,17 @@ class _Pending:
 
     ids: tuple[int, ...]
     plan: AnchorPlan
-    info: dict[str, Any]
-    lock: Any = None
-    locked_tokens: int = 0
+    info: dict[str, Any]  # the chain check's report (`restored`, `restore_miss`, `held`, ...)
+    check: RestoreCheck | None = None  # the chain, verified at the first admission match
+    placed: bool = False  # its verified prefix is in the tree (or there is none to place)
+    missed: str | None = None  # why the verified prefix is not (yet) in the tree
+    restored_tokens: int = 0  # scattered from the host slabs
+    restore_s: float = 0.0
     todo: list[Any] = field(default_factory=list)  # SnapshotSpec, by depth
     written: list[AnchorWritten] = field(default_factory=list)
     held: list[AnchorHeld] = field(default_factory=list)
     snapshot_s: float = 0.0  # spent writing the request's anchors (snapshot_ms)
+    cut: int | None = None  # stopped by the proxy: the response anchor's depth (`_op_cut`)
 
 
 class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,valid-type]
@@ -115,7 +119,6 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         self.anchors.clock = self._call_time
         self.model_id = model_id
         self._pending: dict[str, _Pending] = {}
-        self._locked_tokens = 0  # tree tokens our restore locks hold
         self._pool_tokens = int(self.token_to_kv_pool_allocator.size)
         # pinned anchors' prefixes stay locked in the tree, within their own budget, which
         # the contract's request limit leaves free (so no admitted request can starve)
@@ -170,29 +173,43 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
                 "pool_tokens": self._pool_tokens, "pin_budget_tokens": self._pin_budget}
 
     def _op_prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Restore the verified chain onto the device and register the request's snapshots."""
+        """Register the request's plan: its restore runs when SGLang first matches it for
+        admission (`match_prefix`), its snapshots in the checkpoint hook."""
         rid, ids = body["rid"], tuple(body["input_ids"])
         plan = parse_anchor_plan(body["anchor"])
         assert plan is not None
         p = _Pending(ids, plan, {"restored": [], "restore_miss": []})
         p.todo = sorted((s for s in plan.snapshot if s.depth <= len(ids)), key=lambda s: s.depth)
         self._pending[rid] = p
-        restored_tokens = device_tokens = 0
-        if plan.restore or plan.snapshot:  # snapshot depths: the late lookup (ext/store.py)
-            restored_tokens, device_tokens = self._restore(rid, p)
-        return {"anchors": p.info, "restored_tokens": restored_tokens,
-                "device_tokens": device_tokens}
+        return {}
 
     def _op_finish(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The request ended: what it restored and saved; its staged anchors start their TTL
+        (or are dropped, unless `ok`)."""
         rid = body["rid"]
         p = self._pending.pop(rid, None)
         self.anchors.release_request(rid, ok=bool(body.get("ok")))
-        if p is None:
-            return {"written": [], "held": [], "snapshot_ms": 0.0}
-        self._unlock(p)
-        return {"written": [w.to_json() for w in p.written],
+        if p is None:  # never prepared here (a call that timed out): nothing to report
+            p = _Pending((), AnchorPlan(b""), {"restored": [], "restore_miss": []})
+        info = p.info
+        if p.missed is not None and p.check is not None:  # verified, never placed
+            miss = {"key": p.check.chain[-1].key.hex(), "depth": p.check.depth,
+                    "reason": p.missed}
+            info = {**info, "restored": [], "restore_miss": [*info["restore_miss"], miss]}
+        return {"anchors": info, "restored_tokens": p.restored_tokens,
+                "restore_ms": round(p.restore_s * 1e3, 3),
+                "written": [w.to_json() for w in p.written],
                 "held": [h.to_json() for h in p.held],
                 "snapshot_ms": round(p.snapshot_s * 1e3, 3)}
+
+    def _op_cut(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A stop sequence ends request `rid` (its abort follows): its response anchor is
+        prompt + output up to `depth`, the prefix the next turn starts with."""
+        p = self._pending.get(str(body.get("rid")))
+        depth = body.get("depth")
+        if p is not None and isinstance(depth, int):
+            p.cut = depth
+        return {"cut": p is not None}
 
     def _op_confirm(self, body: dict[str, Any]) -> dict[str, Any]:
         confirmed, evicted = self.anchors.confirm(_slots(body))
@@ -218,8 +235,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         return self.anchors.slots(self.epoch).to_json()
 
     def _op_stats(self, body: dict[str, Any]) -> dict[str, Any]:
-        reply = self.anchors.stats(self.epoch, device_locked_tokens=self._locked_tokens,
-                                   device_pinned_tokens=self._pinned_tokens,
+        reply = self.anchors.stats(self.epoch, device_pinned_tokens=self._pinned_tokens,
                                    device_pin_budget_tokens=self._pin_budget)
         calls = tuple(CallTime(op, *c) for op, c in sorted(self._call_ms.items()))
         return replace(reply, scheduler_calls=calls).to_json()
@@ -283,42 +299,43 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             self._fault = body["where"]
         return {"armed": self._fault}
 
-    # ---- restore ----------------------------------------------------------------------
-    def _restore(self, rid: str, p: _Pending) -> tuple[int, int]:
-        """(tokens scattered from slabs, tokens already on the device) for the chain."""
-        check = self.anchors.check_chain(p.ids, p.plan)
-        p.info = {**check.info(), "held": [h.to_json() for h in check.held]}
-        if not check.chain:
-            return 0, 0
-        depth = self._paged(check.depth)  # the tree holds whole pages; the tail is prefilled
-        if depth == 0:
-            p.info["restore_miss"].append({"key": check.chain[-1].key.hex(),
-                                           "depth": check.depth, "reason": "under_one_page"})
-            p.info["restored"] = []
-            return 0, 0
-        # a lone restore always fits (the contract refused prompts the pool cannot hold
-        # beside the pin budget); beside others, the locked prefixes together stay within
-        # the budget
-        over = self._locked_tokens and self._locked_tokens + depth \
-            > self.anchor_config.lock_budget_fraction * self._pool_tokens
-        placed = None if over else self._to_device(check.chain, p.ids[:depth])
-        if placed is None:
-            p.info["restore_miss"].append({"key": check.chain[-1].key.hex(),
-                                           "depth": check.depth, "reason": "no_device_space"})
-            p.info["restored"] = []
-            return 0, 0
-        p.lock, scattered, on_device = placed
-        p.locked_tokens = depth
-        self._locked_tokens += depth
-        self.anchors.chained(rid, check.chain[-1].key, check.depth)
-        return scattered, on_device
+    # ---- restore (at admission) -------------------------------------------------------
+    def match_prefix(self, params: Any) -> Any:
+        """SGLang's match, after the restore of the request being matched: when SGLang
+        considers admitting it. The restored prefix is then an ordinary unlocked part of the
+        tree, which SGLang locks itself if it admits the request (its admission budget counts
+        the tree's unlocked tokens, so the placement changes nothing there). A queued request
+        holds nothing (a lock held while queued could stall admission), and nothing is copied
+        for a request that never runs."""
+        req = params.req
+        p = self._pending.get(req.rid) if req is not None and hasattr(self, "_pending") \
+            else None
+        if p is not None and not p.placed:
+            t = time.perf_counter()
+            self._restore(req.rid, p)
+            p.restore_s += time.perf_counter() - t
+            self._timed("restore", t)
+        return super().match_prefix(params)
 
-    def _unlock(self, p: _Pending) -> None:
-        if p.lock is not None:
-            self.unlock(p.lock)
-            p.lock = None
-        self._locked_tokens -= p.locked_tokens
-        p.locked_tokens = 0
+    def _restore(self, rid: str, p: _Pending) -> None:
+        """Verify the chain (ext/store.py), once, and put its page-aligned prefix in the
+        tree; without room now, a later match (the request still queued) tries again."""
+        if p.check is None:
+            p.check = check = self.anchors.check_chain(p.ids, p.plan)
+            p.info = {**check.info(), "held": [h.to_json() for h in check.held]}
+        check = p.check
+        depth = self._paged(check.depth)  # the tree holds whole pages; the tail is prefilled
+        if not check.chain or depth == 0:
+            p.placed, p.missed = True, "under_one_page" if check.chain else None
+            return
+        placed = self._to_device(check.chain, p.ids[:depth])
+        if placed is None:
+            p.missed = "no_device_space"
+            return
+        lock, p.restored_tokens, _ = placed
+        self.unlock(lock)  # SGLang's admission locks what it matches
+        p.placed, p.missed = True, None
+        self.anchors.chained(rid, check.chain[-1].key, check.depth)
 
     # ---- snapshots (SGLang's checkpoint hook) -----------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -355,11 +372,13 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         but the stop token. The stop token's row exists only when SGLang's overlap schedule
         already ran the next step (then `up_to` covers it), and that step's forward may
         still be in flight: the anchor stops one short, at rows whose forward has finished
-        (one token short of the embedded worker's; the next turn starts with it all the same)."""
-        if not isinstance(req.finished_reason, FINISH_MATCHED_TOKEN):
+        (one token short of the embedded worker's; the next turn starts with it all the same).
+        A request the proxy stopped (a stop sequence; SGLang aborted it) keeps prompt +
+        output up to its `cut`."""
+        if p.cut is None and not isinstance(req.finished_reason, FINISH_MATCHED_TOKEN):
             return
         full = p.ids + tuple(req.output_ids)
-        depth = min(up_to, len(full) - 1)
+        depth = min(up_to, len(full) - 1, len(full) if p.cut is None else p.cut)
         if depth <= len(p.ids):
             return
         key = anchor_keys(p.plan.namespace, self.model_id, full, [depth])[depth]
@@ -385,13 +404,9 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             p.written.append(w)
 
     def reset(self) -> None:
-        # A flush drops the tree our locks point into: forget them, never unlock. Pinned
-        # anchors go back on the device at the next anchor operation.
-        for p in getattr(self, "_pending", {}).values():
-            p.lock = None
-            p.locked_tokens = 0
-        if hasattr(self, "_locked_tokens"):
-            self._locked_tokens = 0
+        # A flush drops the tree our pin locks point into: forget them, never unlock.
+        # Pinned anchors go back on the device at the next anchor operation.
+        if hasattr(self, "_pins"):
             self._repin |= set(self._pins)
             self._pins.clear()
             self._pinned_tokens = 0

@@ -21,9 +21,6 @@ class SGLangAnchorConfig:
     anchor_slots: int = 256
     anchor_capacity_bytes: int = 4 << 30  # host slabs
     pinned_slots: int = 16
-    # restored prefixes stay locked in SGLang's tree until their request ends; together
-    # they may hold at most this share of the KV pool, so they can never starve it
-    lock_budget_fraction: float = 0.5
     # pinned anchors' prefixes stay locked in the tree; at most this share of the pool,
     # which the contract keeps out of every request's limit (0: pins stay host-only)
     pin_budget_fraction: float = 0.1
@@ -36,8 +33,6 @@ class SGLangAnchorConfig:
             raise ValueError("need anchor_slots >= 1 and 0 <= pinned_slots < anchor_slots")
         if self.anchor_capacity_bytes < 1:
             raise ValueError("anchor_capacity_bytes must be positive")
-        if not 0 < self.lock_budget_fraction < 1:
-            raise ValueError("lock_budget_fraction must be in (0, 1)")
         if not 0 <= self.pin_budget_fraction < 0.5:
             raise ValueError("pin_budget_fraction must be in [0, 0.5)")
 

@@ -51,6 +51,7 @@ class DeviceTree:
     lock: Any
     unlock: Any
     evict: Any
+    evictable_size: Any
     path_device_indices: Any
 
     # ---- device pins --------------------------------------------------------------------
@@ -125,7 +126,11 @@ class DeviceTree:
         return self.lock(match.last_device_node), scattered, on_device
 
     def _alloc(self, n: int) -> torch.Tensor | None:
+        """`n` fresh pool slots, evicting unlocked tree nodes for them; None (and nothing
+        evicted) when even that would not make room."""
         allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() + self.evictable_size() < n:
+            return None
         if allocator.available_size() < n:
             self.evict(EvictParams(num_tokens=n - allocator.available_size()))
         if allocator.available_size() < n:

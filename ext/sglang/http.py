@@ -50,7 +50,7 @@ class SGLangBackend(Backend):
         worker.check_input(req)
         assert req.rid is not None
         run = Run(worker, req, req.rid, context)
-        if req.rid in worker.samples or any(r in worker.tm.rid_to_state
+        if req.rid in worker.runs or any(r in worker.tm.rid_to_state
                                             for r in run.sglang_rids()):
             raise WireError(f"request id {req.rid!r} (or one of its samples' ids) is already "
                             f"running")
@@ -65,12 +65,18 @@ class SGLangBackend(Backend):
     async def abort(self, rid: str) -> wire.AbortReply:
         worker = self.worker
         running = False
-        for r in {rid, *worker.samples.get(rid, ())}:
+        run = worker.runs.get(rid)
+        for r in run.sglang_rids() if run is not None else [rid]:
             if r in worker.tm.rid_to_state:
                 worker.tm.abort_request(rid=r)
                 running = True
         dropped = (await worker.call("abort_request", {"rid": rid}))["dropped"]
         return wire.AbortReply(rid, running or bool(dropped), self.epoch)
+
+    async def stop(self, rid: str, output_tokens: int | None) -> wire.StopReply:
+        run = self.worker.runs.get(rid)
+        stopped = run is not None and await run.stop(output_tokens)
+        return wire.StopReply(rid, stopped, self.epoch)
 
     # ---- anchors (scheduler loop) -------------------------------------------------------
     async def confirm(self, slots: list[int]) -> wire.ConfirmReply:
@@ -145,10 +151,10 @@ class SGLangBackend(Backend):
         worker = self.worker
         if not await worker.ready():
             raise ContractError(503, "the scheduler is not ready")
-        samples = {r for rids in worker.samples.values() for r in rids}
+        samples = {r for run in worker.runs.values() for r in run.sglang_rids()}
         rids = [r for r in worker.tm.rid_to_state
                 if not str(r).startswith(HEALTH_CHECK_RID_PREFIX) and r not in samples]
-        rids += [r for r in worker.samples if r not in rids]
+        rids += [r for r in worker.runs if r not in rids]
         return wire.WorkerHealth("ok", self.epoch, tuple(rids))
 
 

@@ -90,13 +90,14 @@ class Run:
         self.worker, self.req, self.rid, self.request = worker, req, rid, request
         n = req.sampling.n
         self.samples = [Sample(rid if n == 1 else f"{rid}-{i}") for i in range(n)]
-        self.anchors = AnchorReport()  # prepare's, then finish's written and held
+        self.anchors = AnchorReport()  # finish's: restored, missed, written, held
         self.snapshot_ms = 0.0
         self.cached_tokens: int | None = None  # of the prompt prefill (n > 1)
         self.restore_ms = 0.0
         self.t0 = time.perf_counter()
         self.prepared = False
         self.finished = False
+        self.stopping = False  # `stop`: SGLang's abort of its samples ends them as stops
 
     def sglang_rids(self) -> list[str]:
         """The ids this run gives SGLang: its own (the prefill when n > 1) and the samples'."""
@@ -121,7 +122,9 @@ class Run:
                 meta = out.get("meta_info") or {}
                 reason = meta.get("finish_reason")
                 if isinstance(reason, dict) and reason.get("type") not in ("stop", "length"):
-                    raise Aborted(meta)
+                    if not self.stopping:
+                        raise Aborted(meta)
+                    out = {**out, "meta_info": {**meta, "finish_reason": {"type": "stop"}}}
                 yield out
         except ValueError as e:
             raise WireError(str(e)) from None
@@ -131,7 +134,7 @@ class Run:
     async def events(self) -> AsyncGenerator[Event, None]:
         """Contract events: new ids (and logprobs) per sample, then each sample's meta.
         `finish` follows, also when this fails or is closed early."""
-        self.worker.samples[self.rid] = [s.rid for s in self.samples]
+        self.worker.runs[self.rid] = self
         try:
             req = self.req
             if req.anchor is not None:
@@ -139,15 +142,13 @@ class Run:
                 if len(self.samples) > 1:  # the samples' responses differ: none is saved
                     anchor = replace(anchor, snapshot_response=False)
                 # before the call: one that times out or is cancelled may still have run
-                # on the scheduler, and its restore lock must be dropped (`finish` of a
-                # request the scheduler never prepared is a no-op)
+                # on the scheduler, and its plan must be dropped (`finish` of a request
+                # the scheduler never prepared is a no-op); the restore itself runs when
+                # SGLang admits the request
                 self.prepared = True
-                prep = await self.worker.call("prepare", {
+                await self.worker.call("prepare", {
                     "rid": self.rid, "input_ids": list(req.input_ids),
                     "anchor": anchor.to_json()})
-                self.anchors = replace(parse_anchor_report(prep["anchors"]),
-                                       restored_tokens=int(prep["restored_tokens"]))
-            self.restore_ms = (time.perf_counter() - self.t0) * 1e3
             if len(self.samples) == 1:
                 sample = self.samples[0]
                 obj = self._obj(sample.rid, sglang_sampling(req.sampling, 0))
@@ -166,7 +167,7 @@ class Run:
             self._abort_samples()
             raise
         finally:
-            self.worker.samples.pop(self.rid, None)
+            self.worker.runs.pop(self.rid, None)
 
     async def _prefill(self) -> None:
         """The prompt once (no token sampled), under the request's own id."""
@@ -237,17 +238,36 @@ class Run:
                       if self.req.top_logprobs_num else None)
 
     async def finish(self, ok: bool) -> None:
-        """Drop the restore lock; learn what the prefill saved. Once: a later call (the
-        contract's, after the events) does nothing."""
+        """Learn what the request restored (at its admission) and saved; unless `ok` the
+        scheduler drops what it staged. Once: a later call (the contract's, after the
+        events) does nothing."""
         if self.finished:
             return
         self.finished = True
         if self.prepared:
             fin = await self.worker.call("finish", {"rid": self.rid, "ok": ok})
+            restore = parse_anchor_report(fin["anchors"])
             saved = parse_anchor_report({"written": fin["written"], "held": fin["held"]})
-            self.anchors = replace(self.anchors, written=saved.written,
-                                   held=self.anchors.held + saved.held)
-            self.snapshot_ms = float(fin.get("snapshot_ms", 0.0))
+            self.anchors = replace(restore, written=saved.written,
+                                   held=restore.held + saved.held,
+                                   restored_tokens=int(fin["restored_tokens"]))
+            self.restore_ms = float(fin["restore_ms"])
+            self.snapshot_ms = float(fin["snapshot_ms"])
+
+    async def stop(self, output_tokens: int | None) -> bool:
+        """End the run as a stop (a stop sequence the proxy found): its response anchor is
+        cut at prompt + `output_tokens` (the scheduler's `cut`, answered before the abort
+        is sent), then SGLang aborts its samples, whose abort finishes `_stream` turns into
+        stops. False when it has already ended."""
+        if self.stopping or all(r not in self.worker.tm.rid_to_state for r in self.sglang_rids()):
+            return False
+        self.stopping = True
+        if self.prepared and not self.finished and output_tokens is not None \
+                and len(self.samples) == 1:
+            await self.worker.call("cut", {"rid": self.rid,
+                                           "depth": len(self.req.input_ids) + output_tokens})
+        self._abort_samples()
+        return True
 
     def _abort_samples(self) -> None:
         tm = self.worker.tm

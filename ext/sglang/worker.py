@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anchorcache.wire import GenerateRequest, WireError
 
 from .rpc import SchedulerError, SchedulerRpc
+
+if TYPE_CHECKING:
+    from .run import Run
 
 
 class SGLangWorker:
@@ -21,7 +24,7 @@ class SGLangWorker:
         self.rpc: SchedulerRpc | None = None
         self.epoch: str | None = None
         self.pin_budget_tokens = 0  # the scheduler's (hello): kept out of every request
-        self.samples: dict[str, list[str]] = {}  # running request → its SGLang requests
+        self.runs: dict[str, Run] = {}  # running contract requests by rid
 
     def init_tokenizer_manager(self, server_args: Any, port_args: Any, *args: Any) -> Any:
         """`launch_server`'s tokenizer-manager factory: SGLang's own, plus the RPC socket name."""

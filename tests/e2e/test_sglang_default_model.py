@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.data import conversations, turn_requests
+from tests.proxy.test_stop_anchors import stop_then_next_turn
 from tests.proxy.test_structured_api import TRIP, agent_cases, validate_calls
 from tests.servers import proxy_process, sglang_worker_process
 
@@ -63,6 +64,15 @@ def test_replay_with_anchors_equals_without(stack):
 # `ls` is called in turn 2) and the 6th (required over turn 1's tools, as the 8th) add none,
 # at ~35 s each on a 2-core CPU.
 FORCED_CASES = (0, 1, 2, 3, 6, 7)
+
+
+def test_the_turn_after_a_stop_string_restores_the_previous_prompt_and_reply(
+        stack, default_model_dir):
+    """SGLang aborts the stopped request after the scheduler took its response anchor's
+    cut; the next turn finds prompt and reply in the host anchors (the tree was flushed)."""
+    worker, on, _ = stack
+    stop_then_next_turn(on, default_model_dir, stream=True, flush=lambda: httpx.post(
+        worker.url + "/flush_cache", timeout=60).raise_for_status())
 
 
 def test_forced_tool_calls_through_sglangs_grammar(stack):

@@ -198,7 +198,9 @@ def test_bad_anchor_bodies_are_400(worker):
     for path, body in [("/anchor/confirm", {"slots": "x"}), ("/anchor/pin", {"key": "zz"}),
                        ("/generate", {"input_ids": [1, 2], "anchor": {"restore": [{"key": "00", "depth": 5}]}}),
                        ("/generate", {"input_ids": []}),
-                       ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}})]:
+                       ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}),
+                       ("/stop_request", {"rid": "x", "output_tokens": -1}),
+                       ("/stop_request", {"rid": "x", "output_tokens": "3"})]:
         resp = httpx.post(worker.url + path, json=body, timeout=30)
         assert resp.status_code == 400, (path, resp.text)
         assert resp.json()["error"]["type"] == "invalid_request_error"
@@ -268,6 +270,21 @@ def run(worker, ids, sampling, plan=None, **extra):
     return resp.json()
 
 
+def next_turn_restores(worker, written, following):
+    """Confirm `written` (a conversation anchor at 200 and the response anchor); the next
+    turn `following` restores both and gives its cold output."""
+    post(worker, "/anchor/confirm", {"slots": [w["slot"] for w in written.values()]})
+    worker.forget_device()
+    cold = generate(worker, following)
+    worker.forget_device()
+    response = written["response"]
+    warm = generate(worker, following, AnchorPlan(NS, restore=(
+        AnchorRef(bytes.fromhex(written["conversation"]["key"]), 200),
+        AnchorRef(bytes.fromhex(response["key"]), response["depth"]))))
+    assert warm["meta_info"]["cached_tokens"] == response["depth"]
+    assert warm["output_ids"] == cold["output_ids"]
+
+
 def test_a_response_anchor_restores_the_next_turn(worker):
     """A generation that stops on a stop token saves prompt + output as a response anchor
     (SGLang: all of it but the stop token, whose row it never computed); the next turn's
@@ -288,20 +305,52 @@ def test_a_response_anchor_restores_the_next_turn(worker):
     assert response["depth"] == depth
     assert response["parent"] == written["conversation"]["key"]
     assert response["key"] == anchor_keys(NS, worker.model_id, full, [depth])[depth].hex()
-    post(worker, "/anchor/confirm", {"slots": [w["slot"] for w in written.values()]})
-    following = full + prompt(14, 30)
-    worker.forget_device()
-    cold = generate(worker, following)
-    worker.forget_device()
-    warm = generate(worker, following, AnchorPlan(NS, restore=(
-        AnchorRef(bytes.fromhex(written["conversation"]["key"]), 200),
-        AnchorRef(bytes.fromhex(response["key"]), depth))))
-    assert warm["meta_info"]["cached_tokens"] == depth
-    assert warm["output_ids"] == cold["output_ids"]
+    next_turn_restores(worker, written, full + prompt(14, 30))
     # a length finish saves no response anchor
     cut = run(worker, ids, SamplingParams(max_new_tokens=2, temperature=0.0),
               AnchorPlan(NS, snapshot_response=True))
     assert cut["meta_info"]["anchors"]["written"] == []
+
+
+def test_a_stopped_request_ends_as_a_stop_and_keeps_its_anchors(worker):
+    """`/stop_request` mid-stream (a stop sequence the proxy found): the stream ends with a
+    stop finish and the request's anchors, never an abort. The response anchor is prompt +
+    the named output ids, and restores the next turn as cold. The embedded worker here is
+    recurrent: its state exists only at the newest token, so it keeps no response anchor
+    for an earlier cut, only the prompt's."""
+    ids = prompt(21, 200)
+    rid = f"stop-{worker.backend}"
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(200, AnchorKind.CONVERSATION, Region.THICK),),
+                      snapshot_response=True)
+    sampling = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    body = {**GenerateRequest(input_ids=tuple(ids), sampling=sampling, anchor=plan,
+                              rid=rid).to_json(), "stream": True}
+    out: list[int] = []
+    metas = []
+    with httpx.stream("POST", worker.url + "/generate", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            out += event.get("output_ids", [])
+            if "meta_info" in event:
+                metas.append(event["meta_info"])
+            if len(out) >= 6 and not metas and rid:
+                assert post(worker, "/stop_request", {"rid": rid, "output_tokens": 3})["stopped"]
+                rid = ""
+    assert not rid and len(metas) == 1 and len(out) < 400
+    meta = metas[0]
+    assert meta["finish_reason"] == {"type": "stop", "matched": None}
+    written = {w["kind"]: w for w in meta["anchors"]["written"]}
+    assert written["conversation"]["depth"] == 200
+    depth = 203
+    if worker.backend == "embedded":
+        assert "response" not in written
+        return
+    full = ids + out[:3]
+    assert written["response"]["depth"] == depth
+    assert written["response"]["key"] == anchor_keys(NS, worker.model_id, full, [depth])[depth].hex()
+    next_turn_restores(worker, written, full + prompt(22, 30))
 
 
 def test_n_samples_share_one_prefill_and_a_seed_reproduces_them(worker):
@@ -434,6 +483,9 @@ def test_replies_are_their_records_and_match_across_backends(worker):
     replies["anchor_abort"] = (post(worker, "/anchor/abort", {"slots": [slot]}),
                                wire.parse_slots_aborted)
     replies["abort_request"] = (post(worker, "/abort_request", {"rid": "nobody"}), wire.parse_abort)
+    replies["stop_request"] = (post(worker, "/stop_request", {"rid": "nobody", "output_tokens": 1}),
+                               wire.parse_stop)
+    assert replies["stop_request"][0]["stopped"] is False
     replies["health"] = (httpx.get(worker.url + "/health").json(), wire.parse_health)
     replies["model_info"] = (httpx.get(worker.url + "/model_info").json(), wire.parse_model_info)
     replies["anchor_flush"] = (post(worker, "/anchor/flush", {}), wire.parse_flush)

@@ -92,7 +92,7 @@ async def test_client_disconnect_aborts_the_worker_request(worker, proxy):
     assert await asyncio.to_thread(_wait_idle, worker.url) == []
 
 
-def test_a_stop_string_aborts_the_worker_request(worker, proxy):
+def test_a_stop_string_ends_the_worker_request(worker, proxy):
     assert _wait_idle(worker.url) == []
     resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=120, json={
         "model": "default", "messages": LONG, "max_tokens": 2000, "temperature": 0, "stop": ["5"]})

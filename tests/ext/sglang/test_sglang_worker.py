@@ -375,3 +375,51 @@ def test_a_sample_id_taken_by_a_running_request_is_a_400(sglang, conversations):
         post(url, "/abort_request", {"rid": "dup-1"})
         fut.result()
     assert resp.status_code == 400 and "already running" in resp.json()["error"]["message"]
+
+
+def test_a_queued_restore_never_stalls_admission(sglang):
+    """SGLang admits first come, first served, and stops at the first waiting request that
+    does not fit. Here R runs (45% of the pool), H waits behind it (65%: fits only once R is
+    done), and Q, queued behind H, restores an anchor of 40% of the pool. A restore that
+    locked its prefix while queued would leave H 60% of the pool for good (the scheduler
+    spinning, nobody served); restored at admission, everything completes and Q's output is
+    its cold output."""
+    from tests.servers import SGLANG_TEST_ARGS
+
+    url = sglang.url
+    pool = int(SGLANG_TEST_ARGS[SGLANG_TEST_ARGS.index("--max-total-tokens") + 1])
+    rng = __import__("random").Random(31)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1000, 100000) for _ in range(n)]
+
+    anchor, r_ids, h_ids = ids(int(0.40 * pool)), ids(int(0.45 * pool)), ids(int(0.65 * pool))
+    q_ids = anchor + ids(10)
+    flush_device(url)
+    cold = generate(url, q_ids)["output_ids"]
+    depth = len(anchor)
+    keys, _ = save(url, anchor + ids(1), [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+
+    def waiting() -> int:
+        loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=60).json()
+        return int(loads["loads"][0]["num_waiting_reqs"])
+
+    with cf.ThreadPoolExecutor(3) as pool_:
+        r = pool_.submit(generate, url, r_ids, None, 300)
+        for _ in range(600):
+            if _num_running(url) == 1:
+                break
+            threading.Event().wait(0.05)
+        h = pool_.submit(generate, url, h_ids, None, 4)
+        for _ in range(600):
+            if waiting() == 1:
+                break
+            threading.Event().wait(0.05)
+        assert not r.done(), "R ended before H queued: the scenario needs it running"
+        q = pool_.submit(generate, url, q_ids, AnchorPlan(NS, restore=(
+            AnchorRef(keys[depth], depth),)))
+        done, _ = cf.wait([r, h, q], timeout=120)
+        assert len(done) == 3, "admission stalled"
+        warm = q.result()
+    assert warm["output_ids"] == cold

@@ -4,7 +4,7 @@ round-robin and least-load, and a worker killed halfway (issue 22).
 Starts two workers (SGLang with the CPU recipe by default, each with a KV pool about 1.2x
 the longest request; `--backend embedded` for the embedded worker) on the tiny Qwen3 (the
 real Qwen3 tokenizer) unless `--model`, then for each routing policy a fresh proxy (its own
-ledger) in front of both, the workers' device caches flushed first. `--conversations`
+ledger) in front of both, the workers' anchors and device caches flushed first. `--conversations`
 BFCL conversations over `--toolsets` toolsets run `--concurrent` at a time, each its turns
 in order, as agents would. Per policy: prompt tokens prefilled against the ideal (tokens
 that no earlier request presented), TTFT p50/p99 per turn, requests/s, and the proxy's
@@ -68,11 +68,13 @@ def cpu_s(pid: int) -> float:
 
 
 def flush(workers: list[str]) -> None:
+    """Every run starts cold: each worker's anchors (`/anchor/flush`) and SGLang's device
+    tree (`/flush_cache`) dropped. (SGLang's host anchors survive `/flush_cache`, and a new
+    proxy learns the anchors a worker still holds, so without the first a run would restore
+    what the runs before it wrote.)"""
     for w in workers:
-        try:
-            httpx.post(w + "/flush_cache", timeout=60)  # SGLang's device tree; absent: no-op
-        except httpx.HTTPError:
-            pass
+        for path in ("/anchor/flush", "/flush_cache"):
+            httpx.post(w + path, timeout=60).raise_for_status()
 
 
 def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: int,

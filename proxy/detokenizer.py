@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""
-        out = []
+        start = len(self.text)
         for t in token_ids:
             self.count += 1
             if t in self.skip:
@@ -46,11 +46,9 @@ class IncrementalDetokenizer:
                 new = full[len(prefix):]
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.ids)
-                out.append(new)
-                self.marks.append((self.count, len(self.text) + sum(map(len, out))))
-        piece = "".join(out)
-        self.text += piece
-        return piece
+                self.text += new
+                self.marks.append((self.count, len(self.text)))
+        return self.text[start:]
 
     def flush(self) -> str:
         """Text held back at the end (an incomplete character is emitted as U+FFFD)."""

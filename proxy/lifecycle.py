@@ -42,7 +42,6 @@ from anchorcache.state.records import (
 )
 from anchorcache.wire import (
     AnchorKind,
-    AnchorReport,
     AnchorWritten,
     GenerateMeta,
     GenerateRequest,
@@ -260,12 +259,9 @@ class AnchorLifecycle:
         if meta.epoch != self.epoch:  # the worker client observed it as the reply came
             self.ledger.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
             return
-        await self._commit(flight, meta.anchors, meta.epoch, reason=reason)
-
-    async def _commit(self, flight: Flight, report: AnchorReport, epoch: str, *,
-                      reason: str | None = None) -> None:
-        """Record what the worker wrote for `flight`, confirm it, commit what the worker
-        acknowledged and close the reservation (`reason`: why, when it closes confirmed)."""
+        # record what the worker wrote, confirm it, commit what the worker acknowledged and
+        # close the reservation (`reason`: why, when it closes confirmed)
+        report, epoch = meta.anchors, meta.epoch
         caller, led = flight.caller, self.ledger
         if report.written:
             led.record_written(flight.rid, self.worker_id, epoch, caller.namespace, caller.tenant,

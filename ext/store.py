@@ -135,7 +135,9 @@ class AnchorStore:
         self._live: dict[int, Slab] = {}
         self._slot_of: dict[bytes, int] = {}
         self._staged: dict[int, tuple[Slab, str]] = {}  # slot → (slab, rid)
-        self._staged_deadline: dict[int, float] = {}
+        # slot → when an unconfirmed slab of a finished request is dropped; None: its TTL
+        # starts at the next `start_ttl` (a store whose clock is only read during calls)
+        self._staged_deadline: dict[int, float | None] = {}
         # the staged TTL's clock. A worker whose store is replicated (SGLang's tensor-parallel
         # ranks, one store each) sets one that every replica reads alike (the call's own
         # time, stamped by the caller), so their TTL decisions never depend on a process's clock
@@ -263,16 +265,25 @@ class AnchorStore:
         self._tips[rid] = _Tip(key, depth)
         return AnchorWritten(res.slot, key, depth, tip.key, nbytes, kind)
 
-    def release_request(self, rid: str, *, ok: bool) -> None:
-        """The request ended: on failure drop its staged anchors now, else start their TTL."""
+    def release_request(self, rid: str, *, ok: bool, start_ttl: bool = True) -> None:
+        """The request ended: on failure drop its staged anchors now, else start their TTL
+        (or, without `start_ttl`, at the next `start_ttl()`: the SGLang scheduler releases a
+        request between calls, where it has no fresh time that every TP rank shares)."""
         self._tips.pop(rid, None)
         self._sweep()
         mine = [slot for slot, (_, r) in self._staged.items() if r == rid]
         if not ok:
             self._abort_slots(mine)
         else:
-            deadline = self.clock() + STAGED_TTL_S
+            deadline = self.clock() + STAGED_TTL_S if start_ttl else None
             for slot in mine:
+                self._staged_deadline[slot] = deadline
+
+    def start_ttl(self) -> None:
+        """Start the TTL of anchors released without one, from `clock()` now."""
+        deadline = self.clock() + STAGED_TTL_S
+        for slot, t in self._staged_deadline.items():
+            if t is None:
                 self._staged_deadline[slot] = deadline
 
     # ---- any thread ---------------------------------------------------------------------
@@ -315,7 +326,8 @@ class AnchorStore:
 
     def _sweep(self) -> None:
         now = self.clock()
-        self._abort_slots([s for s, t in self._staged_deadline.items() if t < now])
+        self._abort_slots([s for s, t in self._staged_deadline.items()
+                           if t is not None and t < now])
 
     def prefix_of(self, key: bytes) -> tuple[tuple[Slab, ...], tuple[int, ...]] | None:
         """The committed chain root→`key` and the tokens it covers, or None when a link

@@ -9,15 +9,18 @@
   sends `method="tree_cache"`, so every anchor operation runs here, between batches,
   never on a foreign thread. The reply travels back on a PUSH socket named in the call
   (`RpcReqOutput` carries only success and a message);
+- a request's anchor plan rides in its own sampling parameters (`custom_params`), read
+  when SGLang first matches the request for admission (`_plan_of`); no call precedes it;
+- restore (`match_prefix`, at admission): the verified chain is scattered into freshly
+  allocated pool slots and the prefix inserted into the tree, unlocked: SGLang's admission
+  locks it as any prefix hit;
 - `checkpoint` (SGLang calls it after a prefill and when a request releases its KV): rows
   of every planned snapshot depth the request has computed are copied from the token
   pool into host slabs, reading the request's own row of `req_to_token` while it still
-  holds (and locks) it;
-  When a request that stopped on a stop token releases its KV, its response anchor
-  (prompt + output) is saved the same way;
-- restore: the verified chain is scattered into freshly allocated pool slots and the
-  prefix inserted into the tree, which is then locked until the request ends, so the
-  prefill that follows matches it;
+  holds (and locks) it. When a request that stopped on a stop token releases its KV, its
+  response anchor (prompt + output) is saved the same way;
+- `on_release`: a finished request's report (restored, written, held) is pushed to the
+  HTTP process on the same PUSH socket, unasked;
 - pins: a pinned anchor's prefix is put on the device the same way and stays locked in
   the tree, within a budget the contract keeps out of every request's limit.
 
@@ -34,6 +37,7 @@ import logging
 import secrets
 import time
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -66,8 +70,11 @@ from anchorcache.wire import (
 from . import tp
 from .config import SGLangAnchorConfig
 from .device import DevicePin, DeviceTree
+from .rpc import PLAN_PARAM
 
 log = logging.getLogger("anchorcache.sglang")
+
+ENDED_KEPT = 1024  # ended runs whose report (or failure) the scheduler remembers
 
 try:  # SGLang is an optional dependency of the package; this module runs inside it
     from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
@@ -81,11 +88,12 @@ except ImportError:  # pragma: no cover
 
 @dataclass
 class _Pending:
-    """One anchored request between `prepare` and `finish`."""
+    """One anchored request, from its first admission match to its release."""
 
     ids: tuple[int, ...]
     plan: AnchorPlan
     info: dict[str, Any]  # the chain check's report (`restored`, `restore_miss`, `held`, ...)
+    token: str = ""  # the HTTP side's id of this run (a client may reuse a rid)
     check: RestoreCheck | None = None  # the chain, verified at the first admission match
     placed: bool = False  # its verified prefix is in the tree (or there is none to place)
     missed: str | None = None  # why the verified prefix is not (yet) in the tree
@@ -129,14 +137,19 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         self._fault: str | None = None  # one armed fault (`--fault-injection` only)
         self._zmq: zmq.Context[Any] = zmq.Context.instance()
         self._reply: dict[str, zmq.Socket[Any]] = {}
+        self._push_to: str | None = None  # the HTTP process's reply socket (from every call)
+        self._ended: OrderedDict[str, str] = OrderedDict()  # rid → token of its ended run
+        self._reports: OrderedDict[str, dict[str, Any]] = OrderedDict()  # token → report
         self._call_ms: dict[str, tuple[int, float, float]] = {}  # op: (calls, total, max)
 
     # ---- RPC entry (scheduler loop) ---------------------------------------------------
     def __call__(self, op: str, payload: str, reply_to: str, call_id: int,
                  now: float | None = None) -> None:
         self._call_now = now  # every TP rank runs this call with the same `now`
+        self._push_to = reply_to
         t = time.perf_counter()
         try:
+            self.anchors.start_ttl()  # of requests released since the last call
             if self._repin:
                 self._pin_again()
             handler = getattr(self, "_op_" + op)
@@ -151,11 +164,14 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         self._timed(op, t)
         if not tp.is_reply_rank(self._tp_rank):
             return  # one reply per call: rank 0's (the ranks decided alike)
+        self._socket(reply_to).send(orjson.dumps(result))
+
+    def _socket(self, reply_to: str) -> zmq.Socket[Any]:
         sock = self._reply.get(reply_to)
         if sock is None:
             sock = self._reply[reply_to] = self._zmq.socket(zmq.PUSH)
             sock.connect(reply_to)
-        sock.send(orjson.dumps(result))
+        return sock
 
     def _timed(self, op: str, since: float) -> None:
         """Count the scheduler's time in anchor work of kind `op` (`/anchor/stats`
@@ -172,35 +188,83 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         return {"model_id": self.model_id, "page_size": self.page_size,
                 "pool_tokens": self._pool_tokens, "pin_budget_tokens": self._pin_budget}
 
-    def _op_prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Register the request's plan: its restore runs when SGLang first matches it for
-        admission (`match_prefix`), its snapshots in the checkpoint hook."""
-        rid, ids = body["rid"], tuple(body["input_ids"])
-        plan = parse_anchor_plan(body["anchor"])
-        assert plan is not None
-        p = _Pending(ids, plan, {"restored": [], "restore_miss": []})
+    # ---- a request's plan and its end (one round trip: see ext/sglang/rpc.py) ----------
+    def _plan_of(self, req: Any) -> _Pending | None:
+        """The pending record of `req`, registered from the plan its sampling parameters
+        carry (`custom_params[PLAN_PARAM]`) when SGLang first matches it: its restore runs
+        then (`match_prefix`), its snapshots in the checkpoint hook."""
+        p = self._pending.get(req.rid)
+        if p is not None:
+            return p
+        params = getattr(req.sampling_params, "custom_params", None)
+        raw = params.get(PLAN_PARAM) if isinstance(params, dict) else None
+        if not isinstance(raw, str):
+            return None
+        try:
+            body = orjson.loads(raw)
+            token, plan = str(body["token"]), parse_anchor_plan(body["anchor"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, WireError):
+            log.warning("request %s carries an unreadable anchor plan; served without", req.rid)
+            return None
+        if plan is None or self._ended.get(req.rid) == token:
+            return None  # already ended (its `finish` came first: the client went away)
+        ids = tuple(req.origin_input_ids)
+        p = _Pending(ids, plan, {"restored": [], "restore_miss": []}, token=token)
         p.todo = sorted((s for s in plan.snapshot if s.depth <= len(ids)), key=lambda s: s.depth)
-        self._pending[rid] = p
-        return {}
+        self._pending[req.rid] = p
+        return p
 
-    def _op_finish(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The request ended: what it restored and saved; its staged anchors start their TTL
-        (or are dropped, unless `ok`)."""
-        rid = body["rid"]
-        p = self._pending.pop(rid, None)
-        self.anchors.release_request(rid, ok=bool(body.get("ok")))
-        if p is None:  # never prepared here (a call that timed out): nothing to report
-            p = _Pending((), AnchorPlan(b""), {"restored": [], "restore_miss": []})
+    def on_release(self, req: Any, **kwargs: Any) -> None:
+        """SGLang released a request's KV (after its last checkpoint): when it has finished,
+        its report is pushed to the HTTP process unasked (by the reply rank), and its staged
+        anchors wait for the proxy's confirm, their TTL started by the next call."""
+        super().on_release(req, **kwargs)
+        p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
+        if p is None or not req.finished():  # (a retracted request comes back)
+            return
+        t = time.perf_counter()
+        report = self._end(req.rid, ok=True, start_ttl=False)
+        if self._push_to is not None and tp.is_reply_rank(self._tp_rank):
+            self._socket(self._push_to).send(orjson.dumps(
+                {"push": "finish", "rid": req.rid, "token": p.token, "epoch": self.epoch,
+                 **report}))
+        self._timed("release", t)
+
+    def _end(self, rid: str, *, ok: bool, start_ttl: bool) -> dict[str, Any]:
+        """Drop request `rid`'s pending record and release it in the store; its report."""
+        p = self._pending.pop(rid)
+        self.anchors.release_request(rid, ok=ok, start_ttl=start_ttl)
         info = p.info
         if p.missed is not None and p.check is not None:  # verified, never placed
             miss = {"key": p.check.chain[-1].key.hex(), "depth": p.check.depth,
                     "reason": p.missed}
             info = {**info, "restored": [], "restore_miss": [*info["restore_miss"], miss]}
-        return {"anchors": info, "restored_tokens": p.restored_tokens,
-                "restore_ms": round(p.restore_s * 1e3, 3),
-                "written": [w.to_json() for w in p.written],
-                "held": [h.to_json() for h in p.held],
-                "snapshot_ms": round(p.snapshot_s * 1e3, 3)}
+        report = {"anchors": info, "restored_tokens": p.restored_tokens,
+                  "restore_ms": round(p.restore_s * 1e3, 3),
+                  "written": [w.to_json() for w in p.written],
+                  "held": [h.to_json() for h in p.held],
+                  "snapshot_ms": round(p.snapshot_s * 1e3, 3)}
+        self._ended[rid] = p.token
+        self._reports[p.token] = report
+        for kept in (self._ended, self._reports):
+            while len(kept) > ENDED_KEPT:
+                kept.popitem(last=False)
+        return report
+
+    def _op_finish(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The HTTP side's end of request `rid`: when its pushed report did not come (`ok`:
+        the report, kept a while), or when the request failed (not `ok`: its staged anchors
+        are dropped, and a plan that has not reached the scheduler yet never registers)."""
+        rid, token, ok = str(body["rid"]), str(body["token"]), bool(body.get("ok"))
+        p = self._pending.get(rid)
+        if p is not None and p.token == token:
+            return self._end(rid, ok=ok, start_ttl=True)
+        if not ok:
+            self.anchors.release_request(rid, ok=False)
+            self._ended[rid] = token
+        return self._reports.pop(token, None) or {
+            "anchors": {"restored": [], "restore_miss": []}, "restored_tokens": 0,
+            "restore_ms": 0.0, "written": [], "held": [], "snapshot_ms": 0.0}
 
     def _op_cut(self, body: dict[str, Any]) -> dict[str, Any]:
         """A stop sequence ends request `rid` (its abort follows): its response anchor is
@@ -308,8 +372,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         holds nothing (a lock held while queued could stall admission), and nothing is copied
         for a request that never runs."""
         req = params.req
-        p = self._pending.get(req.rid) if req is not None and hasattr(self, "_pending") \
-            else None
+        p = self._plan_of(req) if req is not None and hasattr(self, "_pending") else None
         if p is not None and not p.placed:
             t = time.perf_counter()
             self._restore(req.rid, p)

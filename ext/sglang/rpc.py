@@ -18,6 +18,13 @@ shard of the KV heads. Only rank 0 pushes our reply (one reply per call), and ev
 carries `now`, the caller's clock, which the stores use for their staged TTL instead of their
 own clocks: every decision a store makes then depends on the call sequence alone, so all
 ranks verify, restore, evict and expire the same anchors.
+
+One round trip per request: a request's anchor plan is not a call. It rides in the
+request's own sampling parameters (`custom_params[PLAN_PARAM]`, a JSON string, which SGLang
+hands every TP rank with the request), and the scheduler pushes the request's report when
+it releases the request's KV (`{"push": "finish", "token", ...}` on the same PULL socket,
+taken by `expect(token)`). The proxy's `/anchor/confirm` is then the request's one call.
+A request that fails, or whose report does not come, ends with the `finish` call.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import zmq.asyncio
 log = logging.getLogger("anchorcache.sglang")
 
 RPC_TIMEOUT_S = 120.0
+PLAN_PARAM = "anchorcache_plan"  # the custom_params key of a request's anchor plan
 
 
 class SchedulerError(RuntimeError):
@@ -62,6 +70,7 @@ class SchedulerRpc:
         self._pull: Any = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._pushed: dict[str, asyncio.Future[dict[str, Any]]] = {}  # by run token
         self._unacked: collections.deque[int] = collections.deque()  # call ids, send order
         self._readers: list[asyncio.Task[None]] = []
 
@@ -107,13 +116,25 @@ class SchedulerRpc:
             raw = await self._pull.recv()
             try:
                 reply = orjson.loads(raw)
-                waiter = self._waiting.get(reply.get("call_id"))
-            except (orjson.JSONDecodeError, AttributeError):
+                waiter = (self._pushed.pop(str(reply.get("token")), None) if "push" in reply
+                          else self._waiting.get(reply.get("call_id")))
+            except (orjson.JSONDecodeError, AttributeError, TypeError):
                 log.error("unreadable scheduler reply dropped: %.200r", raw)
                 continue
             if waiter is not None and not waiter.done():
                 waiter.set_result(reply)
-            # else: its call timed out or went away; dropped
+            # else: its call timed out or went away (or its run ended); dropped
+
+    def expect(self, token: str) -> asyncio.Future[dict[str, Any]]:
+        """The report the scheduler will push when run `token`'s request is released."""
+        if self._ctx is None:
+            self._open()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pushed[token] = fut
+        return fut
+
+    def forget(self, token: str) -> None:
+        self._pushed.pop(token, None)
 
     async def _read_acks(self) -> None:
         from sglang.srt.managers.io_struct import async_sock_recv

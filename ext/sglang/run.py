@@ -1,15 +1,19 @@
-"""One contract `/generate` on SGLang (`Run`): the anchor `prepare` (scheduler RPC), SGLang's
-own generation of each sample (`TokenizerManager.generate_request`, as its `/generate`
-route calls it, so requests are batched by SGLang as usual), and the anchor `finish`.
+"""One contract `/generate` on SGLang (`Run`): SGLang's own generation of each sample
+(`TokenizerManager.generate_request`, as its `/generate` route calls it, so requests are
+batched by SGLang as usual), the anchor plan riding in the request's sampling parameters,
+and the report the scheduler pushes when it releases the request (ext/sglang/rpc.py).
 Sampling parameters (constraints, seed, logprobs) pass through under SGLang's names."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import Any
+
+import orjson
 
 from anchorcache.ext.contract import Event, Tokens
 from anchorcache.wire import (
@@ -21,7 +25,7 @@ from anchorcache.wire import (
     parse_anchor_report,
 )
 
-from .rpc import SchedulerError
+from .rpc import PLAN_PARAM, SchedulerError
 from .worker import SGLangWorker
 
 
@@ -66,6 +70,9 @@ class Aborted(Exception):
 
 
 
+PUSH_WAIT_S = 10.0  # for a finished request's pushed report, then the `finish` call
+
+
 class Sample:
     def __init__(self, rid: str) -> None:
         self.rid = rid
@@ -76,9 +83,10 @@ class Sample:
 
 
 class Run:
-    """One contract request: the anchor `prepare`, SGLang's own generation of each sample
+    """One contract request: SGLang's own generation of each sample
     (`TokenizerManager.generate_request`, streamed internally so the first token's time is
-    known), and the anchor `finish`.
+    known), with the anchor plan in the sampling parameters of the request that prefills
+    the prompt, and the scheduler's report of what it restored and saved (`finish`).
 
     With `n > 1` the prompt is prefilled once first, under the request's own id (so its
     snapshots are taken then); the samples, each its own SGLang request `rid-i` with seed
@@ -95,7 +103,9 @@ class Run:
         self.cached_tokens: int | None = None  # of the prompt prefill (n > 1)
         self.restore_ms = 0.0
         self.t0 = time.perf_counter()
-        self.prepared = False
+        self.token = uuid.uuid4().hex  # this run's id on the scheduler (a rid may be reused)
+        self.plan: str | None = None  # the anchor plan, as the prompt's request carries it
+        self.report: asyncio.Future[dict[str, Any]] | None = None  # pushed at its release
         self.finished = False
         self.stopping = False  # `stop`: SGLang's abort of its samples ends them as stops
 
@@ -107,6 +117,8 @@ class Run:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         req = self.req
+        if rid == self.rid and self.plan is not None:
+            sampling = {**sampling, "custom_params": {PLAN_PARAM: self.plan}}
         return GenerateReqInput(rid=rid, input_ids=list(req.input_ids),
                                 sampling_params=sampling, stream=True,
                                 return_logprob=req.return_logprob,
@@ -141,14 +153,9 @@ class Run:
                 anchor = req.anchor
                 if len(self.samples) > 1:  # the samples' responses differ: none is saved
                     anchor = replace(anchor, snapshot_response=False)
-                # before the call: one that times out or is cancelled may still have run
-                # on the scheduler, and its plan must be dropped (`finish` of a request
-                # the scheduler never prepared is a no-op); the restore itself runs when
-                # SGLang admits the request
-                self.prepared = True
-                await self.worker.call("prepare", {
-                    "rid": self.rid, "input_ids": list(req.input_ids),
-                    "anchor": anchor.to_json()})
+                self.plan = orjson.dumps({"token": self.token,
+                                          "anchor": anchor.to_json()}).decode()
+                self.report = self.worker.expect(self.token)
             if len(self.samples) == 1:
                 sample = self.samples[0]
                 obj = self._obj(sample.rid, sglang_sampling(req.sampling, 0))
@@ -238,14 +245,26 @@ class Run:
                       if self.req.top_logprobs_num else None)
 
     async def finish(self, ok: bool) -> None:
-        """Learn what the request restored (at its admission) and saved; unless `ok` the
-        scheduler drops what it staged. Once: a later call (the contract's, after the
-        events) does nothing."""
+        """Learn what the request restored (at its admission) and saved: the report the
+        scheduler pushed at its release, or (the request failed, or no report came) the
+        `finish` call, which unless `ok` drops what the request staged. Once: a later call
+        (the contract's, after the events) does nothing."""
         if self.finished:
             return
         self.finished = True
-        if self.prepared:
-            fin = await self.worker.call("finish", {"rid": self.rid, "ok": ok})
+        if self.report is not None:
+            fin = None
+            if ok:
+                try:
+                    fin = await asyncio.wait_for(asyncio.shield(self.report), PUSH_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
+            self.worker.forget(self.token)
+            if fin is None:
+                fin = await self.worker.call("finish", {"rid": self.rid, "token": self.token,
+                                                        "ok": ok})
+            else:
+                self.worker.epoch = fin.get("epoch", self.worker.epoch)
             restore = parse_anchor_report(fin["anchors"])
             saved = parse_anchor_report({"written": fin["written"], "held": fin["held"]})
             self.anchors = replace(restore, written=saved.written,
@@ -262,7 +281,7 @@ class Run:
         if self.stopping or all(r not in self.worker.tm.rid_to_state for r in self.sglang_rids()):
             return False
         self.stopping = True
-        if self.prepared and not self.finished and output_tokens is not None \
+        if self.report is not None and not self.finished and output_tokens is not None \
                 and len(self.samples) == 1:
             await self.worker.call("cut", {"rid": self.rid,
                                            "depth": len(self.req.input_ids) + output_tokens})

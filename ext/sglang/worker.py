@@ -46,6 +46,16 @@ class SGLangWorker:
         self.epoch = reply.pop("epoch", self.epoch)
         return reply
 
+    def expect(self, token: str) -> asyncio.Future[dict[str, Any]]:
+        """The report the scheduler pushes when run `token`'s request is released."""
+        if self.rpc is None:
+            raise SchedulerError(503, "the scheduler RPC channel is not set up")
+        return self.rpc.expect(token)
+
+    def forget(self, token: str) -> None:
+        if self.rpc is not None:
+            self.rpc.forget(token)
+
     async def ready(self) -> bool:
         if self.epoch is None:
             try:

@@ -61,8 +61,8 @@ def test_paged_restore_puts_back_whole_pages_and_equals_cold(paged, conversation
     assert check["device_tokens"] == aligned(depth) and check["mismatch"] is None
     # the scheduler's own time in anchor work is counted per kind, with its maximum
     calls = {c["op"]: c for c in httpx.get(url + "/anchor/stats").json()["scheduler_calls"]}
-    assert calls["prepare"]["calls"] >= 2 and calls["snapshot"]["calls"] >= 1
-    assert 0 < calls["prepare"]["max_ms"] <= calls["prepare"]["total_ms"]
+    assert calls["restore"]["calls"] >= 2 and calls["snapshot"]["calls"] >= 1
+    assert 0 < calls["restore"]["max_ms"] <= calls["restore"]["total_ms"]
     # the chain's first link alone: its pages come back, the rest is prefilled
     flush_device(url)
     partial = generate(url, p2, AnchorPlan(NS, restore=chain[:1]))

@@ -423,3 +423,52 @@ def test_a_queued_restore_never_stalls_admission(sglang):
         assert len(done) == 3, "admission stalled"
         warm = q.result()
     assert warm["output_ids"] == cold
+
+
+def _rpc_calls(url) -> dict[str, int]:
+    """Scheduler calls so far by op (`scheduler_calls`), without the scheduler's own work
+    (restores at admission, checkpoint copies, reports pushed at release)."""
+    stats = httpx.get(url + "/anchor/stats", timeout=60).json()
+    return {c["op"]: c["calls"] for c in stats["scheduler_calls"]}
+
+
+def test_an_anchored_request_costs_one_scheduler_call(sglang, conversations):
+    """The plan rides with the request and the report is pushed at release, so a request
+    that snapshots, or restores, costs one scheduler call: the confirm. A request that
+    fails ends with the `finish` call, which drops what it staged."""
+    url = sglang.url
+    tool_depth, conv_depth, p1, p2 = conversations[3]
+    flush_device(url)
+    before = _rpc_calls(url)
+    keys, _ = save(url, p1, [(tool_depth, AnchorKind.INSTRUCTION, Region.THIN),
+                               (conv_depth, AnchorKind.CONVERSATION, Region.THICK)])
+    assert sorted(keys) == [tool_depth, conv_depth]
+    flush_device(url)
+    chain = (AnchorRef(keys[tool_depth], tool_depth), AnchorRef(keys[conv_depth], conv_depth))
+    warm = generate(url, p2, AnchorPlan(NS, restore=chain))
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == conv_depth
+    after = _rpc_calls(url)
+    delta = {op: after.get(op, 0) - before.get(op, 0) for op in after}
+    assert delta.get("release") == 2  # both reports pushed
+    calls = {op: n for op, n in delta.items()
+             if op not in ("release", "restore", "snapshot", "stats") and n}
+    assert calls == {"confirm": 1}, calls  # save's confirm; the restore confirmed nothing
+
+    # a failed request: its `finish` call drops the anchor it staged at prefill
+    staged = httpx.get(url + "/anchor/stats", timeout=60).json()["staged"]
+    req = GenerateRequest(input_ids=tuple(p2), rid="abort-anchored",
+                          anchor=snapshot_plan((conv_depth, AnchorKind.CONVERSATION,
+                                                Region.THICK)),
+                          sampling=SamplingParams(max_new_tokens=3000, ignore_eos=True))
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, url + "/generate", json=req.to_json(), timeout=300)
+        for _ in range(600):
+            if "abort-anchored" in httpx.get(url + "/health", timeout=30).json()[
+                    "running_requests"]:
+                break
+            threading.Event().wait(0.05)
+        post(url, "/abort_request", {"rid": "abort-anchored"})
+        assert fut.result().status_code >= 500
+    final = _rpc_calls(url)
+    assert final.get("finish", 0) - after.get("finish", 0) == 1
+    assert httpx.get(url + "/anchor/stats", timeout=60).json()["staged"] == staged

@@ -38,6 +38,7 @@ import secrets
 import time
 from array import array
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ class _Pending:
     written: list[AnchorWritten] = field(default_factory=list)
     held: list[AnchorHeld] = field(default_factory=list)
     snapshot_s: float = 0.0  # spent writing the request's anchors (snapshot_ms)
+    copies: list[Future[float]] = field(default_factory=list)  # its slabs' copies in flight
     cut: int | None = None  # stopped by the proxy: the response anchor's depth (`_op_cut`)
 
 
@@ -141,6 +143,9 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         self._ended: OrderedDict[str, str] = OrderedDict()  # rid → token of its ended run
         self._reports: OrderedDict[str, dict[str, Any]] = OrderedDict()  # token → report
         self._call_ms: dict[str, tuple[int, float, float]] = {}  # op: (calls, total, max)
+        # snapshots' copies run here, off the scheduler's loop (on CUDA on their own stream)
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="anchorcache-copy")
+        self._copy_stream = torch.cuda.Stream(k0.device) if k0.is_cuda else None
 
     # ---- RPC entry (scheduler loop) ---------------------------------------------------
     def __call__(self, op: str, payload: str, reply_to: str, call_id: int,
@@ -173,10 +178,12 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             sock.connect(reply_to)
         return sock
 
-    def _timed(self, op: str, since: float) -> None:
+    def _timed(self, op: str, since: float, ms: float | None = None) -> None:
         """Count the scheduler's time in anchor work of kind `op` (`/anchor/stats`
-        `scheduler_calls`): every running request waits that long."""
-        ms = 1e3 * (time.perf_counter() - since)
+        `scheduler_calls`): every running request waits that long. (`copy`: the copy
+        thread's time, `ms`, which no request waits for.)"""
+        if ms is None:
+            ms = 1e3 * (time.perf_counter() - since)
         calls, total, peak = self._call_ms.get(op, (0, 0.0, 0.0))
         self._call_ms[op] = (calls + 1, total + ms, max(peak, ms))
 
@@ -220,7 +227,11 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         anchors wait for the proxy's confirm, their TTL started by the next call."""
         super().on_release(req, **kwargs)
         p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
-        if p is None or not req.finished():  # (a retracted request comes back)
+        if p is None:
+            return
+        # its rows are free now, though no one can take them before this returns
+        self._join(req.rid, p)
+        if not req.finished():  # (a retracted request comes back)
             return
         t = time.perf_counter()
         report = self._end(req.rid, ok=True, start_ttl=False)
@@ -233,6 +244,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
     def _end(self, rid: str, *, ok: bool, start_ttl: bool) -> dict[str, Any]:
         """Drop request `rid`'s pending record and release it in the store; its report."""
         p = self._pending.pop(rid)
+        self._join(rid, p)  # its slabs are whole before anyone may read them
         self.anchors.release_request(rid, ok=ok, start_ttl=start_ttl)
         info = p.info
         if p.missed is not None and p.check is not None:  # verified, never placed
@@ -402,27 +414,39 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
 
     # ---- snapshots (SGLang's checkpoint hook) -----------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """Start the copies of every planned cut the request has computed (and, when it
+        ends, of its response anchor). They run on the copy thread and are joined when the
+        request releases its rows (`on_release`, before the scheduler can hand them to
+        anyone else). A running request's rows are read after SGLang's own checkpoint:
+        SGLang then points the request's row at the tree's copy of any prefix another
+        request inserted first, and frees its duplicates; what the row names is locked by
+        the request until it releases it."""
         p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
-        if p is not None:
-            t = time.perf_counter()
-            try:
-                if p.todo:
-                    self._snapshot(req, p, up_to)
-                if req.finished() and p.plan.snapshot_response:
-                    self._snapshot_response(req, p, up_to)
-            except Exception:  # a failed snapshot costs its anchors, never the scheduler
-                log.exception("snapshot of request %s failed", req.rid)
-                p.todo = []
-            p.snapshot_s += time.perf_counter() - t
-            self._timed("snapshot", t)
-        super().checkpoint(req, up_to=up_to, **kwargs)
+        finished = req.finished()
+        if p is None or not finished:
+            super().checkpoint(req, up_to=up_to, **kwargs)
+        if p is None:
+            return
+        t = time.perf_counter()
+        try:
+            if p.todo:
+                self._snapshot(req, p, up_to)
+            if finished and p.plan.snapshot_response:
+                self._snapshot_response(req, p, up_to)
+        except Exception:  # a failed snapshot costs its anchors, never the scheduler
+            log.exception("snapshot of request %s failed", req.rid)
+            p.todo = []
+        p.snapshot_s += time.perf_counter() - t
+        self._timed("snapshot", t)
+        if finished:
+            super().checkpoint(req, up_to=up_to, **kwargs)
 
     def _snapshot(self, req: Any, p: _Pending, up_to: int) -> None:
         ready = [s for s in p.todo if s.depth <= up_to]
         if not ready:
             return
         p.todo = [s for s in p.todo if s.depth > up_to]
-        capture = self._capture(req, ready[-1].depth)
+        capture = self._capture(req, p, ready[-1].depth)
         keys = anchor_keys(p.plan.namespace, self.model_id, p.ids, [s.depth for s in ready])
         for spec in ready:
             if spec.depth <= self.anchors.tip_depth(req.rid):
@@ -446,18 +470,57 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             return
         key = anchor_keys(p.plan.namespace, self.model_id, full, [depth])[depth]
         self._record(p, self.anchors.write(req.rid, key, depth, AnchorKind.RESPONSE, "thick",
-                                           self._capture(req, depth), ids=full))
+                                           self._capture(req, p, depth), ids=full))
 
-    def _capture(self, req: Any, depth: int) -> Any:
+    def _capture(self, req: Any, p: _Pending, depth: int) -> Any:
         """`capture(start, depth)` over the request's own row of `req_to_token`, which it
-        still holds (and locks) while SGLang checkpoints it."""
+        still holds (and locks) while SGLang checkpoints it: the slab is allocated here and
+        filled on the copy thread (`p.copies`), which `_join` waits for."""
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64)
 
         def capture(start: int, depth: int) -> tuple[torch.Tensor, None]:
-            return ops.snapshot_kv(self._k, self._v, row[start:depth].contiguous(),
-                                   layout="thd"), None
+            rows = row[start:depth].contiguous()
+            k0 = self._k[0]
+            out = torch.empty((len(self._k), 2, depth - start, *k0.shape[1:]), dtype=k0.dtype,
+                              pin_memory=self._copy_stream is not None)
+            ready = None
+            if self._copy_stream is not None:  # after the forward that wrote the rows
+                ready = torch.cuda.Event()
+                ready.record()
+            p.copies.append(self._copier.submit(self._copy, rows, out, ready))
+            return out, None
 
         return capture
+
+    def _copy(self, rows: torch.Tensor, out: torch.Tensor, ready: Any) -> float:
+        """On the copy thread: rows → `out`; the seconds it took."""
+        t = time.perf_counter()
+        if self._copy_stream is None:
+            ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(ready)
+                ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)  # synchronizes
+        return time.perf_counter() - t
+
+    def _join(self, rid: str, p: _Pending) -> None:
+        """Wait for request `rid`'s copies in flight (`copy_wait`: the scheduler's time, zero
+        when they are done); if one failed, every anchor the request wrote is dropped."""
+        if not p.copies:
+            return
+        t = time.perf_counter()
+        failed = False
+        for fut in p.copies:
+            try:
+                self._timed("copy", 0.0, 1e3 * fut.result())
+            except Exception:
+                log.exception("a snapshot copy of request %s failed", rid)
+                failed = True
+        p.copies = []
+        self._timed("copy_wait", t)
+        if failed:
+            self.anchors.abort_request(rid)
+            p.written = []
 
     @staticmethod
     def _record(p: _Pending, w: AnchorWritten | AnchorHeld | None) -> None:

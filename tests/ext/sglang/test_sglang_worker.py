@@ -450,8 +450,9 @@ def test_an_anchored_request_costs_one_scheduler_call(sglang, conversations):
     after = _rpc_calls(url)
     delta = {op: after.get(op, 0) - before.get(op, 0) for op in after}
     assert delta.get("release") == 2  # both reports pushed
+    assert delta.get("copy") == 2  # both slabs filled on the copy thread, joined at release
     calls = {op: n for op, n in delta.items()
-             if op not in ("release", "restore", "snapshot", "stats") and n}
+             if op not in ("release", "restore", "snapshot", "copy", "copy_wait", "stats") and n}
     assert calls == {"confirm": 1}, calls  # save's confirm; the restore confirmed nothing
 
     # a failed request: its `finish` call drops the anchor it staged at prefill

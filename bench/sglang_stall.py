@@ -8,13 +8,15 @@ needs and every anchored request restores it from the host tier. Then, per mode:
 
 - `--streams` streaming requests (short prompts, `--stream-tokens` tokens each, greedy,
   `ignore_eos`) run while the restorers cycle through their long prompts;
-- mode `on`: each long request restores its anchor (a host -> device copy of the whole
-  chain, then a short prefill of the delta);
-- mode `off`: the same long requests without a plan (SGLang prefills all of it).
+- mode `on`: every other long request restores its anchor (a host -> device copy of the
+  whole chain, then a short prefill of the delta); the others are new long prompts that
+  write an anchor at `--anchor-tokens` (a device -> host copy of that many rows);
+- mode `off`: the same long requests without a plan (SGLang prefills all of them).
 
 Reports inter-token latency p50/p99 of the streams per mode, and the scheduler's time
-inside anchor calls, per call kind (`/anchor/stats` `scheduler_call_ms`: count, mean, max),
-which is what a copy costs every other user. Prints a table, writes
+inside anchor work, per kind (`/anchor/stats` `scheduler_calls`: calls, mean, max):
+`restore` and `snapshot` are on the scheduler's loop, `copy` is the snapshot copies' time on
+the copy thread, `copy_wait` what of it the loop still waited for. Prints a table, writes
 bench/results/<name>.json.
 
     .venv/bin/python bench/sglang_stall.py [--anchor-tokens 16384] [--rounds 2]
@@ -94,7 +96,13 @@ def stream_itl(worker: str, ids: list[int], tokens: int) -> list[float]:
 
 
 def run_mode(worker: str, mode: str, longs: list[tuple[list[int], bytes]], depth: int,
-             streams: list[list[int]], stream_tokens: int, restorers: int) -> dict:
+             streams: list[list[int]], stream_tokens: int, restorers: int,
+             vocab: int) -> dict:
+    rng = random.Random(mode)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(1000, min(vocab, 100_000)) for _ in range(n)]
+
     httpx.post(worker + "/flush_cache", timeout=120).raise_for_status()
     done = threading.Event()
     long_requests = [0]
@@ -104,8 +112,13 @@ def run_mode(worker: str, mode: str, longs: list[tuple[list[int], bytes]], depth
         with httpx.Client(timeout=900) as client:
             k = 0
             while not done.is_set():
-                ids, key = mine[k % len(mine)]
-                plan = AnchorPlan(NS, restore=(AnchorRef(key, depth),)) if mode == "on" else None
+                ids, key = mine[k // 2 % len(mine)]
+                plan = AnchorPlan(NS, restore=(AnchorRef(key, depth),))
+                if k % 2:  # a new long prompt, whose anchor is written (and never confirmed)
+                    ids = fresh(len(ids))
+                    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(depth, AnchorKind.CONVERSATION,
+                                                                 Region.THICK),))
+                plan = plan if mode == "on" else None
                 req = GenerateRequest(tuple(ids), SamplingParams(max_new_tokens=1,
                                                                  temperature=0.0), anchor=plan)
                 post(client, worker + "/generate", req.to_json())
@@ -161,7 +174,7 @@ def main() -> None:
         for r in range(args.rounds):
             for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 runs[mode].append(run_mode(worker, mode, longs, depth, streams,
-                                           args.stream_tokens, args.restorers))
+                                           args.stream_tokens, args.restorers, vocab))
                 print(mode, runs[mode][-1], flush=True)
         stats = client.get(worker + "/anchor/stats").json()
     out = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
@@ -170,14 +183,17 @@ def main() -> None:
     data = {"model": Path(model).name, "anchor_tokens": depth, "restorers": args.restorers,
             "streams": args.streams, "stream_tokens": args.stream_tokens,
             "page_size": args.page_size, "pool_tokens": pool, "summary": out, "runs": runs,
-            "scheduler_call_ms": stats.get("scheduler_call_ms")}
+            "scheduler_calls": stats.get("scheduler_calls")}
     print(f"{'mode':>5} {'itl p50 ms':>11} {'itl p99 ms':>11} {'itl max ms':>11} {'long reqs':>10}")
     for mode in ("off", "on"):
         o = out[mode]
         print(f"{mode:>5} {o['itl_p50_ms']:>11} {o['itl_p99_ms']:>11} {o['itl_max_ms']:>11} "
               f"{o['long_requests']:>10}")
     print("p99 on/off:", out["itl_p99_on_over_off"])
-    print("scheduler time in anchor calls:", orjson.dumps(data["scheduler_call_ms"]).decode())
+    print(f"\n{'scheduler work':>14} {'calls':>6} {'mean ms':>8} {'max ms':>8}")
+    for c in data["scheduler_calls"] or []:
+        mean = c["total_ms"] / max(c["calls"], 1)
+        print(f"{c['op']:>14} {c['calls']:>6} {mean:>8.2f} {c['max_ms']:>8.2f}")
     bench.write_json(data, RESULTS / f"{args.name}.json")
 
 

@@ -128,6 +128,16 @@ def _require_sglang() -> None:
         raise typer.Exit(2)
 
 
+def _refuse_parallelism(sglang_args: list[str]) -> None:
+    """SGLang's data/pipeline parallelism is not served (`cpu.parallelism_refusal`): a usage
+    error before anything starts."""
+    from anchorcache.ext.sglang import cpu
+
+    refusal = cpu.parallelism_refusal(sglang_args)
+    if refusal is not None:
+        raise typer.BadParameter(refusal)
+
+
 def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, anchor_bytes: int,
                    sglang_log_level: str, extra: list[str], fault_injection: bool = False) -> None:
     """Replace this process with SGLang + our plugin (docs/sglang.md)."""
@@ -135,6 +145,7 @@ def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, a
     from anchorcache.ext.sglang import cpu
     from anchorcache.ext.sglang.config import SGLangAnchorConfig
 
+    _refuse_parallelism(extra)
     config = SGLangAnchorConfig(anchor_slots=anchor_slots, anchor_capacity_bytes=anchor_bytes,
                                 pinned_slots=min(16, anchor_slots // 4),
                                 fault_injection=fault_injection)
@@ -298,6 +309,7 @@ def serve(
         raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded, sglang)")
     if backend == "sglang":
         _require_sglang()
+        _refuse_parallelism(ctx.args)
     _logging(log_level)
     if model is None:  # convert the default model once, in the foreground, with a message
         from anchorcache.ext.embedded.model_store import default_model_dir, prepare_default_model

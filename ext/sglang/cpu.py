@@ -85,7 +85,41 @@ THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
 
 def tp_size(args: list[str] | tuple[str, ...]) -> int:
     """SGLang's `--tp` / `--tp-size` / `--tensor-parallel-size` among `args` (1 if absent)."""
-    names = ("--tp", "--tp-size", "--tensor-parallel-size")
+    return _int_arg(args, ("--tp", "--tp-size", "--tensor-parallel-size"))
+
+
+# SGLang's parallelism modes that split one server into several schedulers with different
+# requests (data parallel replicas, attention-DP groups) or different layers (pipeline
+# stages): each would keep its own anchor store and draw its own epoch behind one contract,
+# and the scheduler RPC reaches them as one. Tensor parallelism is served (tp.py).
+UNSERVED_PARALLELISM = {
+    ("--dp-size", "--data-parallel-size"): "data parallelism",
+    ("--attn-dp-size", "--attention-data-parallel-size"): "attention data parallelism",
+    ("--pp-size", "--pipeline-parallel-size"): "pipeline parallelism",
+}
+
+
+def parallelism_refusal(args: list[str] | tuple[str, ...]) -> str | None:
+    """Why anchorcache cannot serve SGLang with `args`, or None: more than one data-parallel
+    replica, attention-DP group or pipeline stage (`UNSERVED_PARALLELISM`)."""
+    for names, what in UNSERVED_PARALLELISM.items():
+        n = _int_arg(args, names)
+        if n > 1:
+            return (f"anchorcache does not serve SGLang's {what} ({names[0]} {n}): each "
+                    f"scheduler would keep its own anchors and epoch behind one worker. Run "
+                    f"one SGLang worker per replica (each with its own GPUs) behind one proxy, "
+                    f"`anchorcache proxy --worker URL --worker URL ...`, which routes each "
+                    f"conversation to the worker holding its anchors (docs/configuration.md); "
+                    f"tensor parallelism (--tp N) is served.")
+    if "--enable-dp-attention" in args:
+        return ("anchorcache does not serve SGLang's attention data parallelism "
+                "(--enable-dp-attention); tensor parallelism (--tp N) is served.")
+    return None
+
+
+def _int_arg(args: list[str] | tuple[str, ...], names: tuple[str, ...]) -> int:
+    """The integer SGLang option `names` among `args` (1 if absent or not a number, which
+    SGLang's own parser then reports)."""
     for i, a in enumerate(args):
         name, eq, value = a.partition("=")
         if name in names:

@@ -48,3 +48,34 @@ def test_the_no_pynccl_hook_only_on_the_cpu_engine(monkeypatch):
     seen = {}
     hook(lambda *a, **k: seen.update(k), [[0, 1]], 0, "gloo", use_pynccl=True)
     assert seen["use_pynccl"] is False
+
+
+@pytest.mark.parametrize("args", [["--dp-size", "2"], ["--data-parallel-size=4"],
+                                  ["--attn-dp-size", "2"], ["--pp-size", "2"],
+                                  ["--pipeline-parallel-size=2"], ["--enable-dp-attention"]])
+def test_data_and_pipeline_parallelism_are_refused_by_name(args):
+    assert "parallelism" in cpu.parallelism_refusal(args)
+
+
+@pytest.mark.parametrize("args", [[], ["--tp", "2"], ["--dp-size", "1"], ["--dp-size", "x"]])
+def test_tensor_parallelism_and_one_replica_are_served(args):
+    assert cpu.parallelism_refusal(args) is None
+
+
+def test_the_cli_refuses_data_parallelism_before_starting_anything():
+    """`anchorcache serve/worker --backend sglang -- --dp-size 2`: a usage error naming data
+    parallelism and the multi-worker proxy, not SGLang started with one anchor store per
+    replica behind one worker."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("sglang")  # --backend sglang first checks that SGLang is installed
+    for command in ("worker", "serve"):
+        out = subprocess.run([sys.executable, "-m", "anchorcache.cli", command, "--backend",
+                              "sglang", "--", "--dp-size", "2"],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "COLUMNS": "400"})  # rich's box: one line
+        assert out.returncode == 2, out
+        text = " ".join(out.stderr.split())
+        assert "data parallelism" in text and "--worker URL" in text, text

@@ -51,11 +51,15 @@ class Rank:
         return capture
 
     def apply(self, call: dict[str, Any]) -> Any:
-        """One call, as `AnchorRadixCache.__call__` would run it; what the store decided."""
-        self.now = call["now"]
-        self.process_now = self.now + self.skew + self._rng.uniform(0.0, self.lag)
+        """One call, as `AnchorRadixCache.__call__` would run it, or one request (which
+        runs between calls, on the last call's time); what the store decided."""
         op, s = call["op"], self.store
-        if op == "request":  # prepare (restore check) + snapshots + finish
+        if op != "request":
+            self.now = call["now"]
+        self.process_now = call["now"] + self.skew + self._rng.uniform(0.0, self.lag)
+        if op != "request":
+            s.start_ttl()  # of the requests released since the last call
+        if op == "request":  # admission (restore check) + snapshots + release
             ids, plan = call["ids"], call["plan"]
             check = s.check_chain(ids, plan)
             if check.chain:
@@ -68,7 +72,10 @@ class Rank:
                 w = s.write(call["rid"], keys[d], d, AnchorKind.CONVERSATION, "thick",
                             self.capture(ids), ids=ids)
                 written.append(None if w is None else (type(w).__name__, w.slot, w.key, w.depth))
-            s.release_request(call["rid"], ok=call["ok"])
+            if call["ok"]:  # on_release: the TTL starts at the next call
+                s.release_request(call["rid"], ok=True, start_ttl=False)
+            else:  # the failed request's `finish` call
+                s.release_request(call["rid"], ok=False)
             return ([(c.key, c.depth) for c in check.chain], check.misses, check.late_lookup,
                     written)
         if op == "confirm":
@@ -173,7 +180,8 @@ def test_the_sequences_restore_and_expire():
     r.apply({"op": "request", "rid": "a", "ids": ids, "plan": AnchorPlan(NS), "depths": [6],
              "ok": True, "now": 0.0})
     assert r.store.staged_count() == 1
-    confirmed, _ = r.apply({"op": "confirm", "slots": list(range(6)), "now": STAGED_TTL_S + 1})
+    r.apply({"op": "lookup", "ids": ids, "depths": [6], "now": 1.0})  # starts the TTL
+    confirmed, _ = r.apply({"op": "confirm", "slots": list(range(6)), "now": STAGED_TTL_S + 2})
     expiries += not confirmed
     assert restores > 0 and expiries == 1
 
@@ -206,3 +214,20 @@ def test_one_staged_slab_same_fate_on_both_ranks():
     shard: list[Slab] = [c.chain[-1] for c in checks]
     assert shard[0].kv is not None and shard[1].kv is not None
     assert shard[0].kv.shape == shard[1].kv.shape and not torch.equal(shard[0].kv, shard[1].kv)
+
+
+def test_a_request_released_between_calls_starts_its_ttl_at_the_next_call():
+    """The scheduler releases a request between calls, where the store's clock is still the
+    last call's time (perhaps minutes old, after a long generation with no call). Stamped
+    then, a slab would be dropped before the proxy's confirm came; its TTL starts at the
+    next call instead, on every rank alike."""
+    ids = tuple(range(200, 212))
+    ranks = [Rank(0, 0.0, call_clock=True), Rank(1, 1e6, call_clock=True)]
+    outs = []
+    for rank in ranks:
+        rank.apply({"op": "lookup", "ids": ids, "depths": [6], "now": 0.0})
+        rank.apply({"op": "request", "rid": "long", "ids": ids, "plan": AnchorPlan(NS),
+                    "depths": [6], "ok": True, "now": 10 * STAGED_TTL_S})
+        outs.append(rank.apply({"op": "confirm", "slots": list(range(6)),
+                                "now": 10 * STAGED_TTL_S + 1.0}))
+    assert outs[0] == outs[1] and len(outs[0][0]) == 1

@@ -13,11 +13,14 @@
 #      (/flush_cache first, so a turn >= 2 on the anchors side is a restore from the host
 #      tier): the replies must be equal token for token;
 #   4. bench/sglang_replay.py on the GPU (tiny Qwen3; page size 1, then 16);
-#   5. the copy benchmark (bench/ext_snapshot_cuda.py: snapshot D2H / restore H2D).
+#   5. the copy benchmark (bench/ext_snapshot_cuda.py: snapshot D2H / restore H2D);
+#   6. the stall benchmark (bench/sglang_stall.py, SmolLM2, 6,000-token anchors): streams'
+#      inter-token latency with anchor copies under way, anchors on vs off.
 #
 # JSON lands in $GPU_CHECK_OUT (default bench/results/gpu_check/): summary.json (each
 # step: status, seconds, the command), equality.json, and the benchmarks' own files
-# (sglang_replay_gpu_tiny_qwen3[_page16].json, ext_snapshot_cuda.json in bench/results/).
+# (sglang_replay_gpu_tiny_qwen3[_page16].json, ext_snapshot_cuda.json,
+# sglang_stall_gpu_smollm2.json in bench/results/).
 #
 #   bash bench/gpu_check.sh            # on the GPU machine, from the repository root
 #   bash bench/gpu_check.sh --dry-run  # anywhere (DRY_RUN=1 too): every step's command in a
@@ -192,6 +195,14 @@ step sglang_replay "$PY bench/sglang_replay.py --help | grep -q -- --page-size &
 
 # ---- 5. the copy benchmark (exits 0 with a note where there is no CUDA device) -------------
 step copy_bench "$PY bench/ext_snapshot_cuda.py" "$PY bench/ext_snapshot_cuda.py"
+
+# ---- 6. do anchor copies stall other users? ---------------------------------------------------
+# SmolLM2 (23 KB of KV per token), 6,000-token anchors restored and written while 4 streams
+# decode: inter-token latency p99 on/off, and the scheduler's time per kind (the snapshot
+# copies run on the copy thread's stream; `copy_wait` is what the loop still waits for)
+SMOL='$('"$PY"' -c "from anchorcache.ext.embedded.model_store import default_model_dir; print(default_model_dir())")'
+step stall "$PY bench/sglang_stall.py --help | grep -q -- --anchor-tokens && echo 'sglang_stall: arguments ok'" \
+    "$PY bench/sglang_stall.py --model $SMOL --anchor-tokens 6000 --restorers 4 --streams 4 --rounds 2 --name sglang_stall_gpu_smollm2"
 
 python3 - "$STEPS_JSON" "$OUT/summary.json" "$DRY_RUN" "$(( $(date +%s) - T0 ))" <<'PYEOF'
 import json, sys

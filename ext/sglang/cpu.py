@@ -101,7 +101,8 @@ UNSERVED_PARALLELISM = {
 
 def parallelism_refusal(args: list[str] | tuple[str, ...]) -> str | None:
     """Why anchorcache cannot serve SGLang with `args`, or None: more than one data-parallel
-    replica, attention-DP group or pipeline stage (`UNSERVED_PARALLELISM`)."""
+    replica, attention-DP group or pipeline stage (`UNSERVED_PARALLELISM`), or more than one
+    tokenizer (HTTP) process."""
     for names, what in UNSERVED_PARALLELISM.items():
         n = _int_arg(args, names)
         if n > 1:
@@ -111,6 +112,11 @@ def parallelism_refusal(args: list[str] | tuple[str, ...]) -> str | None:
                     f"`anchorcache proxy --worker URL --worker URL ...`, which routes each "
                     f"conversation to the worker holding its anchors (docs/configuration.md); "
                     f"tensor parallelism (--tp N) is served.")
+    workers = _int_arg(args, ("--tokenizer-worker-num",))
+    if workers > 1:
+        return (f"anchorcache does not serve SGLang with several tokenizer workers "
+                f"(--tokenizer-worker-num {workers}): the worker contract's routes and the "
+                f"scheduler's pushed reports live in one HTTP process. Leave it at 1.")
     if "--enable-dp-attention" in args:
         return ("anchorcache does not serve SGLang's attention data parallelism "
                 "(--enable-dp-attention); tensor parallelism (--tp N) is served.")

@@ -52,9 +52,11 @@ def test_the_no_pynccl_hook_only_on_the_cpu_engine(monkeypatch):
 
 @pytest.mark.parametrize("args", [["--dp-size", "2"], ["--data-parallel-size=4"],
                                   ["--attn-dp-size", "2"], ["--pp-size", "2"],
-                                  ["--pipeline-parallel-size=2"], ["--enable-dp-attention"]])
+                                  ["--pipeline-parallel-size=2"], ["--enable-dp-attention"],
+                                  ["--tokenizer-worker-num", "2"]])
 def test_data_and_pipeline_parallelism_are_refused_by_name(args):
-    assert "parallelism" in cpu.parallelism_refusal(args)
+    refusal = cpu.parallelism_refusal(args)
+    assert "parallelism" in refusal or "tokenizer workers" in refusal
 
 
 @pytest.mark.parametrize("args", [[], ["--tp", "2"], ["--dp-size", "1"], ["--dp-size", "x"]])

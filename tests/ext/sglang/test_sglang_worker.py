@@ -447,9 +447,15 @@ def test_an_anchored_request_costs_one_scheduler_call(sglang, conversations):
     chain = (AnchorRef(keys[tool_depth], tool_depth), AnchorRef(keys[conv_depth], conv_depth))
     warm = generate(url, p2, AnchorPlan(NS, restore=chain))
     assert warm["meta_info"]["anchors"]["restored_tokens"] == conv_depth
+    # n = 2: the prompt's own request carries the plan; its report is pushed after the prefill
+    two = GenerateRequest(input_ids=tuple(p2), sampling=SamplingParams(max_new_tokens=3, n=2),
+                          anchor=AnchorPlan(NS, restore=chain))
+    resp = httpx.post(url + "/generate", json=two.to_json(), timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert all(out["meta_info"]["cached_tokens"] >= conv_depth for out in resp.json())
     after = _rpc_calls(url)
     delta = {op: after.get(op, 0) - before.get(op, 0) for op in after}
-    assert delta.get("release") == 2  # both reports pushed
+    assert delta.get("release") == 3  # every report pushed, none asked for
     assert delta.get("copy") == 2  # both slabs filled on the copy thread, joined at release
     calls = {op: n for op, n in delta.items()
              if op not in ("release", "restore", "snapshot", "copy", "copy_wait", "stats") and n}

@@ -68,7 +68,7 @@ from anchorcache.wire import (
     parse_anchor_plan,
 )
 
-from . import tp
+from . import cpu, tp
 from .config import SGLangAnchorConfig
 from .device import DevicePin, DeviceTree
 from .rpc import PLAN_PARAM
@@ -546,13 +546,13 @@ def build(ctx: Any) -> AnchorRadixCache:
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.disable_radix_cache:
         raise NotImplementedError("anchorcache on SGLang serves dense attention models with "
                                   "the radix cache on (hybrid: see docs/sglang.md)")
-    args = ctx.server_args
-    for name, what in (("dp_size", "data"), ("attn_dp_size", "attention data"),
-                       ("pp_size", "pipeline")):
-        if int(getattr(args, name, 1) or 1) > 1:  # (the CLI refuses these first: cpu.py)
-            raise NotImplementedError(f"anchorcache does not serve SGLang's {what} "
-                                      f"parallelism ({name} {getattr(args, name)}); run one "
-                                      f"worker per replica behind one proxy")
+    # the CLI refuses these first; a direct launch is refused here, by the same rule
+    # (`--dp-size` is ServerArgs.dp_size, and so on)
+    given = [f"{names[0]}={getattr(ctx.server_args, names[0][2:].replace('-', '_'), 1)}"
+             for names in cpu.UNSERVED_PARALLELISM]
+    refusal = cpu.parallelism_refusal(given)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
     cache = create_unified_radix_cache(ctx, cache_class=AnchorRadixCache)
     assert isinstance(cache, AnchorRadixCache)
     config = SGLangAnchorConfig.from_env()

@@ -28,6 +28,8 @@ from anchorcache.wire import (
 from .rpc import PLAN_PARAM, SchedulerError
 from .worker import SGLangWorker
 
+PUSH_WAIT_S = 10.0  # for a finished request's pushed report, then the `finish` call
+
 
 def sglang_sampling(p: SamplingParams, index: int) -> dict[str, Any]:
     """SGLang's sampling parameters for sample `index` (its seed is `seed + index`); the
@@ -67,10 +69,6 @@ class Aborted(Exception):
             text += " (over the context SGLang's KV pool holds for one request)"
         super().__init__(text)
 
-
-
-
-PUSH_WAIT_S = 10.0  # for a finished request's pushed report, then the `finish` call
 
 
 class Sample:

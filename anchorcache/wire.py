@@ -853,17 +853,20 @@ def parse_model_info(obj: Any) -> ModelInfo:
 @dataclass(frozen=True)
 class VerifyReply:
     """`/anchor/verify` (SGLang, a diagnostic): the device rows of a committed anchor's prefix
-    against its host slabs; `mismatch`: the first differing token position, or None."""
+    against its host slabs; `mismatch`: the first differing token position, or None. On a
+    hybrid model `state_equal` compares the recurrent state the tree holds at the anchor's
+    depth with the anchor's state slab (None: no state there, or a dense model)."""
 
     key: bytes
     depth: int
     device_tokens: int
     mismatch: int | None
     epoch: str
+    state_equal: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key.hex(), "depth": self.depth, "device_tokens": self.device_tokens,
-                "mismatch": self.mismatch, "epoch": self.epoch}
+                "mismatch": self.mismatch, "epoch": self.epoch, "state_equal": self.state_equal}
 
 
 def parse_verify(obj: Any) -> VerifyReply:
@@ -871,4 +874,5 @@ def parse_verify(obj: Any) -> VerifyReply:
     mismatch = d.get("mismatch")
     return VerifyReply(_key(d.get("key"), "key"), _int(d, "depth", lo=1),
                        _int(d, "device_tokens", lo=0),
-                       _int(d, "mismatch", lo=0) if mismatch is not None else None, _epoch(d))
+                       _int(d, "mismatch", lo=0) if mismatch is not None else None, _epoch(d),
+                       None if d.get("state_equal") is None else _bool(d, "state_equal"))

@@ -2,13 +2,15 @@
 
 `plugin` is the `sglang.srt.plugins` entry point: SGLang calls it in every process it
 starts; it registers the `anchorcache` radix-cache backend (`--radix-cache-backend
-anchorcache`). Nothing here imports SGLang at module level, so the package imports
+anchorcache`) and, for hybrid models, a prefill adder whose chunks end at anchor depths
+(`hybrid.prefill_adder_class`, around `Scheduler.get_prefill_adder_class`). Nothing here imports SGLang at module level, so the package imports
 without it.
 """
 
 from __future__ import annotations
 
 BACKEND_NAME = "anchorcache"
+ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
 
 
 def plugin() -> None:
@@ -29,3 +31,23 @@ def plugin() -> None:
         return build(ctx)
 
     register_radix_cache_backend(BACKEND_NAME, factory)
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(ADDER_TARGET, _prefill_adder, HookType.AROUND)
+
+
+def _prefill_adder(original, scheduler, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """SGLang's prefill adder class; with our cache on a hybrid model, one that ends prefill
+    chunks at anchor depths (ext/sglang/hybrid.py)."""
+    base = original(scheduler, *args, **kwargs)
+    if not getattr(scheduler.tree_cache, "cuts_prefill", False):
+        return base
+    from .hybrid import prefill_adder_class
+
+    cls = _ADDERS.get(base)
+    if cls is None:
+        cls = _ADDERS[base] = prefill_adder_class(base)
+    return cls
+
+
+_ADDERS: dict[type, type] = {}

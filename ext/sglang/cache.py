@@ -25,7 +25,10 @@
   the tree, within a budget the contract keeps out of every request's limit.
 
 Rows are addressed `thd` by token slot (`k_buffer[layer][slot]`), so a slab written by
-the embedded worker's `bhtd` cache has the same bytes, at any page size. With
+the embedded worker's `bhtd` cache has the same bytes, at any page size. On a hybrid model
+(Gated DeltaNet / Mamba layers) an anchor also holds the recurrent state at its depth:
+prefill chunks end at planned depths (`next_cut`, ext/sglang/hybrid.py), where the
+checkpoint hook copies the request's state; a restore inserts it with the rows. With
 `--page-size N` SGLang's tree holds whole pages only: a restore or a pin puts back the
 page-aligned part of the anchor's prefix (fresh pages from SGLang's own allocator) and the
 request prefills the tail, fewer than N tokens.
@@ -68,7 +71,7 @@ from anchorcache.wire import (
     parse_anchor_plan,
 )
 
-from . import cpu, tp
+from . import cpu, hybrid, tp
 from .config import SGLangAnchorConfig
 from .device import DevicePin, DeviceTree
 from .rpc import PLAN_PARAM
@@ -81,6 +84,7 @@ try:  # SGLang is an optional dependency of the package; this module runs inside
     from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 except ImportError:  # pragma: no cover
     UnifiedRadixCache = object  # type: ignore[misc,assignment]
@@ -112,14 +116,19 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
     """SGLang's unified radix cache that also keeps anchors; see the module docstring."""
 
     def attach_anchors(self, config: SGLangAnchorConfig, model_id: str) -> None:
-        kvcache = self.token_to_kv_pool_allocator.get_kvcache()
-        self._k: list[torch.Tensor] = list(kvcache.k_buffer)
-        self._v: list[torch.Tensor] = list(kvcache.v_buffer)
+        self._k, self._v = hybrid.kv_views(self.token_to_kv_pool_allocator)
         k0 = self._k[0]
         kv_bytes = len(self._k) * 2 * k0.shape[1] * k0.shape[2] * k0.element_size()
+        # a hybrid model's recurrent state tensors: an anchor holds them at its depth, and
+        # `cuts_prefill` has SGLang's prefill adder end a chunk there (see `next_cut`)
+        self._states = (hybrid.state_views(self.req_to_token_pool) if self.supports_mamba()
+                        else None)
+        self.cuts_prefill = self._states is not None
         table = SlotTable(config.anchor_slots, config.anchor_capacity_bytes,
                           pinned_slots=config.pinned_slots)
-        self.anchors = AnchorStore(model_id, table, kv_bytes_per_token=kv_bytes)
+        self.anchors = AnchorStore(
+            model_id, table, kv_bytes_per_token=kv_bytes,
+            state_bytes=ops.state_slab_nbytes(self._states) if self._states else 0)
         self.anchor_config = config
         self.epoch = secrets.token_hex(8)
         # tensor parallelism (ext/sglang/tp.py): `build` sets the rank and group and shares
@@ -135,6 +144,9 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         self._pins: dict[bytes, DevicePin] = {}
         self._pinned_tokens = 0
         self._pin_budget = int(config.pin_budget_fraction * self._pool_tokens)
+        # on a hybrid model each pin also holds a Mamba slot: at most a quarter of them
+        self._pin_states = (len(self.req_to_token_pool.mamba_allocator.free_slots) // 4
+                            if self._states is not None else None)
         self._repin: set[bytes] = set()  # pins a device flush dropped, placed again lazily
         self._fault: str | None = None  # one armed fault (`--fault-injection` only)
         self._zmq: zmq.Context[Any] = zmq.Context.instance()
@@ -220,6 +232,16 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         p.todo = sorted((s for s in plan.snapshot if s.depth <= len(ids)), key=lambda s: s.depth)
         self._pending[req.rid] = p
         return p
+
+    def next_cut(self, req: Any, start: int) -> int | None:
+        """On a hybrid model, the depth where request `req`'s prefill chunk from `start` must
+        end: its next planned snapshot past `start` and past what it restored (the prefill
+        adder of ext/sglang/hybrid.py asks, after SGLang matched the request)."""
+        p = self._pending.get(req.rid) if self._states is not None else None
+        if p is None:
+            return None
+        floor = max(start, self.anchors.tip_depth(req.rid))
+        return next((s.depth for s in p.todo if s.depth > floor), None)
 
     def on_release(self, req: Any, **kwargs: Any) -> None:
         """SGLang released a request's KV (after its last checkpoint): when it has finished,
@@ -360,17 +382,27 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         per_token = same.flatten(3).all(dim=3).all(dim=1).all(dim=0)  # [n]
         per_token = tp.all_ranks(self._tp_group, per_token)  # each rank checked its shard
         bad = (~per_token).nonzero()
+        state_equal = None
+        if self._states is not None and n == len(ids) and chain[-1].state is not None:
+            slot = self.tree_core.get_component_device_value(match.last_device_node,
+                                                             ComponentType.MAMBA)
+            if slot is not None:
+                index = int(self.req_to_token_pool.translate_mamba_indices(slot.view(1))[0])
+                same_state = torch.equal(ops.snapshot_state(self._states, index),
+                                         chain[-1].state)
+                state_equal = bool(tp.all_ranks(self._tp_group, torch.tensor([same_state]))[0])
         return VerifyReply(key, len(ids), n, int(bad[0, 0]) if len(bad) else None,
-                           self.epoch).to_json()
+                           self.epoch, state_equal).to_json()
 
     def _op_fault(self, body: dict[str, Any]) -> dict[str, Any]:
         """Arm one fault for the next restore (tests): `restore_shift_row` scatters a
-        chain's middle row with its neighbour's bytes; with `rank`, on that TP rank only
+        chain's middle row with its neighbour's bytes, `restore_state_flip` (a hybrid model)
+        restores the state with one byte changed; with `rank`, on that TP rank only
         (`armed` is rank 0's)."""
         if not self.anchor_config.fault_injection:
             raise WireError("fault injection is off (start the worker with --fault-injection)")
-        if body.get("where") != "restore_shift_row":
-            raise WireError("'where' must be 'restore_shift_row'")
+        if body.get("where") not in ("restore_shift_row", "restore_state_flip"):
+            raise WireError("'where' must be 'restore_shift_row' or 'restore_state_flip'")
         if body.get("rank") in (None, self._tp_rank):
             self._fault = body["where"]
         return {"armed": self._fault}
@@ -446,6 +478,10 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         if not ready:
             return
         p.todo = [s for s in p.todo if s.depth > up_to]
+        if self._states is not None:  # a recurrent state exists at `up_to` only
+            ready = [s for s in ready if s.depth == up_to]
+            if not ready:
+                return
         capture = self._capture(req, p, ready[-1].depth)
         keys = anchor_keys(p.plan.namespace, self.model_id, p.ids, [s.depth for s in ready])
         for spec in ready:
@@ -466,8 +502,8 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             return
         full = p.ids + tuple(req.output_ids)
         depth = min(up_to, len(full) - 1, len(full) if p.cut is None else p.cut)
-        if depth <= len(p.ids):
-            return
+        if depth <= len(p.ids) or (self._states is not None and depth != up_to):
+            return  # (on a hybrid model the request's state is at `up_to` only)
         key = anchor_keys(p.plan.namespace, self.model_id, full, [depth])[depth]
         self._record(p, self.anchors.write(req.rid, key, depth, AnchorKind.RESPONSE, "thick",
                                            self._capture(req, p, depth), ids=full))
@@ -475,8 +511,14 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
     def _capture(self, req: Any, p: _Pending, depth: int) -> Any:
         """`capture(start, depth)` over the request's own row of `req_to_token`, which it
         still holds (and locks) while SGLang checkpoints it: the slab is allocated here and
-        filled on the copy thread (`p.copies`), which `_join` waits for."""
+        filled on the copy thread (`p.copies`), which `_join` waits for. On a hybrid model
+        the request's recurrent state (at `depth`: the caller checks) is copied here, at
+        once: the request's next forward overwrites it in place."""
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64)
+        state = None
+        if self._states is not None:
+            state = ops.snapshot_state(self._states,
+                                       hybrid.state_slot(self.req_to_token_pool, req))
 
         def capture(start: int, depth: int) -> tuple[torch.Tensor, None]:
             rows = row[start:depth].contiguous()
@@ -488,7 +530,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
                 ready = torch.cuda.Event()
                 ready.record()
             p.copies.append(self._copier.submit(self._copy, rows, out, ready))
-            return out, None
+            return out, state
 
         return capture
 
@@ -543,9 +585,14 @@ def build(ctx: Any) -> AnchorRadixCache:
     """The `--radix-cache-backend anchorcache` factory (runs in the scheduler process)."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.disable_radix_cache:
-        raise NotImplementedError("anchorcache on SGLang serves dense attention models with "
-                                  "the radix cache on (hybrid: see docs/sglang.md)")
+    if ctx.is_hybrid_swa or ctx.disable_radix_cache:
+        raise NotImplementedError("anchorcache on SGLang serves dense and Mamba / Gated "
+                                  "DeltaNet hybrid models with the radix cache on; not "
+                                  "sliding-window hybrids (see docs/sglang.md)")
+    if ctx.is_hybrid_ssm:
+        refusal = hybrid.refusal(ctx.server_args)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
     # the CLI refuses these first; a direct launch is refused here, by the same rule
     # (`--dp-size` is ServerArgs.dp_size, and so on)
     given = [f"{names[0]}={getattr(ctx.server_args, names[0][2:].replace('-', '_'), 1)}"

@@ -20,6 +20,7 @@ from anchorcache.ext.contract import Backend, ContractError, Event
 from anchorcache.wire import GenerateRequest, WireError
 
 from .config import SGLangAnchorConfig
+from .cpu_kernels import is_hybrid
 from .run import Run
 from .worker import SGLangWorker
 
@@ -141,7 +142,7 @@ class SGLangBackend(Backend):
         return wire.ModelInfo(model_id=worker.model_id, model_path=worker.model_path,
                          tokenizer_path=worker.model_path, architecture=archs[0],
                          max_context_tokens=worker.max_request_tokens(),
-                         eos_token_ids=tuple(sorted(eos)), hybrid=False,
+                         eos_token_ids=tuple(sorted(eos)), hybrid=is_hybrid(hf.to_dict()),
                          vocab_size=int(getattr(hf, "vocab_size", 0)), backend="sglang",
                          epoch=self.epoch)
 

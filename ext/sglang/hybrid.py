@@ -1,23 +1,24 @@
-"""Hybrid (attention + Mamba) models: a recurrent state at exactly each anchor boundary.
+"""Hybrid (attention + Mamba / Gated DeltaNet) models: a recurrent state at exactly each
+anchor depth.
 
-SGLang keeps a Mamba state only at a tree node's end (`no_buffer`: a finished request's
-prompt end; `extra_buffer`: chunk-aligned positions), so a prefix that ends at an anchor
-boundary inside a node matches nothing: the recurrent state for it is gone. An anchor
-carries the state at its depth (captured at the boundary during prefill), and
-`checkpoint_anchor` puts it back as a tree node of its own: the prefix's KV rows into
-fresh token slots, the state into a fresh Mamba slot, both inserted under the anchor's
-tokens. The next request over that prefix then matches it in full.
+SGLang keeps a Mamba state only at a tree node's end (`no_buffer`: where a prefill chunk or
+a finished request ended), so a prefix that ends at an anchor boundary inside a node matches
+nothing: the recurrent state for it is gone. So on a hybrid model:
+
+- `AnchorRadixCache.next_cut` names a request's next planned anchor depth, and the prefill
+  adder below (`Scheduler.get_prefill_adder_class`, hooked by our plugin) ends a prefill
+  chunk there. SGLang's own checkpoint at the chunk end then runs with the request's state
+  at exactly that depth, and our checkpoint hook copies it (`state_of`) with the KV rows.
+- A restore puts the rows into fresh token slots and the state into a fresh Mamba slot,
+  and inserts both under the anchor's tokens (`DeviceTree._to_device`), so SGLang's own
+  match finds the state and copies it into the request's slot (its copy-on-write).
 
 Layouts (SGLang 0.5.23, `HybridReqToTokenPool` + `HybridLinearKVPool`): KV rows live in
 the full-attention pool (`full_kv_pool.k_buffer[layer][slot]`, `thd`); the Mamba pool's
 `mamba_cache.conv[i]` and `.temporal` are `[mamba_layers, slots, ...]`, so a slot's
 state is `conv[i][layer][slot]` and `temporal[layer][slot]` for every layer: the state
 views below list them per layer, conv before temporal, so `ops.snapshot_state` /
-`ops.restore_chain` copy exactly one slot.
-
-Hybrid models do not serve on CPU with SGLang's PyPI kernels; this path is exercised
-with SGLang's own unified radix cache test kit (tests/ext/sglang/test_hybrid_kit.py).
-Runs on the scheduler's loop (it changes the tree).
+`ops.restore_chain` copy exactly one slot. Runs on the scheduler's loop.
 """
 
 from __future__ import annotations
@@ -45,6 +46,61 @@ def state_views(req_to_token_pool: Any) -> list[torch.Tensor]:
         views.extend(conv[layer] for conv in cache.conv)
         views.append(cache.temporal[layer])
     return views
+
+
+def refusal(server_args: Any) -> str | None:
+    """Why anchors cannot run on a hybrid model with these SGLang settings, or None. They
+    need SGLang's `no_buffer` Mamba strategy (states at chunk ends, which our prefill cuts
+    place; it implies `--page-size 1` and no overlap schedule), and states kept as plain
+    slots: not the int8 checkpoint pool, not ReplaySSM's ring."""
+    strategy = getattr(server_args, "mamba_radix_cache_strategy", "no_buffer")
+    if strategy != "no_buffer":
+        return (f"anchorcache on a hybrid model needs --mamba-radix-cache-strategy no_buffer "
+                f"(got {strategy}): anchors end prefill chunks at their depths")
+    for flag in ("enable_int8_mamba_checkpoint", "enable_linear_replayssm"):
+        if getattr(server_args, flag, False):
+            return (f"anchorcache on a hybrid model does not support "
+                    f"--{flag.replace('_', '-')}")
+    return None
+
+
+def state_slot(req_to_token_pool: Any, req: Any) -> int:
+    """The physical Mamba slot holding request `req`'s running state."""
+    idx = req.kv.mamba_pool_idx.view(1)
+    return int(req_to_token_pool.translate_mamba_indices(idx)[0])
+
+
+def prefill_adder_class(base: type) -> type:
+    """SGLang's prefill adder `base`, plus prefill chunks that end at anchor depths: a
+    request whose next planned depth (`tree_cache.next_cut`) lies inside this round's extend
+    is admitted as a chunked request whose chunk ends there, and a chunked request's next
+    chunk stops there too. SGLang tracks one chunked request at a time, so a cut is made
+    only when no other request is chunked; otherwise the request waits a round."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, _PrefillAdmission
+
+    class AnchorPrefillAdder(base):  # type: ignore[misc,valid-type]
+        def _select_prefill_admission(self, req: Any, **kwargs: Any) -> Any:
+            got = super()._select_prefill_admission(req, **kwargs)
+            if isinstance(got, AddReqResult) or self.rem_chunk_tokens is None:
+                return got
+            cut = self.tree_cache.next_cut(req, got.prefix_len)
+            if cut is not None and cut < got.prefix_len + got.extend_len:
+                got = _PrefillAdmission(got.prefix_len, cut - got.prefix_len, 0, True,
+                                        got.replay_len)
+            if got.is_chunked and (kwargs.get("has_chunked_req")
+                                   or self.new_chunked_req is not None):
+                return AddReqResult.OTHER  # one chunked request at a time
+            return got
+
+        def add_chunked_req(self, req: Any) -> Any:
+            cut = self.tree_cache.next_cut(req, req.prefix_len)
+            if cut is not None and self.rem_chunk_tokens is not None:
+                limit: int = cut - req.prefix_len
+                given: int | None = getattr(self, "chunked_req_limit", None)
+                self.chunked_req_limit = limit if given is None else min(limit, given)
+            return super().add_chunked_req(req)
+
+    return AnchorPrefillAdder
 
 
 def capture(tree: Any, kv_indices: torch.Tensor, mamba_slot: int

@@ -13,6 +13,11 @@ bench/results/<name>.json and .png.
 
     .venv/bin/python bench/sglang_replay.py [--conversations 6] [--turns 5] [--concurrent 8]
 
+A hybrid model (`--model qwen3_5`: the tiny Gated DeltaNet Qwen3.5; the CPU recipe serves it
+with SGLang's `no_buffer` Mamba strategy) is run with its conv window in float32
+(`SGLANG_MAMBA_CONV_DTYPE`, unless set: SGLang's default bfloat16 rounds a float32 model's
+state at every chunk end, docs/sglang.md "Numerics").
+
 With `--concurrent N` (default 8) it then measures the proxy's overhead: a second SGLang
 worker with a pool large enough for every conversation (so eviction plays no part), and N
 conversations at once (each its turns in order, every side from an empty device tree)
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -141,7 +147,8 @@ def overhead(model: str, convs, turns: int, max_tokens: int, longest: int, round
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="model dir (default: the tiny Qwen3)")
+    ap.add_argument("--model", default=None,
+                    help="model dir, or a tiny arch (qwen3_5); default: the tiny Qwen3")
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -158,6 +165,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = model_or_tiny(args.model)
+    os.environ.setdefault("SGLANG_MAMBA_CONV_DTYPE", "float32")  # (dense models: unused)
     adapter = get_adapter("auto", load_tokenizer(model))
 
     def tokenize(messages, tools):
@@ -221,6 +229,8 @@ def main() -> None:
     meta = {"backend": "sglang", "sglang_max_total_tokens": pool, "longest_request": longest,
             "pool_factor": args.pool_factor, "anchor_bytes": int(args.anchor_gib * (1 << 30)),
             "order": "round-robin", "max_tokens": args.max_tokens, "page_size": args.page_size,
+            "hybrid": info.get("hybrid", False),
+            "sglang_mamba_conv_dtype": os.environ["SGLANG_MAMBA_CONV_DTYPE"],
             "off": "proxy --no-anchors (SGLang's radix cache only)",
             "on": "proxy --anchors (SGLang's radix cache + host tier)",
             "anchor_stats_end": stats, "concurrent": load}

@@ -242,7 +242,7 @@ def build_tiny_model(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
         raise ValueError(f"unknown tiny arch {arch!r}; known: {', '.join(TINY_ARCHS)}")
     out_dir = Path(out_dir)
     if is_complete(out_dir):
-        return out_dir
+        return _sglang_ready(arch, out_dir)
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -271,4 +271,25 @@ def build_tiny_model(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return _sglang_ready(arch, out_dir)
+
+
+def _sglang_ready(arch: str, out_dir: Path) -> Path:
+    """The Qwen3.5 build's config.json with `full_attention_interval`, from which SGLang's
+    own Qwen3.5 config derives the layer types (real checkpoints carry it; transformers
+    writes `layer_types` only, and ignores the extra key on load). Added in place, once,
+    atomically, to a build made before this step existed."""
+    if arch != "qwen3_5":
+        return out_dir
+    path = out_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    if "full_attention_interval" in cfg:
+        return out_dir
+    types = cfg["layer_types"]
+    interval = types.index("full_attention") + 1
+    assert types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                     for i in range(len(types))], types
+    tmp = path.with_name(f".config.{os.getpid()}.json")
+    tmp.write_text(json.dumps({**cfg, "full_attention_interval": interval}, indent=2))
+    os.replace(tmp, path)
     return out_dir

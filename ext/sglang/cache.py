@@ -105,6 +105,7 @@ class _Pending:
     restored_tokens: int = 0  # scattered from the host slabs
     restore_s: float = 0.0
     todo: list[Any] = field(default_factory=list)  # SnapshotSpec, by depth
+    keys: dict[int, bytes] = field(default_factory=dict)  # todo's keys, by depth
     written: list[AnchorWritten] = field(default_factory=list)
     held: list[AnchorHeld] = field(default_factory=list)
     snapshot_s: float = 0.0  # spent writing the request's anchors (snapshot_ms)
@@ -230,18 +231,21 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         ids = tuple(req.origin_input_ids)
         p = _Pending(ids, plan, {"restored": [], "restore_miss": []}, token=token)
         p.todo = sorted((s for s in plan.snapshot if s.depth <= len(ids)), key=lambda s: s.depth)
+        p.keys = anchor_keys(plan.namespace, self.model_id, ids, [s.depth for s in p.todo])
         self._pending[req.rid] = p
         return p
 
     def next_cut(self, req: Any, start: int) -> int | None:
         """On a hybrid model, the depth where request `req`'s prefill chunk from `start` must
         end: its next planned snapshot past `start` and past what it restored (the prefill
-        adder of ext/sglang/hybrid.py asks, after SGLang matched the request)."""
+        adder of ext/sglang/hybrid.py asks, after SGLang matched the request). An anchor
+        the store already holds needs no cut: the request chains on it without a copy."""
         p = self._pending.get(req.rid) if self._states is not None else None
         if p is None:
             return None
         floor = max(start, self.anchors.tip_depth(req.rid))
-        return next((s.depth for s in p.todo if s.depth > floor), None)
+        return next((s.depth for s in p.todo if s.depth > floor
+                     and not self.anchors.table.contains(p.keys[s.depth], s.depth)), None)
 
     def on_release(self, req: Any, **kwargs: Any) -> None:
         """SGLang released a request's KV (after its last checkpoint): when it has finished,
@@ -478,12 +482,13 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         if not ready:
             return
         p.todo = [s for s in p.todo if s.depth > up_to]
-        if self._states is not None:  # a recurrent state exists at `up_to` only
-            ready = [s for s in ready if s.depth == up_to]
+        keys = p.keys
+        if self._states is not None:  # a state exists at `up_to` only (held ones need none)
+            ready = [s for s in ready if s.depth == up_to
+                     or self.anchors.table.contains(keys[s.depth], s.depth)]
             if not ready:
                 return
-        capture = self._capture(req, p, ready[-1].depth)
-        keys = anchor_keys(p.plan.namespace, self.model_id, p.ids, [s.depth for s in ready])
+        capture = self._capture(req, p, ready[-1].depth, state_at=up_to)
         for spec in ready:
             if spec.depth <= self.anchors.tip_depth(req.rid):
                 continue  # at or below what the request restored: nothing new to save
@@ -506,21 +511,24 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             return  # (on a hybrid model the request's state is at `up_to` only)
         key = anchor_keys(p.plan.namespace, self.model_id, full, [depth])[depth]
         self._record(p, self.anchors.write(req.rid, key, depth, AnchorKind.RESPONSE, "thick",
-                                           self._capture(req, p, depth), ids=full))
+                                           self._capture(req, p, depth, state_at=up_to),
+                                           ids=full))
 
-    def _capture(self, req: Any, p: _Pending, depth: int) -> Any:
+    def _capture(self, req: Any, p: _Pending, depth: int, *, state_at: int) -> Any:
         """`capture(start, depth)` over the request's own row of `req_to_token`, which it
         still holds (and locks) while SGLang checkpoints it: the slab is allocated here and
         filled on the copy thread (`p.copies`), which `_join` waits for. On a hybrid model
-        the request's recurrent state (at `depth`: the caller checks) is copied here, at
-        once: the request's next forward overwrites it in place."""
+        the request's recurrent state, which is at depth `state_at` (SGLang's `up_to`), is
+        copied in `capture`, at once: the request's next forward overwrites it in place."""
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64)
-        state = None
-        if self._states is not None:
-            state = ops.snapshot_state(self._states,
-                                       hybrid.state_slot(self.req_to_token_pool, req))
 
-        def capture(start: int, depth: int) -> tuple[torch.Tensor, None]:
+        def capture(start: int, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            state = None
+            if self._states is not None:
+                if depth != state_at:
+                    raise RuntimeError(f"no recurrent state at depth {depth} (at {state_at})")
+                state = ops.snapshot_state(self._states,
+                                           hybrid.state_slot(self.req_to_token_pool, req))
             rows = row[start:depth].contiguous()
             k0 = self._k[0]
             out = torch.empty((len(self._k), 2, depth - start, *k0.shape[1:]), dtype=k0.dtype,

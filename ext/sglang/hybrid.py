@@ -75,22 +75,48 @@ def prefill_adder_class(base: type) -> type:
     request whose next planned depth (`tree_cache.next_cut`) lies inside this round's extend
     is admitted as a chunked request whose chunk ends there, and a chunked request's next
     chunk stops there too. SGLang tracks one chunked request at a time, so a cut is made
-    only when no other request is chunked; otherwise the request waits a round."""
+    only when no other request is chunked; otherwise the request waits a round, and the
+    requests queued behind it are considered as usual (SGLang's own rejection would stop
+    the round's admission there)."""
     from sglang.srt.managers.schedule_policy import AddReqResult, _PrefillAdmission
 
     class AnchorPrefillAdder(base):  # type: ignore[misc,valid-type]
+        _waits: Any = None  # the request refused this round because its cut must wait
+
         def _select_prefill_admission(self, req: Any, **kwargs: Any) -> Any:
             got = super()._select_prefill_admission(req, **kwargs)
             if isinstance(got, AddReqResult) or self.rem_chunk_tokens is None:
                 return got
             cut = self.tree_cache.next_cut(req, got.prefix_len)
-            if cut is not None and cut < got.prefix_len + got.extend_len:
+            ours = cut is not None and cut < got.prefix_len + got.extend_len
+            if ours:
                 got = _PrefillAdmission(got.prefix_len, cut - got.prefix_len, 0, True,
                                         got.replay_len)
             if got.is_chunked and (kwargs.get("has_chunked_req")
                                    or self.new_chunked_req is not None):
+                if ours:
+                    self._waits = req
                 return AddReqResult.OTHER  # one chunked request at a time
             return got
+
+        def add_one_req(self, req: Any, has_chunked_req: bool,
+                        truncation_align_size: Any) -> Any:
+            result = super().add_one_req(req, has_chunked_req, truncation_align_size)
+            if self._waits is not req:
+                return result
+            self._waits = None
+            verdict = self.budget_state()
+            if verdict != AddReqResult.CONTINUE:
+                return verdict  # the scheduler rejects it as its own (and cleans up)
+            # what the scheduler does for a request it did not add: drop the state slot and
+            # copy-on-write its admission match staged (the next round matches it again)
+            req.kv.mamba_cow_src_index = None
+            req.kv.mamba_needs_clear = False
+            if req.kv.holds_mamba and not getattr(req, "session", None):
+                self.tree_cache.req_to_token_pool.mamba_allocator.free(
+                    req.kv.mamba_pool_idx.unsqueeze(-1))
+                req.kv.mamba_pool_idx = None
+            return AddReqResult.CONTINUE
 
         def add_chunked_req(self, req: Any) -> Any:
             cut = self.tree_cache.next_cut(req, req.prefix_len)

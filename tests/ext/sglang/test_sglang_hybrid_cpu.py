@@ -22,9 +22,6 @@ One server for the module; it costs about a minute to start on a 2-core machine.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
@@ -53,31 +50,13 @@ NS = bytes(range(48, 64))
 POOL = 6000
 
 
-def sglang_model_dir(tmp: Path) -> Path:
-    """The tiny Qwen3.5 with `full_attention_interval` in its config.json: SGLang's own
-    Qwen3.5 config derives the layer types from it (as real checkpoints carry it), while
-    transformers writes `layer_types` only. Weights and tokenizer are symlinked."""
-    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
-
-    src = build_tiny_model("qwen3_5", tiny_model_dir("qwen3_5"))
-    cfg = json.loads((src / "config.json").read_text())
-    types = cfg["layer_types"]
-    interval = types.index("full_attention") + 1
-    assert types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                     for i in range(len(types))]
-    out = tmp / "qwen3_5"
-    out.mkdir()
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (out / f.name).symlink_to(f)
-    (out / "config.json").write_text(json.dumps({**cfg, "full_attention_interval": interval}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """(worker, model dir): the SGLang worker with our anchor cache on the tiny Qwen3.5."""
-    model = sglang_model_dir(tmp_path_factory.mktemp("hybrid"))
+    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+
+    # (its config.json carries `full_attention_interval`, which SGLang's Qwen3.5 config reads)
+    model = build_tiny_model("qwen3_5", tiny_model_dir("qwen3_5"))
     # SGLang keeps the conv window in bfloat16 unless told (SGLANG_MAMBA_CONV_DTYPE), which
     # rounds the float32 model's state at every chunk end and decode step
     with sglang_worker_process("--max-total-tokens", str(POOL), model=str(model),

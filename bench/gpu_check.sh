@@ -15,12 +15,15 @@
 #   4. bench/sglang_replay.py on the GPU (tiny Qwen3; page size 1, then 16);
 #   5. the copy benchmark (bench/ext_snapshot_cuda.py: snapshot D2H / restore H2D);
 #   6. the stall benchmark (bench/sglang_stall.py, SmolLM2, 6,000-token anchors): streams'
-#      inter-token latency with anchor copies under way, anchors on vs off.
+#      inter-token latency with anchor copies under way, anchors on vs off;
+#   7. a hybrid model on the GPU: bench/sglang_replay.py --model qwen3_5 (the tiny Gated
+#      DeltaNet Qwen3.5 with SGLang's own GPU kernels, `no_buffer`): prefilled tokens vs the
+#      ideal, outputs anchors on vs off, the cost of the prefill cuts (4 at once).
 #
 # JSON lands in $GPU_CHECK_OUT (default bench/results/gpu_check/): summary.json (each
 # step: status, seconds, the command), equality.json, and the benchmarks' own files
 # (sglang_replay_gpu_tiny_qwen3[_page16].json, ext_snapshot_cuda.json,
-# sglang_stall_gpu_smollm2.json in bench/results/).
+# sglang_stall_gpu_smollm2.json, sglang_replay_gpu_tiny_qwen3_5.json in bench/results/).
 #
 #   bash bench/gpu_check.sh            # on the GPU machine, from the repository root
 #   bash bench/gpu_check.sh --dry-run  # anywhere (DRY_RUN=1 too): every step's command in a
@@ -203,6 +206,10 @@ step copy_bench "$PY bench/ext_snapshot_cuda.py" "$PY bench/ext_snapshot_cuda.py
 SMOL='$('"$PY"' -c "from anchorcache.ext.embedded.model_store import default_model_dir; print(default_model_dir())")'
 step stall "$PY bench/sglang_stall.py --help | grep -q -- --anchor-tokens && echo 'sglang_stall: arguments ok'" \
     "$PY bench/sglang_stall.py --model $SMOL --anchor-tokens 6000 --restorers 4 --streams 4 --rounds 2 --name sglang_stall_gpu_smollm2"
+
+# ---- 7. a hybrid model (Gated DeltaNet + attention) on SGLang's GPU kernels ------------------
+step hybrid_replay "$PY bench/sglang_replay.py --help | grep -q -- qwen3_5 && echo 'hybrid replay: arguments ok'" \
+    "$PY bench/sglang_replay.py --model qwen3_5 --conversations 6 --turns 5 --concurrent 4 --rounds 2 --name sglang_replay_gpu_tiny_qwen3_5"
 
 python3 - "$STEPS_JSON" "$OUT/summary.json" "$DRY_RUN" "$(( $(date +%s) - T0 ))" <<'PYEOF'
 import json, sys

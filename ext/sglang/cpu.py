@@ -203,10 +203,13 @@ def sglang_command(python: str, *, model: str, host: str, port: int, log_level: 
     args = ["--model-path", model, "--host", host, "--port", str(port),
             "--radix-cache-backend", "anchorcache", "--skip-server-warmup",
             "--log-level", log_level, *extra]
-    if not gpu:
-        from .cpu_kernels import with_hybrid_args
+    from .cpu_kernels import with_hybrid_args
 
-        args = with_hybrid_args(with_cpu_args(args, default_pool_tokens(model)), model)
+    if not gpu:
+        args = with_cpu_args(args, default_pool_tokens(model))
+    # a hybrid model's anchors need SGLang's `no_buffer` Mamba strategy, on a GPU too
+    # (its default, extra_buffer, tracks states on a fixed grid; ext/sglang/hybrid.py)
+    args = with_hybrid_args(args, model)
     return [python, "-m", "anchorcache.ext.sglang.launch", *args]
 
 

@@ -1,4 +1,5 @@
-"""The CPU recipe's SGLang arguments: the default KV pool and the user's arguments winning."""
+"""The CPU recipe's SGLang arguments: the default KV pool and the user's arguments winning;
+a hybrid model's Mamba strategy (CPU and GPU)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,23 @@ def test_user_arguments_win(tmp_path):
     gpu = sglang_command("python", model=model, host="127.0.0.1", port=1, log_level="warning",
                          extra=[], gpu=True)
     assert "--max-total-tokens" not in gpu
+
+
+def test_a_hybrid_model_gets_the_no_buffer_strategy_on_cpu_and_gpu(tmp_path):
+    """Anchors on a hybrid model need SGLang's `no_buffer` Mamba strategy (with page size 1
+    and no overlap schedule), a GPU included; a dense model gets none of it, and a strategy
+    the user gives wins (the cache factory then refuses one it cannot serve)."""
+    hybrid = _model(tmp_path, layer_types=["linear_attention", "full_attention"])
+    for gpu in (False, True):
+        cmd = sglang_command("python", model=hybrid, host="127.0.0.1", port=1,
+                             log_level="warning", extra=[], gpu=gpu)
+        assert _arg(cmd, "--mamba-radix-cache-strategy") == "no_buffer"
+        assert _arg(cmd, "--page-size") == "1" and "--disable-overlap-schedule" in cmd
+    mine = sglang_command("python", model=hybrid, host="127.0.0.1", port=1, log_level="warning",
+                          extra=["--mamba-radix-cache-strategy", "extra_buffer"], gpu=True)
+    assert mine.count("--mamba-radix-cache-strategy") == 1
+    assert _arg(mine, "--mamba-radix-cache-strategy") == "extra_buffer"
+    (tmp_path / "dense").mkdir()
+    dense = sglang_command("python", model=_model(tmp_path / "dense"), host="127.0.0.1",
+                           port=1, log_level="warning", extra=[], gpu=True)
+    assert "--mamba-radix-cache-strategy" not in dense and "--disable-overlap-schedule" not in dense

@@ -17,8 +17,11 @@ reference kernels (ext/sglang/cpu_kernels.py, `no_buffer` Mamba strategy), our a
 - States SGLang evicts or flushes are never restored from the device: restores come from
   host slabs (interleaved requests, flushes and slot churn).
 - Through the proxy, a BFCL replay with anchors on equals anchors off.
+- With `--tp 2` (SGLang's CPU tensor parallelism, the GDN heads and state split over two
+  ranks) a restore is exact too, and a state corrupted on one rank only is caught.
 
-One server for the module; it costs about a minute to start on a 2-core machine."""
+One server for the module, and a second one with `--tp 2` for its test; each costs about a
+minute to start on a 2-core machine."""
 
 from __future__ import annotations
 
@@ -60,8 +63,11 @@ def hybrid(tmp_path_factory):
     # SGLang keeps the conv window in bfloat16 unless told (SGLANG_MAMBA_CONV_DTYPE), which
     # rounds the float32 model's state at every chunk end and decode step
     with sglang_worker_process("--max-total-tokens", str(POOL), model=str(model),
-                               env={"SGLANG_MAMBA_CONV_DTYPE": "float32"}) as worker:
+                               env=CONV_FLOAT32) as worker:
         yield worker, model
+
+
+CONV_FLOAT32 = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +298,31 @@ def same_up_to_a_tie(a, b, tol=2e-3) -> None:
         if x.token != y.token:
             return  # a near-tie: both picks equally likely to within `tol`
     assert a.message == b.message
+
+
+def test_tensor_parallel_restores_each_ranks_state_exactly(prompts):
+    """`--tp 2`: each rank snapshots and restores its own shard of the KV heads and of the
+    recurrent state; the restored chain's output equals a cold run with the same chunk
+    ends, and `/anchor/verify` (which combines the ranks) sees a state corrupted on rank 1
+    only."""
+    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+
+    model = build_tiny_model("qwen3_5", tiny_model_dir("qwen3_5"))
+    tool_depth, conv_depth, p1, p2 = prompts[1]
+    with sglang_worker_process("--max-total-tokens", str(POOL), "--tp", "2", model=str(model),
+                               env=CONV_FLOAT32) as worker:
+        url = worker.url
+        cold = cold_cut(url, p2, tool_depth, conv_depth)
+        flush(url)
+        keys = save(url, p1, tool_depth, conv_depth)
+        chain = restore((tool_depth, keys[tool_depth]), (conv_depth, keys[conv_depth]))
+        flush(url)
+        warm = generate(url, p2, chain, logprobs=True)
+        assert warm["meta_info"]["cached_tokens"] == conv_depth
+        same(warm, cold)
+        assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["state_equal"] is True
+        flush(url)
+        post(url, "/debug/fault", {"where": "restore_state_flip", "rank": 1})
+        generate(url, p2, chain)
+        bad = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
+        assert bad["mismatch"] is None and bad["state_equal"] is False

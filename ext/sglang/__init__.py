@@ -3,8 +3,8 @@
 `plugin` is the `sglang.srt.plugins` entry point: SGLang calls it in every process it
 starts; it registers the `anchorcache` radix-cache backend (`--radix-cache-backend
 anchorcache`) and, for hybrid models, a prefill adder whose chunks end at anchor depths
-(`hybrid.prefill_adder_class`, around `Scheduler.get_prefill_adder_class`). Nothing here imports SGLang at module level, so the package imports
-without it.
+(`hybrid.prefill_adder_class`, around `Scheduler.get_prefill_adder_class`). Nothing here
+imports SGLang at module level, so the package imports without it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ nothing: the recurrent state for it is gone. So on a hybrid model:
 - `AnchorRadixCache.next_cut` names a request's next planned anchor depth, and the prefill
   adder below (`Scheduler.get_prefill_adder_class`, hooked by our plugin) ends a prefill
   chunk there. SGLang's own checkpoint at the chunk end then runs with the request's state
-  at exactly that depth, and our checkpoint hook copies it (`state_of`) with the KV rows.
+  at exactly that depth, and our checkpoint hook copies it (`state_slot`) with the KV rows.
 - A restore puts the rows into fresh token slots and the state into a fresh Mamba slot,
   and inserts both under the anchor's tokens (`DeviceTree._to_device`), so SGLang's own
   match finds the state and copies it into the request's slot (its copy-on-write).
@@ -23,12 +23,9 @@ views below list them per layer, conv before temporal, so `ops.snapshot_state` /
 
 from __future__ import annotations
 
-from array import array
 from typing import Any
 
 import torch
-
-from anchorcache.ext import ops
 
 
 def kv_views(allocator: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -127,43 +124,3 @@ def prefill_adder_class(base: type) -> type:
             return super().add_chunked_req(req)
 
     return AnchorPrefillAdder
-
-
-def capture(tree: Any, kv_indices: torch.Tensor, mamba_slot: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(KV slab of the token slots `kv_indices`, state slab of Mamba slot `mamba_slot`)."""
-    k, v = kv_views(tree.token_to_kv_pool_allocator)
-    kv = ops.snapshot_kv(k, v, kv_indices.to(torch.int64), layout="thd")
-    return kv, ops.snapshot_state(state_views(tree.req_to_token_pool), mamba_slot)
-
-
-def checkpoint_anchor(tree: Any, ids: list[int], kv_slab: torch.Tensor,
-                      state_slab: torch.Tensor) -> int:
-    """Insert `ids` (an anchor's whole prefix) with its KV rows and its end state into the
-    tree; returns how many tokens of `ids` now match. Raises RuntimeError when the pools
-    have no room."""
-    from sglang.srt.mem_cache.base_prefix_cache import (
-        EvictParams,
-        InsertParams,
-        MatchPrefixParams,
-    )
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    n = len(ids)
-    allocator = tree.token_to_kv_pool_allocator
-    if allocator.available_size() < n:
-        tree.evict(EvictParams(num_tokens=n - allocator.available_size(), mamba_num=1))
-    rows = allocator.alloc(n)
-    slot = tree.req_to_token_pool.mamba_allocator.alloc(1)
-    if rows is None or slot is None:
-        if rows is not None:
-            allocator.free(rows)
-        raise RuntimeError("no room in the KV or Mamba pool for the anchor")
-    k, v = kv_views(allocator)
-    ops.restore_chain([kv_slab], [rows.to(torch.int64)], k, v, layout="thd",
-                      state_slab=state_slab, states=state_views(tree.req_to_token_pool),
-                      state_index=int(slot[0]))
-    key = RadixKey(array("q", ids))
-    # rows over a prefix the tree already holds are duplicates: the insert frees them
-    tree.insert(InsertParams(key=key, value=rows.to(torch.int64), mamba_value=slot.view(1)))
-    return int(tree.match_prefix(MatchPrefixParams(key=key)).device_prefix_len)

@@ -25,6 +25,8 @@ minute to start on a 2-core machine."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx
 import openai
 import pytest
@@ -32,16 +34,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from anchorcache.wire import (
-    AnchorKind,
-    AnchorPlan,
-    AnchorRef,
-    GenerateRequest,
-    Region,
-    SamplingParams,
-    SnapshotSpec,
-)
+from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region, SnapshotSpec
 from tests.data import conversations, turn_requests, two_turn_prompts
+from tests.ext.sglang import test_sglang_worker as worker_helpers
+from tests.ext.sglang.test_sglang_worker import flush_device, post
 from tests.servers import proxy_process, sglang_worker_process
 
 pytestmark = pytest.mark.slow
@@ -77,18 +73,7 @@ def prompts(qwen3_tokenizer):
     return two_turn_prompts(qwen3_tokenizer, 2)
 
 
-def generate(url, ids, plan=None, max_new=NEW, logprobs=False):
-    body = GenerateRequest(input_ids=tuple(ids), anchor=plan, return_logprob=logprobs,
-                           sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0))
-    resp = httpx.post(url + "/generate", json=body.to_json(), timeout=600)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def post(url, path, body=None):
-    resp = httpx.post(url + path, json=body or {}, timeout=120)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+generate = partial(worker_helpers.generate, max_new=NEW)
 
 
 def save(url, ids, *depths):
@@ -105,7 +90,7 @@ def save(url, ids, *depths):
 def cold_cut(url, ids, *depths):
     """A cold run of `ids` (device flushed, no restore) whose prefill chunks end at
     `depths`, as a restore over an anchor at each of them does; what it stages is aborted."""
-    flush(url)
+    flush_device(url)
     plan = AnchorPlan(NS, snapshot=tuple(SnapshotSpec(d, AnchorKind.CONVERSATION, Region.THICK)
                                          for d in depths))
     out = generate(url, ids, plan, logprobs=True)
@@ -121,10 +106,6 @@ def same(a, b) -> None:
 
 def restore(*links):
     return AnchorPlan(NS, restore=tuple(AnchorRef(key, depth) for depth, key in links))
-
-
-def flush(url):
-    post(url, "/flush_cache")
 
 
 # a random tiny model has near-ties: where transformers' top two logits are closer than this,
@@ -162,7 +143,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(hybrid):
         torch.testing.assert_close(lps, ref, rtol=0, atol=0.05)
         return got["output_ids"], int(got["meta_info"]["cached_tokens"])
 
-    flush(worker.url)
+    flush_device(worker.url)
     for ids in PROMPTS:
         check(list(ids))
     first = list(PROMPTS[0])
@@ -178,12 +159,12 @@ def test_instruction_anchor_serves_a_new_conversation_sglang_alone_does_not(hybr
     tool_depth, _, p1, _ = prompts[0]
     other = p1[:tool_depth] + prompts[1][2][prompts[1][0]:]  # same tools, other user turn
     assert other[:tool_depth] == p1[:tool_depth] and other != p1
-    flush(url)
+    flush_device(url)
     cold = generate(url, other)
     assert cold["meta_info"]["cached_tokens"] == 0
     # SGLang alone: the first conversation's KV is in the tree, its states only at chunk
     # ends and the prompt end, so nothing of the shared instruction prefix is reused
-    flush(url)
+    flush_device(url)
     generate(url, p1)
     alone = generate(url, other)
     assert alone["meta_info"]["cached_tokens"] == 0
@@ -192,12 +173,12 @@ def test_instruction_anchor_serves_a_new_conversation_sglang_alone_does_not(hybr
     # SGLang's own tree now holds the state there too, and the host tier holds it after a flush
     # (the shared prefix runs a few tokens past the tools: the next turn's opening)
     ref = cold_cut(url, other, tool_depth)
-    flush(url)
+    flush_device(url)
     keys = save(url, p1, tool_depth)
     in_tree = generate(url, other, logprobs=True)
     assert in_tree["meta_info"]["cached_tokens"] == tool_depth
     same(in_tree, ref)
-    flush(url)
+    flush_device(url)
     warm = generate(url, other, restore((tool_depth, keys[tool_depth])), logprobs=True)
     assert warm["meta_info"]["cached_tokens"] == tool_depth
     assert warm["meta_info"]["anchors"]["restored"][0]["depth"] == tool_depth
@@ -213,11 +194,11 @@ def test_turn_boundary_chain_restores_after_a_flush_and_verifies(hybrid, prompts
     tool_depth, conv_depth, p1, p2 = prompts[1]
     cold = cold_cut(url, p2, tool_depth, conv_depth)
     cold_tool = cold_cut(url, p2, tool_depth)
-    flush(url)
+    flush_device(url)
     keys = save(url, p1, tool_depth, conv_depth)
     chain = restore((tool_depth, keys[tool_depth]), (conv_depth, keys[conv_depth]))
     for only_tool in (True, False):
-        flush(url)
+        flush_device(url)
         plan = restore((tool_depth, keys[tool_depth])) if only_tool else chain
         warm = generate(url, p2, plan, logprobs=True)
         assert warm["meta_info"]["cached_tokens"] == (tool_depth if only_tool else conv_depth)
@@ -225,13 +206,13 @@ def test_turn_boundary_chain_restores_after_a_flush_and_verifies(hybrid, prompts
     ok = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
     assert ok["device_tokens"] == conv_depth and ok["mismatch"] is None
     assert ok["state_equal"] is True
-    flush(url)
+    flush_device(url)
     assert post(url, "/debug/fault", {"where": "restore_state_flip"})["armed"]
     generate(url, p2, chain)
     bad = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
     assert bad["device_tokens"] == conv_depth and bad["mismatch"] is None
     assert bad["state_equal"] is False
-    flush(url)
+    flush_device(url)
     same(generate(url, p2, chain, logprobs=True), cold)
     assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["state_equal"] is True
 
@@ -242,7 +223,7 @@ def churn(hybrid, prompts):
     worker, _ = hybrid
     tool_depth, conv_depth, p1, p2 = prompts[0]
     cold = cold_cut(worker.url, p2, tool_depth, conv_depth)
-    flush(worker.url)
+    flush_device(worker.url)
     keys = save(worker.url, p1, tool_depth, conv_depth)
     return restore((tool_depth, keys[tool_depth]), (conv_depth, keys[conv_depth])), p2, cold
 
@@ -259,7 +240,7 @@ def test_interleaved_requests_flushes_and_churn_never_restore_stale_state(hybrid
     chain, p2, cold = churn
     for i, op in enumerate(ops):
         if op == "flush":
-            flush(worker.url)
+            flush_device(worker.url)
         elif op == "other":
             generate(worker.url, list(range(2000 + 37 * i, 2300 + 37 * i)), max_new=3)
         else:
@@ -274,7 +255,7 @@ def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(hybrid):
         for turn, messages in enumerate(turn_requests(conv, 3), 1):
             outs = []
             for proxy in (off, on):
-                flush(worker.url)
+                flush_device(worker.url)
                 client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="", max_retries=0,
                                        timeout=600)
                 outs.append(client.chat.completions.create(
@@ -313,15 +294,15 @@ def test_tensor_parallel_restores_each_ranks_state_exactly(prompts):
                                env=CONV_FLOAT32) as worker:
         url = worker.url
         cold = cold_cut(url, p2, tool_depth, conv_depth)
-        flush(url)
+        flush_device(url)
         keys = save(url, p1, tool_depth, conv_depth)
         chain = restore((tool_depth, keys[tool_depth]), (conv_depth, keys[conv_depth]))
-        flush(url)
+        flush_device(url)
         warm = generate(url, p2, chain, logprobs=True)
         assert warm["meta_info"]["cached_tokens"] == conv_depth
         same(warm, cold)
         assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["state_equal"] is True
-        flush(url)
+        flush_device(url)
         post(url, "/debug/fault", {"where": "restore_state_flip", "rank": 1})
         generate(url, p2, chain)
         bad = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})

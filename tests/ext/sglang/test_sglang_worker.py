@@ -39,8 +39,8 @@ def conversations(qwen3_tokenizer):
     return two_turn_prompts(qwen3_tokenizer, 8)
 
 
-def generate(url, ids, plan=None, max_new=6):
-    req = GenerateRequest(input_ids=tuple(ids), anchor=plan,
+def generate(url, ids, plan=None, max_new=6, logprobs=False):
+    req = GenerateRequest(input_ids=tuple(ids), anchor=plan, return_logprob=logprobs,
                           sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0))
     resp = httpx.post(url + "/generate", json=req.to_json(), timeout=300)
     assert resp.status_code == 200, resp.text

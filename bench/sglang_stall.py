@@ -15,9 +15,11 @@ needs and every anchored request restores it from the host tier. Then, per mode:
 
 Reports inter-token latency p50/p99 of the streams per mode, and the scheduler's time
 inside anchor work, per kind (`/anchor/stats` `scheduler_calls`: calls, mean, max):
-`restore` and `snapshot` are on the scheduler's loop, `copy` is the snapshot copies' time on
-the copy thread, `copy_wait` what of it the loop still waited for. Prints a table, writes
-bench/results/<name>.json.
+`restore` (verify, allocate, queue the copy), `land` (insert a copied prefix) and
+`snapshot` (allocate, queue the copy) are on the scheduler's loop; `copy` and
+`restore_copy` are the copies' time on the copy thread, `copy_wait` what of a snapshot copy
+the loop still waited for at release, `restore_wait` the rounds a restoring request was
+passed over while its copy ran. Prints a table, writes bench/results/<name>.json.
 
     .venv/bin/python bench/sglang_stall.py [--anchor-tokens 16384] [--rounds 2]
 

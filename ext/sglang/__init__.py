@@ -2,9 +2,10 @@
 
 `plugin` is the `sglang.srt.plugins` entry point: SGLang calls it in every process it
 starts; it registers the `anchorcache` radix-cache backend (`--radix-cache-backend
-anchorcache`) and, for hybrid models, a prefill adder whose chunks end at anchor depths
-(`hybrid.prefill_adder_class`, around `Scheduler.get_prefill_adder_class`). Nothing here
-imports SGLang at module level, so the package imports without it.
+anchorcache`) and, around `Scheduler.get_prefill_adder_class`, a prefill adder that
+passes over requests whose restore is in flight and, on hybrid models, ends prefill chunks
+at anchor depths (ext/sglang/admission.py). Nothing here imports SGLang at module level,
+so the package imports without it.
 """
 
 from __future__ import annotations
@@ -37,12 +38,17 @@ def plugin() -> None:
 
 
 def _prefill_adder(original, scheduler, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """SGLang's prefill adder class; with our cache on a hybrid model, one that ends prefill
-    chunks at anchor depths (ext/sglang/hybrid.py)."""
+    """SGLang's prefill adder class; with our cache, ours (ext/sglang/admission.py)."""
     base = original(scheduler, *args, **kwargs)
-    if not getattr(scheduler.tree_cache, "cuts_prefill", False):
+    cache = scheduler.tree_cache
+    if not hasattr(cache, "admit_restore"):
         return base
-    from .hybrid import prefill_adder_class
+    # a restore's copy stream waits for the forward stream (with the overlap schedule a
+    # batch may still run there when the copy starts: ext/sglang/device.py `_fence`), the
+    # stream SGLang's HiCache fences its loads on too
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    cache.forward_stream = getattr(runner, "forward_stream", None)
+    from .admission import prefill_adder_class
 
     cls = _ADDERS.get(base)
     if cls is None:

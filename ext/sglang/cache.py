@@ -12,8 +12,8 @@
 - a request's anchor plan rides in its own sampling parameters (`custom_params`), read
   when SGLang first matches the request for admission (`_plan_of`); no call precedes it;
 - restore (`match_prefix`, at admission): the verified chain is scattered into freshly
-  allocated pool slots and the prefix inserted into the tree, unlocked: SGLang's admission
-  locks it as any prefix hit;
+  allocated pool slots by the copy thread while the request waits in the queue, then the
+  prefix is inserted into the tree, unlocked: SGLang's admission locks it as any prefix hit;
 - `checkpoint` (SGLang calls it after a prefill and when a request releases its KV): rows
   of every planned snapshot depth the request has computed are copied from the token
   pool into host slabs, reading the request's own row of `req_to_token` while it still
@@ -41,6 +41,7 @@ import secrets
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -73,12 +74,13 @@ from anchorcache.wire import (
 
 from . import cpu, hybrid, tp
 from .config import SGLangAnchorConfig
-from .device import DevicePin, DeviceTree
+from .device import DevicePin, DeviceTree, Placement
 from .rpc import PLAN_PARAM
 
 log = logging.getLogger("anchorcache.sglang")
 
 ENDED_KEPT = 1024  # ended runs whose report (or failure) the scheduler remembers
+FAULTS = ("restore_shift_row", "restore_state_flip", "restore_slow")  # `_op_fault`
 
 try:  # SGLang is an optional dependency of the package; this module runs inside it
     from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
@@ -100,8 +102,9 @@ class _Pending:
     info: dict[str, Any]  # the chain check's report (`restored`, `restore_miss`, `held`, ...)
     token: str = ""  # the HTTP side's id of this run (a client may reuse a rid)
     check: RestoreCheck | None = None  # the chain, verified at the first admission match
-    placed: bool = False  # its verified prefix is in the tree (or there is none to place)
-    missed: str | None = None  # why the verified prefix is not (yet) in the tree
+    placed: bool = False  # its restore is settled: in the tree, or not to be (`missed`)
+    missed: str | None = None  # why the verified prefix is not in the tree
+    landing: Placement | None = None  # its verified prefix, on its way into the tree
     restored_tokens: int = 0  # scattered from the host slabs
     restore_s: float = 0.0
     todo: list[Any] = field(default_factory=list)  # SnapshotSpec, by depth
@@ -121,10 +124,9 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         k0 = self._k[0]
         kv_bytes = len(self._k) * 2 * k0.shape[1] * k0.shape[2] * k0.element_size()
         # a hybrid model's recurrent state tensors: an anchor holds them at its depth, and
-        # `cuts_prefill` has SGLang's prefill adder end a chunk there (see `next_cut`)
+        # our prefill adder ends a chunk there (`next_cut`, ext/sglang/admission.py)
         self._states = (hybrid.state_views(self.req_to_token_pool) if self.supports_mamba()
                         else None)
-        self.cuts_prefill = self._states is not None
         table = SlotTable(config.anchor_slots, config.anchor_capacity_bytes,
                           pinned_slots=config.pinned_slots)
         self.anchors = AnchorStore(
@@ -159,6 +161,8 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         # snapshots' copies run here, off the scheduler's loop (on CUDA on their own stream)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="anchorcache-copy")
         self._copy_stream = torch.cuda.Stream(k0.device) if k0.is_cuda else None
+        self.forward_stream: Any = None  # SGLang's, set by our adder hook (__init__.py)
+        self._placing_rows = self._placing_states = 0  # held by restores in flight
 
     # ---- RPC entry (scheduler loop) ---------------------------------------------------
     def __call__(self, op: str, payload: str, reply_to: str, call_id: int,
@@ -270,6 +274,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
     def _end(self, rid: str, *, ok: bool, start_ttl: bool) -> dict[str, Any]:
         """Drop request `rid`'s pending record and release it in the store; its report."""
         p = self._pending.pop(rid)
+        self._settle(rid, p)
         self._join(rid, p)  # its slabs are whole before anyone may read them
         self.anchors.release_request(rid, ok=ok, start_ttl=start_ttl)
         info = p.info
@@ -401,52 +406,107 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
     def _op_fault(self, body: dict[str, Any]) -> dict[str, Any]:
         """Arm one fault for the next restore (tests): `restore_shift_row` scatters a
         chain's middle row with its neighbour's bytes, `restore_state_flip` (a hybrid model)
-        restores the state with one byte changed; with `rank`, on that TP rank only
-        (`armed` is rank 0's)."""
+        restores the state with one byte changed, `restore_slow` holds the copy thread a
+        second before it writes; with `rank`, on that TP rank only (`armed` is rank 0's)."""
         if not self.anchor_config.fault_injection:
             raise WireError("fault injection is off (start the worker with --fault-injection)")
-        if body.get("where") not in ("restore_shift_row", "restore_state_flip"):
-            raise WireError("'where' must be 'restore_shift_row' or 'restore_state_flip'")
+        if body.get("where") not in FAULTS:
+            raise WireError(f"'where' must be one of {', '.join(FAULTS)}")
         if body.get("rank") in (None, self._tp_rank):
             self._fault = body["where"]
         return {"armed": self._fault}
 
-    # ---- restore (at admission) -------------------------------------------------------
-    def match_prefix(self, params: Any) -> Any:
-        """SGLang's match, after the restore of the request being matched: when SGLang
-        considers admitting it. The restored prefix is then an ordinary unlocked part of the
-        tree, which SGLang locks itself if it admits the request (its admission budget counts
-        the tree's unlocked tokens, so the placement changes nothing there). A queued request
-        holds nothing (a lock held while queued could stall admission), and nothing is copied
-        for a request that never runs."""
-        req = params.req
-        p = self._plan_of(req) if req is not None and hasattr(self, "_pending") else None
-        if p is not None and not p.placed:
-            t = time.perf_counter()
-            self._restore(req.rid, p)
-            p.restore_s += time.perf_counter() - t
-            self._timed("restore", t)
-        return super().match_prefix(params)
-
-    def _restore(self, rid: str, p: _Pending) -> None:
-        """Verify the chain (ext/store.py), once, and put its page-aligned prefix in the
-        tree; without room now, a later match (the request still queued) tries again."""
+    # ---- restore (at admission, copied off the loop) -----------------------------------
+    def admit_restore(self, req: Any, room: Callable[[], int]) -> str:
+        """Asked by our prefill adder (ext/sglang/admission.py) before it admits `req`:
+        `go` (nothing to restore, or its prefix is in the tree, or it cannot be: then the
+        request prefills it), `wait` (its copy is in flight: pass it over this round),
+        `no_room` (the restore's fresh slots exceed `room()`, what this round can still give
+        out: SGLang treats it as a request that does not fit). The first time it verifies
+        the chain (ext/store.py), once, and starts putting its page-aligned prefix in the
+        tree (`_place`: fresh slots, the copy on the copy thread); the match after the copy
+        is done inserts it (`match_prefix`)."""
+        p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
+        if p is None or p.placed:
+            return "go"
+        t = time.perf_counter()
+        if p.landing is not None:
+            self._timed("restore_wait", t)  # (counts the rounds it waited)
+            return "wait"
         if p.check is None:
             p.check = check = self.anchors.check_chain(p.ids, p.plan)
             p.info = {**check.info(), "held": [h.to_json() for h in check.held]}
         check = p.check
         depth = self._paged(check.depth)  # the tree holds whole pages; the tail is prefilled
+        verdict = "go"
         if not check.chain or depth == 0:
             p.placed, p.missed = True, "under_one_page" if check.chain else None
-            return
-        placed = self._to_device(check.chain, p.ids[:depth])
-        if placed is None:
+        else:
+            started = self._place(check.chain, p.ids[:depth], room)
+            if started == "no_room":
+                verdict = "no_room"
+            elif isinstance(started, str):
+                p.placed, p.missed = True, started  # served without: it prefills the prefix
+            elif started.copy is None:  # all of it on the device already (and matched)
+                self._placed(req.rid, p, self._land(started))
+            else:
+                p.landing, verdict = started, "wait"
+        p.restore_s += time.perf_counter() - t
+        self._timed("restore", t)
+        return verdict
+
+    def match_prefix(self, params: Any) -> Any:
+        """SGLang's match; for a request whose restore has landed (its copy done on every
+        rank), after inserting the prefix, which is then an ordinary unlocked part of the
+        tree: SGLang locks it as it admits the request, in this round (its admission budget
+        counts the tree's unlocked tokens, so the insert changes nothing there). A request
+        with no restore started registers its plan here (`_plan_of`)."""
+        req = params.req
+        p = self._plan_of(req) if req is not None and hasattr(self, "_pending") else None
+        if p is not None and p.landing is not None and self._landed(p.landing):
+            t = time.perf_counter()
+            landing, p.landing = p.landing, None
+            self._placed(req.rid, p, self._land(landing))
+            p.restore_s += time.perf_counter() - t
+            self._timed("land", t)
+        return super().match_prefix(params)
+
+    def _placed(self, rid: str, p: _Pending, placed: tuple[Any, int, int] | None) -> None:
+        p.placed = True
+        if placed is None:  # (the copy failed: the request prefills the prefix)
             p.missed = "no_device_space"
             return
         lock, p.restored_tokens, _ = placed
         self.unlock(lock)  # SGLang's admission locks what it matches
-        p.placed, p.missed = True, None
-        self.anchors.chained(rid, check.chain[-1].key, check.depth)
+        p.missed = None
+        assert p.check is not None
+        self.anchors.chained(rid, p.check.chain[-1].key, p.check.depth)
+
+    def _settle(self, rid: str, p: _Pending) -> None:
+        """A request that leaves with its restore in flight: the copy is waited for and the
+        prefix inserted all the same (its slots are then the tree's, unlocked)."""
+        if p.landing is not None:
+            landing, p.landing = p.landing, None
+            placed = self._land(landing)
+            if placed is not None:
+                self.unlock(placed[0])
+
+    def release_aborted_request(self, handle: Any) -> None:
+        """SGLang dropped a request from its queue (an abort, a timeout)."""
+        super().release_aborted_request(handle)
+        p = self._pending.get(handle.rid) if hasattr(self, "_pending") else None
+        if p is not None:
+            self._settle(handle.rid, p)
+
+    # SGLang's idle memory check counts every slot: those a restore in flight holds are ours
+    def protected_size(self) -> int:
+        return int(super().protected_size()) + getattr(self, "_placing_rows", 0)
+
+    def full_protected_size(self) -> int:
+        return int(super().full_protected_size()) + getattr(self, "_placing_rows", 0)
+
+    def mamba_protected_size(self) -> int:
+        return int(super().mamba_protected_size()) + getattr(self, "_placing_states", 0)
 
     # ---- snapshots (SGLang's checkpoint hook) -----------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -533,23 +593,19 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             k0 = self._k[0]
             out = torch.empty((len(self._k), 2, depth - start, *k0.shape[1:]), dtype=k0.dtype,
                               pin_memory=self._copy_stream is not None)
-            ready = None
-            if self._copy_stream is not None:  # after the forward that wrote the rows
-                ready = torch.cuda.Event()
-                ready.record()
-            p.copies.append(self._copier.submit(self._copy, rows, out, ready))
+            self._fence()  # (CUDA) after the forward that wrote the rows
+            p.copies.append(self._copier.submit(self._copy, rows, out))
             return out, state
 
         return capture
 
-    def _copy(self, rows: torch.Tensor, out: torch.Tensor, ready: Any) -> float:
+    def _copy(self, rows: torch.Tensor, out: torch.Tensor) -> float:
         """On the copy thread: rows → `out`; the seconds it took."""
         t = time.perf_counter()
         if self._copy_stream is None:
             ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)
         else:
             with torch.cuda.stream(self._copy_stream):
-                self._copy_stream.wait_event(ready)
                 ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)  # synchronizes
         return time.perf_counter() - t
 
@@ -581,8 +637,15 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
 
     def reset(self) -> None:
         # A flush drops the tree our pin locks point into: forget them, never unlock.
-        # Pinned anchors go back on the device at the next anchor operation.
+        # Pinned anchors go back on the device at the next anchor operation. (SGLang
+        # flushes only with no request queued, so no restore is in flight: one would be
+        # waited for and forgotten, its slots freed by the allocator's own reset.)
         if hasattr(self, "_pins"):
+            for p in self._pending.values():
+                if p.landing is not None and p.landing.copy is not None:
+                    p.landing.copy.exception()
+                p.landing = None
+            self._placing_rows = self._placing_states = 0
             self._repin |= set(self._pins)
             self._pins.clear()
             self._pinned_tokens = 0

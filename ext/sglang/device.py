@@ -6,11 +6,21 @@ as all of it does, and uses SGLang's own tree operations (`match_prefix`, `inser
 tail of an anchor past its last whole page is prefilled by the request). On a hybrid model
 (`_states` set) a prefix goes in with the recurrent state at its end, in a Mamba slot of
 its own (ext/sglang/hybrid.py).
+
+Placing a prefix takes two steps, so that no copy runs on the scheduler's loop:
+`_place` allocates fresh slots (held out of the tree, so no one else can take or read them)
+and hands the slabs → slots copy to the copy thread (on CUDA its own stream); `_land`
+inserts the prefix once the copy is done. A request whose restore is in flight stays in
+the waiting queue until then (ext/sglang/admission.py); a pin waits for its copy.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from array import array
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +29,18 @@ import torch
 from anchorcache.ext import ops
 from anchorcache.ext.store import AnchorStore, Slab
 
+from . import tp
+
 try:  # SGLang is an optional dependency of the package; this module runs inside it
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
 except ImportError:  # pragma: no cover
     pass
+
+log = logging.getLogger("anchorcache.sglang")
+
+RESTORE_SLOW_S = 1.0  # the `restore_slow` fault's delay of one restore copy (tests)
 
 
 @dataclass
@@ -32,6 +49,19 @@ class DevicePin:
 
     lock: Any
     tokens: int
+
+
+@dataclass
+class Placement:
+    """A prefix on its way into the tree (`DeviceTree._place`, then `_land`)."""
+
+    key: Any  # the prefix's RadixKey
+    depth: int
+    head: torch.Tensor  # the tree's own slots of the part it already held (locked)
+    head_lock: Any
+    rows: torch.Tensor  # fresh slots for the rest, held out of the tree until the insert
+    slot: torch.Tensor | None  # a hybrid model's fresh Mamba slot for the state at `depth`
+    copy: Future[float] | None  # the copy thread's slabs → slots (None: nothing to copy)
 
 
 class DeviceTree:
@@ -50,6 +80,12 @@ class DeviceTree:
     _repin: set[bytes]
     _fault: str | None
     _states: list[torch.Tensor] | None  # a hybrid model's state tensors (hybrid.state_views)
+    _copier: ThreadPoolExecutor
+    _copy_stream: torch.cuda.Stream | None
+    _placing_rows: int  # slots (and Mamba slots) held by placements in flight
+    _placing_states: int
+    _tp_group: Any
+    _timed: Any
     req_to_token_pool: Any
     tree_core: Any
     match_prefix: Any
@@ -102,84 +138,141 @@ class DeviceTree:
 
     def _to_device(self, chain: tuple[Slab, ...], ids: tuple[int, ...]
                    ) -> tuple[Any, int, int] | None:
-        """Put the prefix `ids` (the rows of `chain`) into the tree and lock it: what SGLang
-        still holds stays, the rest is scattered from the slabs into fresh pool slots.
-        (lock, tokens scattered, tokens found on the device), or None without room. `ids` is
-        whole pages; the chain may reach further (its rows past `ids` are left alone)."""
-        if self._states is not None:
-            return self._to_device_hybrid(chain, ids)
-        depth = len(ids)
-        key = RadixKey(array("q", ids))
-        fresh = self._alloc(depth)  # before the match: allocation may evict tree nodes
-        match = self.match_prefix(MatchPrefixParams(key=key))
-        on_device = int(match.device_prefix_len)
-        scattered = 0
-        if on_device < depth:
-            if fresh is None:
-                return None
-            need = depth - on_device
-            rows = fresh[:need]
-            if need < len(fresh):
-                self.token_to_kv_pool_allocator.free(fresh[need:])
-            self._scatter(chain, on_device, depth, rows)
-            prefix = self.path_device_indices(match.last_device_node)[:on_device].to(torch.int64)
-            # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
-            # (the insert frees any other overlap itself)
-            self.insert(InsertParams(key=key, value=torch.cat([prefix, rows]),
-                                     prev_prefix_len=on_device))
-            scattered = need
-            match = self.match_prefix(MatchPrefixParams(key=key))
-        elif fresh is not None:
-            self.token_to_kv_pool_allocator.free(fresh)
-        assert int(match.device_prefix_len) == depth, (match.device_prefix_len, depth)
-        return self.lock(match.last_device_node), scattered, on_device
+        """Put the prefix `ids` (the rows of `chain`) into the tree and lock it, waiting for
+        the copy (pins; a request's restore waits in the queue instead: `_place`, `_land`).
+        (lock, tokens scattered, tokens found on the device), or None without room."""
+        room = self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
+        placement = self._place(chain, ids, lambda: room)
+        return self._land(placement) if isinstance(placement, Placement) else None
 
-    def _to_device_hybrid(self, chain: tuple[Slab, ...], ids: tuple[int, ...]
-                          ) -> tuple[Any, int, int] | None:
-        """`_to_device` on a hybrid model: the KV rows the tree lacks, and the chain's state
-        at `len(ids)` in a fresh Mamba slot, inserted together, so that SGLang's own match
-        finds the state there (it matches only nodes that have one). None without room, or
-        when the chain has no state at exactly `len(ids)` (a state exists nowhere else)."""
+    def _place(self, chain: tuple[Slab, ...], ids: tuple[int, ...],
+               room: Callable[[], int]) -> Placement | str:
+        """Start putting the prefix `ids` (the rows of `chain`) into the tree: what SGLang
+        still holds stays (locked until `_land`), the rest is written from the slabs into
+        fresh pool slots, held out of the tree, by the copy thread; on a hybrid model the
+        chain's state at `len(ids)` goes into a fresh Mamba slot the same way (SGLang's own
+        match finds a prefix only where a state is). Why not, instead: `no_room` when the
+        fresh slots would exceed `room()` (the tokens the scheduler can still give out, read
+        after the head is locked), `no_device_space` when they cannot be had, `no_state`
+        on a hybrid model when the chain has no state at exactly `len(ids)` (a state exists
+        nowhere else). `ids` is whole pages; the chain may reach further (its rows past
+        `ids` stay put)."""
         depth = len(ids)
         tip = chain[-1] if chain else None
-        if tip is None or tip.depth != depth or tip.state is None:
-            return None
+        hybrid = self._states is not None
+        if hybrid and (tip is None or tip.depth != depth or tip.state is None):
+            return "no_state"
         key = RadixKey(array("q", ids))
-        fresh = self._alloc(depth)  # before the match: allocation may evict tree nodes
-        slot = self._alloc_state()
-        if slot is None:
-            if fresh is not None:
-                self.token_to_kv_pool_allocator.free(fresh)
-            return None
-        # the KV the tree holds, with or without states (SGLang's match stops at the last)
-        n_full, node, _ = self.tree_core.match_full_device_prefix(key)
+        if hybrid:  # the KV the tree holds, with or without states (SGLang's match stops at
+            n_full, node, _ = self.tree_core.match_full_device_prefix(key)  # the last one)
+        else:
+            match = self.match_prefix(MatchPrefixParams(key=key))
+            n_full, node = match.device_prefix_len, match.last_device_node
         path = self.path_device_indices(node).to(torch.int64)
         on_device = min(int(n_full), len(path), depth)
         need = depth - on_device
-        if need and fresh is None:
-            self.req_to_token_pool.mamba_allocator.free(slot)
-            return None
-        rows = fresh[:need] if fresh is not None else path[:0]
-        if fresh is not None and need < len(fresh):
-            self.token_to_kv_pool_allocator.free(fresh[need:])
+        # the tree's part stays until the insert (its KV; a state there is not ours to hold),
+        # and the fresh slots' allocation below cannot evict it
+        head_lock = self.lock(node, (ComponentType.MAMBA,)) if on_device else None
+        if need > room():
+            self.unlock(head_lock)
+            return "no_room"
+        rows = self._alloc(need) if need else path[:0]
+        slot = self._alloc_state() if hybrid else None
+        if rows is None or (hybrid and slot is None):
+            self._free(rows, slot)
+            self.unlock(head_lock)
+            return "no_device_space"
         slabs, where = self._slabs(chain, on_device, depth, rows)
-        index = int(self.req_to_token_pool.translate_mamba_indices(slot)[0])
-        state = tip.state
-        if self._fault == "restore_state_flip":
-            self._fault = None
-            state = state.clone()
-            state[1] ^= 0x40  # an exponent bit of the first value (float32 or bf16)
-            state[3] ^= 0x40
-        ops.restore_chain(slabs, where, self._k, self._v, layout="thd", state_slab=state,
-                          states=self._states, state_index=index)
-        result = self.insert(InsertParams(key=key, value=torch.cat([path[:on_device], rows]),
-                                          prev_prefix_len=on_device, mamba_value=slot))
-        if result.mamba_exist:  # the tree had a state there already: ours is not needed
+        state, index = None, 0
+        if tip is not None and slot is not None:
+            index = int(self.req_to_token_pool.translate_mamba_indices(slot)[0])
+            state = tip.state
+            if self._fault == "restore_state_flip":
+                self._fault = None
+                state = state.clone()
+                state[1] ^= 0x40  # an exponent bit of the first value (float32 or bf16)
+                state[3] ^= 0x40
+        copy = None
+        if slabs or state is not None:
+            delay = 0.0
+            if self._fault == "restore_slow":
+                self._fault, delay = None, RESTORE_SLOW_S
+            self._fence()
+            copy = self._copier.submit(self._write, slabs, where, state, index, delay)
+        self._placing_rows += need
+        self._placing_states += slot is not None
+        return Placement(key, depth, path[:on_device], head_lock, rows, slot, copy)
+
+    def _write(self, slabs: list[torch.Tensor], where: list[torch.Tensor],
+               state: torch.Tensor | None, index: int, delay: float) -> float:
+        """On the copy thread: slabs → pool rows, state → Mamba slot `index`; the seconds
+        it took (with `delay`, the `restore_slow` fault's sleep, first)."""
+        time.sleep(delay)
+        t = time.perf_counter()
+        states = self._states if state is not None else None
+        if self._copy_stream is None:
+            ops.restore_chain(slabs, where, self._k, self._v, layout="thd", state_slab=state,
+                              states=states, state_index=index)
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                ops.restore_chain(slabs, where, self._k, self._v, layout="thd",
+                                  state_slab=state, states=states, state_index=index)
+            self._copy_stream.synchronize()  # done means on the device
+        return time.perf_counter() - t
+
+    def _landed(self, placement: Placement) -> bool:
+        """Whether `placement`'s copy is done, on every TP rank (each rank copies its own
+        shard; they must admit the request in the same round)."""
+        done = placement.copy is None or placement.copy.done()
+        return bool(tp.all_ranks(self._tp_group, torch.tensor([done]))[0])
+
+    def _land(self, placement: Placement) -> tuple[Any, int, int] | None:
+        """Finish `_place`: wait for the copy (if it failed, the slots go back) and insert
+        the prefix, with its state on a hybrid model; (lock, tokens scattered, tokens
+        found on the device), or None."""
+        pl = placement
+        self._placing_rows -= len(pl.rows)
+        self._placing_states -= pl.slot is not None
+        try:
+            if pl.copy is not None:
+                self._timed("restore_copy", 0.0, 1e3 * pl.copy.result())
+        except Exception:
+            log.exception("a restore copy failed")
+            self.unlock(pl.head_lock)
+            self._free(pl.rows, pl.slot)
+            return None
+        on_device = len(pl.head)
+        if len(pl.rows) or pl.slot is not None:
+            result = self.insert(InsertParams(
+                key=pl.key, value=torch.cat([pl.head, pl.rows]), prev_prefix_len=on_device,
+                **({} if pl.slot is None else {"mamba_value": pl.slot})))
+            # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
+            # (the insert frees any other overlap itself); a state already there wins
+            if pl.slot is not None and result.mamba_exist:
+                self._free(None, pl.slot)
+        self.unlock(pl.head_lock)
+        match = self.match_prefix(MatchPrefixParams(key=pl.key))
+        if int(match.device_prefix_len) != pl.depth:
+            return None  # (never seen: SGLang dropped a hybrid state at once)
+        return self.lock(match.last_device_node), len(pl.rows), on_device
+
+    def _fence(self) -> None:
+        """On CUDA, order the copy stream after everything the scheduler queued so far:
+        its own stream and SGLang's forward stream (with the overlap schedule a batch may
+        still be running there, reading or writing slots that were just freed)."""
+        if self._copy_stream is None:
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        forward = getattr(self, "forward_stream", None)
+        if forward is not None:
+            self._copy_stream.wait_stream(forward)
+
+    def _free(self, rows: torch.Tensor | None, slot: torch.Tensor | None) -> None:
+        if rows is not None and len(rows):
+            self.token_to_kv_pool_allocator.free(rows)
+        if slot is not None:
             self.req_to_token_pool.mamba_allocator.free(slot)
-        match = self.match_prefix(MatchPrefixParams(key=key))
-        if int(match.device_prefix_len) != depth:
-            return None  # (never seen: SGLang dropped the state at once)
-        return self.lock(match.last_device_node), need, on_device
 
     def _alloc_state(self) -> torch.Tensor | None:
         """A free Mamba slot (`[1]`), evicting one unlocked tree state for it if need be."""
@@ -202,11 +295,6 @@ class DeviceTree:
             return None
         got = allocator.alloc(n)
         return None if got is None else got.to(torch.int64)
-
-    def _scatter(self, chain: tuple[Slab, ...], skip: int, end: int, rows: torch.Tensor) -> None:
-        """Write the chain's rows `[skip, end)` into pool slots `rows`."""
-        slabs, where = self._slabs(chain, skip, end, rows)
-        ops.restore_chain(slabs, where, self._k, self._v, layout="thd")
 
     def _slabs(self, chain: tuple[Slab, ...], skip: int, end: int, rows: torch.Tensor
                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

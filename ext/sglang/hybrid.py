@@ -5,12 +5,12 @@ SGLang keeps a Mamba state only at a tree node's end (`no_buffer`: where a prefi
 a finished request ended), so a prefix that ends at an anchor boundary inside a node matches
 nothing: the recurrent state for it is gone. So on a hybrid model:
 
-- `AnchorRadixCache.next_cut` names a request's next planned anchor depth, and the prefill
-  adder below (`Scheduler.get_prefill_adder_class`, hooked by our plugin) ends a prefill
-  chunk there. SGLang's own checkpoint at the chunk end then runs with the request's state
+- `AnchorRadixCache.next_cut` names a request's next planned anchor depth, and our prefill
+  adder (ext/sglang/admission.py, around `Scheduler.get_prefill_adder_class`) ends a
+  prefill chunk there. SGLang's own checkpoint at the chunk end then runs with the request's state
   at exactly that depth, and our checkpoint hook copies it (`state_slot`) with the KV rows.
 - A restore puts the rows into fresh token slots and the state into a fresh Mamba slot,
-  and inserts both under the anchor's tokens (`DeviceTree._to_device`), so SGLang's own
+  and inserts both under the anchor's tokens (`DeviceTree._place`), so SGLang's own
   match finds the state and copies it into the request's slot (its copy-on-write).
 
 Layouts (SGLang 0.5.23, `HybridReqToTokenPool` + `HybridLinearKVPool`): KV rows live in
@@ -65,62 +65,3 @@ def state_slot(req_to_token_pool: Any, req: Any) -> int:
     """The physical Mamba slot holding request `req`'s running state."""
     idx = req.kv.mamba_pool_idx.view(1)
     return int(req_to_token_pool.translate_mamba_indices(idx)[0])
-
-
-def prefill_adder_class(base: type) -> type:
-    """SGLang's prefill adder `base`, plus prefill chunks that end at anchor depths: a
-    request whose next planned depth (`tree_cache.next_cut`) lies inside this round's extend
-    is admitted as a chunked request whose chunk ends there, and a chunked request's next
-    chunk stops there too. SGLang tracks one chunked request at a time, so a cut is made
-    only when no other request is chunked; otherwise the request waits a round, and the
-    requests queued behind it are considered as usual (SGLang's own rejection would stop
-    the round's admission there)."""
-    from sglang.srt.managers.schedule_policy import AddReqResult, _PrefillAdmission
-
-    class AnchorPrefillAdder(base):  # type: ignore[misc,valid-type]
-        _waits: Any = None  # the request refused this round because its cut must wait
-
-        def _select_prefill_admission(self, req: Any, **kwargs: Any) -> Any:
-            got = super()._select_prefill_admission(req, **kwargs)
-            if isinstance(got, AddReqResult) or self.rem_chunk_tokens is None:
-                return got
-            cut = self.tree_cache.next_cut(req, got.prefix_len)
-            ours = cut is not None and cut < got.prefix_len + got.extend_len
-            if ours:
-                got = _PrefillAdmission(got.prefix_len, cut - got.prefix_len, 0, True,
-                                        got.replay_len)
-            if got.is_chunked and (kwargs.get("has_chunked_req")
-                                   or self.new_chunked_req is not None):
-                if ours:
-                    self._waits = req
-                return AddReqResult.OTHER  # one chunked request at a time
-            return got
-
-        def add_one_req(self, req: Any, has_chunked_req: bool,
-                        truncation_align_size: Any) -> Any:
-            result = super().add_one_req(req, has_chunked_req, truncation_align_size)
-            if self._waits is not req:
-                return result
-            self._waits = None
-            verdict = self.budget_state()
-            if verdict != AddReqResult.CONTINUE:
-                return verdict  # the scheduler rejects it as its own (and cleans up)
-            # what the scheduler does for a request it did not add: drop the state slot and
-            # copy-on-write its admission match staged (the next round matches it again)
-            req.kv.mamba_cow_src_index = None
-            req.kv.mamba_needs_clear = False
-            if req.kv.holds_mamba and not getattr(req, "session", None):
-                self.tree_cache.req_to_token_pool.mamba_allocator.free(
-                    req.kv.mamba_pool_idx.unsqueeze(-1))
-                req.kv.mamba_pool_idx = None
-            return AddReqResult.CONTINUE
-
-        def add_chunked_req(self, req: Any) -> Any:
-            cut = self.tree_cache.next_cut(req, req.prefix_len)
-            if cut is not None and self.rem_chunk_tokens is not None:
-                limit: int = cut - req.prefix_len
-                given: int | None = getattr(self, "chunked_req_limit", None)
-                self.chunked_req_limit = limit if given is None else min(limit, given)
-            return super().add_chunked_req(req)
-
-    return AnchorPrefillAdder

@@ -118,6 +118,15 @@ def test_a_restored_prefix_on_the_device_is_not_rewritten(sglang, conversations)
     assert warm["output_ids"] == generate(url, p2)["output_ids"]
 
 
+def until(check) -> None:
+    """Poll `check` (every 50 ms, up to 30 s) until it holds."""
+    for _ in range(600):
+        if check():
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError("the state waited for never came")
+
+
 def _num_running(url) -> int:
     """Requests in SGLang's running batch right now (its own `/v1/loads`, asked of the
     scheduler)."""
@@ -365,10 +374,8 @@ def test_a_sample_id_taken_by_a_running_request_is_a_400(sglang, conversations):
     long = GenerateRequest(input_ids=tuple(ids), sampling=sampling, rid="dup-1")
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(httpx.post, url + "/generate", json=long.to_json(), timeout=300)
-        for _ in range(600):
-            if "dup-1" in httpx.get(url + "/health", timeout=30).json()["running_requests"]:
-                break
-            threading.Event().wait(0.05)
+        until(lambda: "dup-1" in httpx.get(url + "/health", timeout=30).json()[
+            "running_requests"])
         twin = GenerateRequest(input_ids=tuple(ids[:50]), rid="dup",
                                sampling=SamplingParams(max_new_tokens=2, n=2))
         resp = httpx.post(url + "/generate", json=twin.to_json(), timeout=60)
@@ -401,21 +408,11 @@ def test_a_queued_restore_never_stalls_admission(sglang):
     keys, _ = save(url, anchor + ids(1), [(depth, AnchorKind.CONVERSATION, Region.THICK)])
     flush_device(url)
 
-    def waiting() -> int:
-        loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=60).json()
-        return int(loads["loads"][0]["num_waiting_reqs"])
-
     with cf.ThreadPoolExecutor(3) as pool_:
         r = pool_.submit(generate, url, r_ids, None, 300)
-        for _ in range(600):
-            if _num_running(url) == 1:
-                break
-            threading.Event().wait(0.05)
+        until(lambda: _num_running(url) == 1)
         h = pool_.submit(generate, url, h_ids, None, 4)
-        for _ in range(600):
-            if waiting() == 1:
-                break
-            threading.Event().wait(0.05)
+        until(lambda: _waiting(url) == 1)
         assert not r.done(), "R ended before H queued: the scenario needs it running"
         q = pool_.submit(generate, url, q_ids, AnchorPlan(NS, restore=(
             AnchorRef(keys[depth], depth),)))
@@ -425,9 +422,65 @@ def test_a_queued_restore_never_stalls_admission(sglang):
     assert warm["output_ids"] == cold
 
 
+def _waiting(url) -> int:
+    loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=60).json()
+    return int(loads["loads"][0]["num_waiting_reqs"])
+
+
+def test_a_restore_is_copied_off_the_loop_and_its_request_waits_for_it(sglang, conversations):
+    """A restore's rows are written by the copy thread while its request waits in the queue.
+    With the copy held back a second (fault `restore_slow`) the scheduler keeps going round
+    (a long request decodes meanwhile, and the restoring one is passed over round after
+    round), and admits the request only once its rows have landed: its output is its cold
+    output, with the whole anchor cached and the device rows equal to the slab. A request
+    aborted while its copy is in flight leaves nothing held: the prefix lands in the tree
+    all the same, where the next request finds it."""
+    url = sglang.url
+    _, depth, p1, p2 = conversations[6]
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    cold = generate(url, p2)
+    flush_device(url)
+    plan = AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),))
+    other = tuple(1000 + (i * 7919) % 90000 for i in range(300))  # shares no prefix
+    long = GenerateRequest(input_ids=other, sampling=SamplingParams(
+        max_new_tokens=400, temperature=0.0, ignore_eos=True))
+    before = _rpc_calls(url)
+    with cf.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(httpx.post, url + "/generate", json=long.to_json(), timeout=300)
+        until(lambda: _num_running(url) == 1)
+        post(url, "/debug/fault", {"where": "restore_slow"})
+        warm = generate(url, p2, plan)
+        assert not running.done(), "the long request ended first: the check needs it running"
+        assert running.result().status_code == 200
+    waits = _rpc_calls(url).get("restore_wait", 0) - before.get("restore_wait", 0)
+    assert waits >= 2, waits  # rounds the scheduler ran while the copy was held
+    meta = warm["meta_info"]
+    assert meta["cached_tokens"] == depth and meta["anchors"]["restored_tokens"] == depth
+    assert warm["output_ids"] == cold["output_ids"]
+    assert verify(url, keys[depth])["mismatch"] is None
+
+    # aborted while its copy is in flight
+    flush_device(url)
+    post(url, "/debug/fault", {"where": "restore_slow"})
+    req = GenerateRequest(input_ids=tuple(p2), rid="slow-abort", anchor=plan,
+                          sampling=SamplingParams(max_new_tokens=6, temperature=0.0))
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, url + "/generate", json=req.to_json(), timeout=300)
+        until(lambda: _waiting(url) == 1)
+        post(url, "/abort_request", {"rid": "slow-abort"})
+        assert fut.result().status_code >= 400
+    threading.Event().wait(1.5)  # the scheduler idles (and checks its pools) meanwhile
+    again = generate(url, p2, plan)
+    assert again["meta_info"]["cached_tokens"] == depth
+    assert again["meta_info"]["anchors"]["restored_tokens"] == 0  # landed by the aborted one
+    assert again["output_ids"] == cold["output_ids"]
+    assert verify(url, keys[depth])["mismatch"] is None
+
+
 def _rpc_calls(url) -> dict[str, int]:
-    """Scheduler calls so far by op (`scheduler_calls`), without the scheduler's own work
-    (restores at admission, checkpoint copies, reports pushed at release)."""
+    """Scheduler calls so far by op (`scheduler_calls`), with the scheduler's own work
+    (restores at admission and their copies, checkpoint copies, reports pushed at release)."""
     stats = httpx.get(url + "/anchor/stats", timeout=60).json()
     return {c["op"]: c["calls"] for c in stats["scheduler_calls"]}
 
@@ -457,8 +510,12 @@ def test_an_anchored_request_costs_one_scheduler_call(sglang, conversations):
     delta = {op: after.get(op, 0) - before.get(op, 0) for op in after}
     assert delta.get("release") == 3  # every report pushed, none asked for
     assert delta.get("copy") == 2  # both slabs filled on the copy thread, joined at release
-    calls = {op: n for op, n in delta.items()
-             if op not in ("release", "restore", "snapshot", "copy", "copy_wait", "stats") and n}
+    # the restore's rows were written on the copy thread too, then inserted (the n = 2
+    # request found them on the device: nothing to copy)
+    assert delta.get("restore_copy") == 1 and delta.get("land") == 1
+    own = ("release", "restore", "restore_wait", "land", "snapshot", "copy", "copy_wait",
+           "restore_copy")
+    calls = {op: n for op, n in delta.items() if op not in (*own, "stats") and n}
     assert calls == {"confirm": 1}, calls  # save's confirm; the restore confirmed nothing
 
     # a failed request: its `finish` call drops the anchor it staged at prefill
@@ -469,11 +526,8 @@ def test_an_anchored_request_costs_one_scheduler_call(sglang, conversations):
                           sampling=SamplingParams(max_new_tokens=3000, ignore_eos=True))
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(httpx.post, url + "/generate", json=req.to_json(), timeout=300)
-        for _ in range(600):
-            if "abort-anchored" in httpx.get(url + "/health", timeout=30).json()[
-                    "running_requests"]:
-                break
-            threading.Event().wait(0.05)
+        until(lambda: "abort-anchored" in httpx.get(url + "/health", timeout=30).json()[
+            "running_requests"])
         post(url, "/abort_request", {"rid": "abort-anchored"})
         assert fut.result().status_code >= 500
     final = _rpc_calls(url)

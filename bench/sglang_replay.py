@@ -8,8 +8,10 @@ conversation, then turn 2, ...), as concurrent agents would send them, so SGLang
 pool evicts one conversation's prefix while the others run. Each side replays everything
 from an empty device tree (`/flush_cache` before it). Per turn: prompt tokens, tokens
 prefilled on each side, the ideal (tokens no earlier request presented) and TTFT, via
-`anchorcache.bench` (`ask`, `lcp`, `report`, `plot`). Prints a table, writes
-bench/results/<name>.json and .png.
+`anchorcache.bench` (`ask`, `lcp`, `report`, `plot`). With `--page-size N` the summary also
+has `ideal_paged`: what an engine that reuses whole pages only could skip at best (the
+shared prefix rounded down to a page). Prints a table, writes bench/results/<name>.json
+and .png.
 
     .venv/bin/python bench/sglang_replay.py [--conversations 6] [--turns 5] [--concurrent 8]
 
@@ -178,9 +180,12 @@ def main() -> None:
     pool = math.ceil(args.pool_factor * longest)
     order = [(c, t) for t in range(args.turns) for c in range(len(convs))]
     seen: list = []
-    ideal = {}
+    ideal, ideal_paged = {}, {}
     for key in order:
-        ideal[key] = len(ids[key]) - max((bench.lcp(ids[key], s) for s in seen), default=0)
+        shared = max((bench.lcp(ids[key], s) for s in seen), default=0)
+        ideal[key] = len(ids[key]) - shared
+        # what an engine with this page size could skip at best: whole pages of it
+        ideal_paged[key] = len(ids[key]) - shared // args.page_size * args.page_size
         seen.append(ids[key])
     print(f"{len(convs)} conversations x {args.turns} turns, longest request {longest} tokens, "
           f"SGLang pool {pool} tokens", flush=True)
@@ -235,6 +240,9 @@ def main() -> None:
             "on": "proxy --anchors (SGLang's radix cache + host tier)",
             "anchor_stats_end": stats, "concurrent": load}
     data = bench.report(rows, model=info["model_id"], meta=meta)
+    paged = sum(ideal_paged.values())
+    data["summary"]["ideal_paged"] = paged
+    data["summary"]["prefill_over_ideal_paged"] = round(data["summary"]["prefilled_on"] / paged, 4)
     print(json.dumps(data["summary"], indent=1))
     bench.write_json(data, RESULTS / f"{args.name}.json")
     bench.plot(rows, RESULTS / f"{args.name}.png",

@@ -7,7 +7,7 @@ Checked: one epoch for the worker (rank 0's, shared), one reply per call; a snap
 flushed from the device and restored gives the cold output token for token (so both ranks
 restored their shard: a rank without its head's rows would attend to garbage); the
 restored rows equal the snapshot byte for byte on every rank (`/anchor/verify` combines
-the ranks)."""
+the ranks); a copy slow on one rank holds the request on both."""
 
 from __future__ import annotations
 
@@ -91,3 +91,22 @@ def test_a_fault_on_one_rank_is_seen(sglang_tp, conversations, rank):
     generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
     check = verify(url, keys[depth])
     assert check["device_tokens"] == depth and check["mismatch"] is not None, check
+
+
+def test_a_slow_copy_on_one_rank_holds_the_request_on_both(sglang_tp, conversations):
+    """A restore's copy held back a second on rank 1 only (fault `restore_slow`): rank 0's
+    copy is done at once, but the request is admitted only when both have landed (the
+    ranks agree through an all-reduce), or the ranks' batches would part ways. The output
+    is the cold one, with the whole anchor restored on both shards."""
+    url = sglang_tp.url
+    _, depth, p1, p2 = conversations[1]
+    flush_device(url)
+    cold = generate(url, p2)["output_ids"]
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    post(url, "/debug/fault", {"where": "restore_slow", "rank": 1})
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == depth
+    assert warm["output_ids"] == cold
+    check = verify(url, keys[depth])
+    assert check["device_tokens"] == depth and check["mismatch"] is None, check

@@ -62,4 +62,5 @@ async def with_hint_cuts(split_fn: Splitter, split: SplitResult, messages: list[
         return split
     cuts = [c for c in split.cuts if c.position not in hinted]
     cuts += [Cut(CutKind.HINT, pos) for pos in hinted]
-    return SplitResult(split.adapter, ids, tuple(sorted(cuts, key=lambda c: c.position)))
+    return SplitResult(split.adapter, ids, tuple(sorted(cuts, key=lambda c: c.position)),
+                       stable_tail=split.stable_tail)

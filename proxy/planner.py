@@ -65,21 +65,34 @@ class Settled:
 
 
 class Planner:
-    def __init__(self, model_id: str, epoch: str, index: AnchorIndex | None = None) -> None:
+    def __init__(self, model_id: str, epoch: str, index: AnchorIndex | None = None, *,
+                 hybrid: bool = False) -> None:
         self.model_id = model_id
         self.epoch = epoch
         self.index = index if index is not None else AnchorIndex()
+        # a hybrid (recurrent) model: every cut inside a prompt ends a prefill chunk there,
+        # one more prefill round, so only the cuts a later turn needs are made (`_cuts`)
+        self.hybrid = hybrid
 
-    @staticmethod
-    def _cuts(split: SplitResult) -> list[tuple[int, AnchorKind]]:
-        """Snapshot-worthy cuts strictly inside the prompt (the last token is always prefilled)."""
+    def _cuts(self, split: SplitResult) -> list[tuple[int, AnchorKind]]:
+        """Snapshot-worthy cuts strictly inside the prompt (the last token is always
+        prefilled). On a hybrid model the conversation cut is left out when a messages cut
+        follows it and the template renders the messages between them the same in the next
+        turn (`stable_tail`): the next turn then restores the messages anchor (or the
+        prompt's end), the conversation anchor would only be their fallback, and each cut
+        costs a prefill round. (Where the newest messages render differently later, e.g.
+        Mistral's system prompt in the last user message, the conversation cut is the hit.)"""
         n = len(split.input_ids)
+        skip_conversation = self.hybrid and split.stable_tail and any(
+            c.kind == CutKind.MESSAGES and c.position < n for c in split.cuts)
         out = []
         for cut in split.cuts:
             if not 0 < cut.position < n:
                 continue
             if cut.kind == CutKind.INSTRUCTION:
                 out.append((cut.position, AnchorKind.INSTRUCTION))
+            elif cut.kind == CutKind.CONVERSATION and skip_conversation:
+                continue
             elif cut.kind in (CutKind.CONVERSATION, CutKind.MESSAGES, CutKind.HINT):
                 out.append((cut.position, AnchorKind.CONVERSATION))
         return out

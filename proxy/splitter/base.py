@@ -114,6 +114,9 @@ def _digest(h: Any) -> bytes:
 
 
 class TextAdapter(Adapter):
+    # see SplitResult.stable_tail: True where the family renders a user or tool message the
+    # same wherever it stands (checked on the BFCL data: tests/proxy/splitter/test_split_data)
+    stable_tail: ClassVar[bool] = False
     """Adapters whose templates render text for an `HFTokenizer` (see module docstring)."""
 
     probe_messages: ClassVar[list[dict]] = [
@@ -161,7 +164,8 @@ class TextAdapter(Adapter):
             ids, ends = self._encode_chunks(chunks, use_cache, self._wanted(msgs, consumed))
         else:
             ids, ends = self._encode_whole_verified(chunks)
-        return SplitResult(self.name, tuple(ids), self._classify(msgs, tls, consumed, ends))
+        return SplitResult(self.name, tuple(ids), self._classify(msgs, tls, consumed, ends),
+                           stable_tail=self.stable_tail)
 
     def _safe_boundary(self, before: str, after: str) -> bool:
         if self._special_rx is None or not self._special_rx.match(after):

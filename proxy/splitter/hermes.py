@@ -86,6 +86,7 @@ class HermesAdapter(TextAdapter):
     """Shared output side: `<tool_call>` parsing, forced tool calls, `<|im_end|>` stops."""
 
     stop_tokens: ClassVar[tuple[str, ...]] = ("<|im_end|>", "<|endoftext|>")
+    stable_tail: ClassVar[bool] = True  # user and tool messages render alike anywhere
 
     def __init__(self, tokenizer: Any, **kwargs: Any) -> None:
         super().__init__(tokenizer, **kwargs)

@@ -39,6 +39,10 @@ class SplitResult:
     adapter: str
     input_ids: tuple[int, ...]  # full prompt, generation prompt included
     cuts: tuple[Cut, ...]
+    # the newest messages (after the last assistant one) render the same once more messages
+    # follow, so the MESSAGES cut stays a prefix of the next turn (the adapter's
+    # `stable_tail`; False where unknown)
+    stable_tail: bool = False
 
     def _position(self, kind: CutKind) -> int | None:
         for cut in self.cuts:

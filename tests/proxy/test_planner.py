@@ -195,3 +195,24 @@ def test_chunk_only_keeps_the_chunking_and_nothing_else():
     assert plan.request.chunk_at == (30, 70)
     assert plan.request.restore == () and plan.request.snapshot == ()
     assert not plan.request.snapshot_response
+
+
+def test_a_hybrid_model_is_not_cut_where_only_a_fallback_would_be():
+    """On a hybrid model every cut costs a prefill round: the conversation cut is left out
+    when the messages cut follows it and the template renders the newest messages alike in
+    the next turn (`stable_tail`: the next turn restores the messages anchor, or the
+    prompt's end), anchors on and off alike (the same chunks); a dense model keeps it, and
+    so does a template whose newest messages may render differently later."""
+    ids = ids_of(100)
+    cuts = split(ids, instruction=30, conversation=70).cuts + (Cut(CutKind.MESSAGES, 96),)
+    stable = SplitResult("test", tuple(ids), cuts, stable_tail=True)
+    dense, hybrid = Planner(MODEL, "e1"), Planner(MODEL, "e1", hybrid=True)
+    assert [s.depth for s in dense.plan(stable, NS).request.snapshot] == [30, 70, 96, 100]
+    plan = hybrid.plan(stable, NS)
+    assert [s.depth for s in plan.request.snapshot] == [30, 96, 100]
+    assert plan.request.chunk_at == (30, 96) == hybrid.chunk_only(stable).request.chunk_at
+    unknown = SplitResult("test", tuple(ids), cuts)
+    assert [s.depth for s in hybrid.plan(unknown, NS).request.snapshot] == [30, 70, 96, 100]
+    # without a messages cut it stays
+    alone = SplitResult("test", tuple(ids), split(ids, 30, 70).cuts, stable_tail=True)
+    assert [s.depth for s in hybrid.plan(alone, NS).request.snapshot] == [30, 70, 100]

@@ -3,6 +3,7 @@ second request on, a conversation cut; incremental splitting equals whole splitt
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -67,3 +68,20 @@ def test_concurrent_splits_equal_sequential(adapters, conversations, name):
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda job: adapter.split(*job), jobs * 2))
     assert results == expected * 2
+
+
+@pytest.mark.parametrize("name", ["qwen3", "chatml"])
+def test_a_stable_tail_is_a_prefix_of_the_next_turn(adapters, conversations, name):
+    """`stable_tail` (the planner leaves a hybrid model's conversation cut out on it): each
+    request's messages cut is a prefix of the agent's next request."""
+    adapter = adapters[name]
+    checked = 0
+    for conv in conversations:
+        requests = requests_of(conv["messages"])
+        for now, later in itertools.pairwise(requests):
+            a, b = adapter.split(now, conv["tools"]), adapter.split(later, conv["tools"])
+            assert a.stable_tail
+            (m,) = [c.position for c in a.cuts if c.kind.value == "messages"]
+            assert b.input_ids[:m] == a.input_ids[:m], (conv["id"], len(now))
+            checked += 1
+    assert checked >= len(conversations)

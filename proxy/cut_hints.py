@@ -18,6 +18,7 @@ cut only decides which prefixes are saved for reuse.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from .errors import ApiError
@@ -62,5 +63,4 @@ async def with_hint_cuts(split_fn: Splitter, split: SplitResult, messages: list[
         return split
     cuts = [c for c in split.cuts if c.position not in hinted]
     cuts += [Cut(CutKind.HINT, pos) for pos in hinted]
-    return SplitResult(split.adapter, ids, tuple(sorted(cuts, key=lambda c: c.position)),
-                       stable_tail=split.stable_tail)
+    return replace(split, cuts=tuple(sorted(cuts, key=lambda c: c.position)))

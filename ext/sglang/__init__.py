@@ -46,8 +46,9 @@ def _prefill_adder(original, scheduler, *args, **kwargs):  # type: ignore[no-unt
     # a restore's copy stream waits for the forward stream (with the overlap schedule a
     # batch may still run there when the copy starts: ext/sglang/device.py `_fence`), the
     # stream SGLang's HiCache fences its loads on too
-    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
-    cache.forward_stream = getattr(runner, "forward_stream", None)
+    if cache.forward_stream is None:  # (once: the scheduler's runner keeps its stream)
+        runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+        cache.forward_stream = getattr(runner, "forward_stream", None)
     from .admission import prefill_adder_class
 
     cls = _ADDERS.get(base)

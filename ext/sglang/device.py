@@ -82,6 +82,7 @@ class DeviceTree:
     _states: list[torch.Tensor] | None  # a hybrid model's state tensors (hybrid.state_views)
     _copier: ThreadPoolExecutor
     _copy_stream: torch.cuda.Stream | None
+    forward_stream: Any  # SGLang's (CUDA), which the copy stream waits for (`_fence`)
     _placing_rows: int  # slots (and Mamba slots) held by placements in flight
     _placing_states: int
     _tp_group: Any
@@ -264,9 +265,8 @@ class DeviceTree:
         if self._copy_stream is None:
             return
         self._copy_stream.wait_stream(torch.cuda.current_stream())
-        forward = getattr(self, "forward_stream", None)
-        if forward is not None:
-            self._copy_stream.wait_stream(forward)
+        if self.forward_stream is not None:
+            self._copy_stream.wait_stream(self.forward_stream)
 
     def _free(self, rows: torch.Tensor | None, slot: torch.Tensor | None) -> None:
         if rows is not None and len(rows):

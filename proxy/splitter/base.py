@@ -114,10 +114,11 @@ def _digest(h: Any) -> bytes:
 
 
 class TextAdapter(Adapter):
+    """Adapters whose templates render text for an `HFTokenizer` (see module docstring)."""
+
     # see SplitResult.stable_tail: True where the family renders a user or tool message the
     # same wherever it stands (checked on the BFCL data: tests/proxy/splitter/test_split_data)
     stable_tail: ClassVar[bool] = False
-    """Adapters whose templates render text for an `HFTokenizer` (see module docstring)."""
 
     probe_messages: ClassVar[list[dict]] = [
         {"role": "system", "content": "Probe  system\n"},

@@ -833,13 +833,19 @@ class ModelInfo:
     vocab_size: int
     backend: str  # embedded | sglang
     epoch: str = ""
+    # a server of several workers (SGLang's data-parallel ranks): the paths, under this URL,
+    # of each one's contract (`dp/0`, ...); empty: this URL is itself the worker
+    ranks: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"model_id": self.model_id, "model_path": self.model_path,
-                "tokenizer_path": self.tokenizer_path, "is_generation": True,
-                "architecture": self.architecture, "max_context_tokens": self.max_context_tokens,
-                "eos_token_ids": list(self.eos_token_ids), "hybrid": self.hybrid,
-                "vocab_size": self.vocab_size, "backend": self.backend, "epoch": self.epoch}
+        out = {"model_id": self.model_id, "model_path": self.model_path,
+               "tokenizer_path": self.tokenizer_path, "is_generation": True,
+               "architecture": self.architecture, "max_context_tokens": self.max_context_tokens,
+               "eos_token_ids": list(self.eos_token_ids), "hybrid": self.hybrid,
+               "vocab_size": self.vocab_size, "backend": self.backend, "epoch": self.epoch}
+        if self.ranks:
+            out["ranks"] = list(self.ranks)
+        return out
 
 
 def parse_model_info(obj: Any) -> ModelInfo:
@@ -847,7 +853,17 @@ def parse_model_info(obj: Any) -> ModelInfo:
     return ModelInfo(_str(d, "model_id"), _str(d, "model_path"), _str(d, "tokenizer_path"),
                      _str(d, "architecture"), _int(d, "max_context_tokens", lo=1),
                      _ids(d.get("eos_token_ids", []), "eos_token_ids"), _bool(d, "hybrid"),
-                     _int(d, "vocab_size", lo=0), _str(d, "backend"), _epoch(d))
+                     _int(d, "vocab_size", lo=0), _str(d, "backend"), _epoch(d),
+                     parse_ranks(d.get("ranks", [])))
+
+
+def parse_ranks(value: Any) -> tuple[str, ...]:
+    """`/model_info`'s `ranks`: relative paths (no scheme, no `..`, no leading slash)."""
+    if not isinstance(value, list) or not all(
+            isinstance(r, str) and r and not r.startswith("/") and ":" not in r
+            and ".." not in r.split("/") for r in value):
+        raise WireError("model_info reply: 'ranks' must be a list of relative paths")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ streaming on it when it died may fail, with an error event; the agent retries th
 and the prefill it cost. Prints a table, writes bench/results/<name>.json and
 .png.
 
-    .venv/bin/python bench/route_replay.py [--backend sglang] [--conversations 16]
+`--dp`: one SGLang server with `--dp-size 2` instead of two servers (each rank a target,
+`/dp/0` and `/dp/1`; same pool per rank). No kill run then: a rank cannot be killed alone.
+
+    .venv/bin/python bench/route_replay.py [--backend sglang] [--dp] [--conversations 16]
         [--concurrent 4] [--turns 4]
 """
 
@@ -143,9 +146,13 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrent", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--name", default=None, help="default: route_replay_<backend>")
+    ap.add_argument("--dp", action="store_true",
+                    help="one SGLang server with --dp-size 2 (its two ranks as the targets)")
+    ap.add_argument("--name", default=None, help="default: route_replay_<backend>[_dp]")
     args = ap.parse_args()
-    name = args.name or f"route_replay_{args.backend}"
+    if args.dp and args.backend != "sglang":
+        ap.error("--dp needs --backend sglang")
+    name = args.name or f"route_replay_{args.backend}" + ("_dp" if args.dp else "")
 
     model = model_or_tiny(args.model)
     adapter = get_adapter("auto", load_tokenizer(model))
@@ -164,10 +171,15 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     with ExitStack() as stack:
-        workers = [stack.enter_context(spawn(*worker_args, tail=tail)) for _ in range(2)]
+        if args.dp:  # one server, its ranks the targets: the proxy is given the server's URL
+            server = stack.enter_context(spawn(*worker_args, tail=(*tail, "--dp-size", "2")))
+            given, workers = [server], [f"{server}/dp/0", f"{server}/dp/1"]
+        else:
+            workers = [stack.enter_context(spawn(*worker_args, tail=tail)) for _ in range(2)]
+            given = list(workers)
         for policy in ROUTES:
             flush(workers)
-            with spawn("proxy", *itertools.chain(*(("--worker", w) for w in workers)),
+            with spawn("proxy", *itertools.chain(*(("--worker", w) for w in given)),
                        "--route", policy) as proxy:
                 before = cpu_s(proxy.pid)
                 results[policy] = run(proxy, convs, args.turns, args.concurrent, args.max_tokens,
@@ -177,17 +189,8 @@ def main() -> None:
                     1e3 * used / max(1, results[policy]["requests"]), 2)
             print(policy, json.dumps({k: v for k, v in results[policy].items()
                                       if k != "per_turn"}), flush=True)
-        # affinity with the second worker SIGKILLed halfway (a fresh one: the pair above stays)
-        flush(workers[:1])
-        with spawn(*worker_args, tail=tail) as doomed, \
-                spawn("proxy", "--worker", workers[0], "--worker", doomed, "--route", "affinity",
-                      "--health-interval-s", "1") as proxy:
-            half = len(prompts) // 2
-            results["affinity_killed_halfway"] = run(
-                proxy, convs, args.turns, args.concurrent, args.max_tokens, prompts,
-                kill=(half, lambda: os.killpg(doomed.pid, signal.SIGKILL)))
-            print("killed", json.dumps({k: v for k, v in results["affinity_killed_halfway"].items()
-                                        if k != "per_turn"}), flush=True)
+        if not args.dp:  # (a rank of one server cannot be killed alone)
+            kill_run(results, workers[0], worker_args, tail, convs, args, prompts)
 
     print()
     print(f"{'run':>24} {'req':>4} {'fail':>4} {'prefilled':>9} {'ideal':>7} {'ratio':>6} "
@@ -203,8 +206,25 @@ def main() -> None:
             "turns": args.turns, "concurrent": args.concurrent, "longest_prompt": longest,
             "runs": results}
     bench.write_json(data, RESULTS / f"{name}.json")
+    behind = "2 DP ranks of one SGLang server" if args.dp else f"2 {args.backend} workers"
     plot(results, args.turns, RESULTS / f"{name}.png",
-         f"2 {args.backend} workers, {len(convs)} BFCL conversations, {args.concurrent} at a time")
+         f"{behind}, {len(convs)} BFCL conversations, {args.concurrent} at a time")
+
+
+def kill_run(results: dict[str, dict], survivor: str, worker_args: tuple[str, ...],
+             tail: tuple[str, ...], convs: list[dict], args: argparse.Namespace,
+             prompts: dict) -> None:
+    """Affinity with the second worker SIGKILLed halfway (a fresh one: `survivor` stays)."""
+    flush([survivor])
+    with spawn(*worker_args, tail=tail) as doomed, \
+            spawn("proxy", "--worker", survivor, "--worker", doomed, "--route", "affinity",
+                  "--health-interval-s", "1") as proxy:
+        half = len(prompts) // 2
+        results["affinity_killed_halfway"] = run(
+            proxy, convs, args.turns, args.concurrent, args.max_tokens, prompts,
+            kill=(half, lambda: os.killpg(doomed.pid, signal.SIGKILL)))
+        print("killed", json.dumps({k: v for k, v in results["affinity_killed_halfway"].items()
+                                    if k != "per_turn"}), flush=True)
 
 
 def plot(results: dict[str, dict], turns: int, path: Path, title: str) -> None:

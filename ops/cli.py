@@ -213,8 +213,9 @@ def worker_add(worker_url: Annotated[str, typer.Argument(help="The worker's base
     """Add a worker live (it must serve the proxy's model)."""
     def go() -> None:
         data = AdminClient(url, token).post("/admin/workers", {"url": worker_url})
-        _emit(data, as_json, lambda: f"worker {data['name']} added: {data['url']} "
-                                     f"(epoch {data['epoch'][:8]})")
+        _emit(data, as_json, lambda: "\n".join(
+            f"worker {t['name']} added: {t['url']} (epoch {t['epoch'][:8]})"
+            for t in data.get("targets", [data])))
     _run(go)
 
 

@@ -384,8 +384,10 @@ async def add_worker(request: web.Request) -> web.Response:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ApiError("invalid_request", "'url' must be the worker's http(s) base URL",
                        param="url")
-    target = await _state(request).targets.add(url)
-    return json_response(target.to_json())
+    added = await _state(request).targets.add(url)
+    # the first target's fields (one for a plain worker), and every target added (a server of
+    # data-parallel ranks adds one per rank)
+    return json_response({**added[0].to_json(), "targets": [t.to_json() for t in added]})
 
 
 async def remove_worker(request: web.Request) -> web.Response:

@@ -1,7 +1,9 @@
 """The workers behind the proxy (targets), and which one serves each request.
 
 A target is one worker URL; its id (the URL) is the ledger's `worker` column, so the ledger
-records which target holds each anchor, under that target's epoch. Each target has its own
+records which target holds each anchor, under that target's epoch. A server of several
+workers (SGLang's data-parallel ranks) lists them in its `/model_info` (`ranks`: `dp/0`,
+`dp/1`, ...): each is a target of its own, `URL/dp/K`, with its own anchors and epoch. Each target has its own
 `WorkerClient` and its own `AnchorLifecycle` (planner, index, epoch), so everything the
 single-worker proxy did per worker (reconcile, re-warm pinned toolsets, quotas) happens per
 target unchanged. `Targets` adds what is between them:
@@ -145,36 +147,55 @@ class Targets:
                            f"{mine.model_id!r} ({mine.tokenizer_path!r})")
         return info
 
+    async def _try_info(self, url: str) -> WorkerInfo | None:
+        try:
+            return await self._model_info(WorkerClient(self.session, url))
+        except ApiError as e:
+            log.warning("worker %s is out for now: %s", url, e.message)
+            return None
+
+    async def _workers(self, url: str, info: WorkerInfo | None) -> list[tuple[str, WorkerInfo | None]]:
+        """The targets behind `url` (which answered `info`): itself, or each of its ranks."""
+        if info is None or not info.ranks:
+            return [(url, info)]
+        base = url.rstrip("/")
+        return [(f"{base}/{rank}", await self._try_info(f"{base}/{rank}")) for rank in info.ranks]
+
+    async def _append(self, url: str, info: WorkerInfo | None) -> Target:
+        target = self._new(url, info)
+        self.all.append(target)
+        if info is not None and self.config.anchors:
+            await target.lifecycle.start()
+        return target
+
     async def start(self, reached: str, info: WorkerInfo) -> None:
         """Make the configured targets (`reached` answered `info`); start those that answer,
         keep the others out until their health answers; start the health checks."""
         for url in self.config.worker_urls:
-            got: WorkerInfo | None = info if url == reached else None
-            if got is None:
-                try:
-                    got = await self._model_info(WorkerClient(self.session, url))
-                except ApiError as e:
-                    log.warning("worker %s is out for now: %s", url, e.message)
-                    got = None
-            target = self._new(url, got)
-            self.all.append(target)
-            if got is not None and self.config.anchors:
-                await target.lifecycle.start()
+            got = info if url == reached else await self._try_info(url)
+            for worker_url, worker_info in await self._workers(url, got):
+                await self._append(worker_url, worker_info)
         self._watch = asyncio.get_running_loop().create_task(self._watch_health())
 
-    async def add(self, url: str) -> Target:
-        """Add a worker live; 400 if it serves another model, 503 if it does not answer."""
+    async def add(self, url: str) -> list[Target]:
+        """Add a worker live (for a server of several, each of its ranks that is not a target
+        yet); 400 if it serves another model, 503 if it does not answer, 409 if it (every
+        rank) is a target already."""
         client = WorkerClient(self.session, url)
-        if self.find(client.base_url) is not None:
-            raise ApiError("conflict", f"worker {client.base_url} is already a target")
         info = await self._model_info(client)
-        target = self._new(url, info)
-        self.all.append(target)
-        if self.config.anchors:
-            await target.lifecycle.start()
-        self.ledger.event("worker_added", None, worker=target.id, epoch=info.epoch)
-        log.info("worker %s added (epoch %s)", target.id, info.epoch)
-        return target
+        found = [(u, i) for u, i in await self._workers(client.base_url, info)
+                 if self.find(u) is None]  # a server's ranks: those not targets already
+        if not found:
+            raise ApiError("conflict", f"worker {client.base_url} is already a target")
+        added = []
+        for worker_url, worker_info in found:
+            if worker_info is None:
+                raise ApiError("worker_unavailable", f"worker {worker_url} does not answer")
+            target = await self._append(worker_url, worker_info)
+            self.ledger.event("worker_added", None, worker=target.id, epoch=worker_info.epoch)
+            log.info("worker %s added (epoch %s)", target.id, worker_info.epoch)
+            added.append(target)
+        return added
 
     async def drain(self, target: Target, timeout_s: float) -> bool:
         """Route nothing new to `target`, wait (up to `timeout_s`) for its in-flight requests
@@ -239,7 +260,10 @@ class Targets:
         """Ask `target`'s health; bring it back or take it out. Returns whether it is healthy."""
         try:
             if not target.verified:
-                await self._model_info(target.worker)
+                info = await self._model_info(target.worker)
+                if info.ranks:  # a server of several workers: each rank is the target
+                    await self._split(target, info)
+                    return True
                 target.verified = True
             health = await target.worker.health()  # its life cycle observes the epoch
         except ApiError as e:
@@ -251,6 +275,17 @@ class Targets:
             self.ledger.event("worker_back", None, worker=target.id, epoch=health.epoch)
             log.info("worker %s is back (epoch %s)", target.id, health.epoch)
         return True
+
+    async def _split(self, target: Target, info: WorkerInfo) -> None:
+        """`target`, not reached at start, turns out to be a server of several workers: its
+        ranks replace it."""
+        self.all.remove(target)
+        await target.lifecycle.close()
+        for worker_url, worker_info in await self._workers(target.id, info):
+            if self.find(worker_url) is None:
+                await self._append(worker_url, worker_info)
+        log.info("worker %s serves %d ranks: %s", target.id, len(info.ranks),
+                 ", ".join(info.ranks))
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(t) for t in list(self.all)))

@@ -27,6 +27,7 @@ from anchorcache.wire import (
     parse_confirm,
     parse_generate_meta,
     parse_health,
+    parse_ranks,
     parse_slots,
     parse_stop,
 )
@@ -94,13 +95,14 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     hybrid: bool
     epoch: str
+    ranks: tuple[str, ...] = ()  # a server of several workers: their paths (wire.ModelInfo)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerInfo:
         return cls(model_id=d["model_id"], tokenizer_path=d["tokenizer_path"],
                    max_context_tokens=int(d["max_context_tokens"]),
                    eos_token_ids=tuple(d.get("eos_token_ids", ())), hybrid=bool(d.get("hybrid")),
-                   epoch=str(d["epoch"]))
+                   epoch=str(d["epoch"]), ranks=parse_ranks(d.get("ranks", [])))
 
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
@@ -174,7 +176,11 @@ class WorkerClient:
             raise ApiError("worker_error", f"worker did not answer {path} in time") from None
 
     async def model_info(self) -> WorkerInfo:
-        return WorkerInfo.from_json(await self._call("GET", "/model_info"))
+        data = await self._call("GET", "/model_info")
+        try:
+            return WorkerInfo.from_json(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ApiError("worker_error", f"malformed reply from /model_info: {e}") from None
 
     async def _typed(self, parse: Callable[[Any], T], method: str, path: str, body: Any = None,
                      timeout_s: float | None = None) -> T:

@@ -4,7 +4,9 @@
 starts; it registers the `anchorcache` radix-cache backend (`--radix-cache-backend
 anchorcache`) and, around `Scheduler.get_prefill_adder_class`, a prefill adder that
 passes over requests whose restore is in flight and, on hybrid models, ends prefill chunks
-at anchor depths (ext/sglang/admission.py). Nothing here imports SGLang at module level,
+at anchor depths (ext/sglang/admission.py); and, around `Scheduler.init_ipc_channels`, the
+scheduler RPC socket of each data-parallel rank at a name our HTTP process knows
+(ext/sglang/rpc.py). Nothing here imports SGLang at module level,
 so the package imports without it.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 BACKEND_NAME = "anchorcache"
 ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
+IPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_ipc_channels"
 
 
 def plugin() -> None:
@@ -35,6 +38,21 @@ def plugin() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(ADDER_TARGET, _prefill_adder, HookType.AROUND)
+    HookRegistry.register(IPC_TARGET, _rank_rpc, HookType.AROUND)
+
+
+def _rank_rpc(original, scheduler, port_args, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """With data parallelism, this rank's scheduler RPC socket at `rpc.rank_rpc_name`."""
+    import dataclasses
+
+    from sglang.srt.runtime_context import get_parallel
+
+    from .rpc import rank_rpc_name
+
+    name = rank_rpc_name(get_parallel().dp_rank)
+    if name is not None:
+        port_args = dataclasses.replace(port_args, rpc_ipc_name=name)
+    return original(scheduler, port_args, *args, **kwargs)
 
 
 def _prefill_adder(original, scheduler, *args, **kwargs):  # type: ignore[no-untyped-def]

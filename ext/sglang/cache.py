@@ -665,7 +665,7 @@ def build(ctx: Any) -> AnchorRadixCache:
         if refusal is not None:
             raise NotImplementedError(refusal)
     # the CLI refuses these first; a direct launch is refused here, by the same rule
-    # (`--dp-size` is ServerArgs.dp_size, and so on)
+    # (`--pp-size` is ServerArgs.pp_size, and so on)
     given = [f"{names[0]}={getattr(ctx.server_args, names[0][2:].replace('-', '_'), 1)}"
              for names in cpu.UNSERVED_PARALLELISM]
     refusal = cpu.parallelism_refusal(given)

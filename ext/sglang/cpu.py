@@ -65,15 +65,16 @@ def build_stub_libcuda(out_dir: Path | None = None) -> Path:
 
 
 def cpu_env(base: dict[str, str], args: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
-    """`base` plus the CPU engine switch and the stub on the library path; with `--tp N`
-    in SGLang's `args`, each rank's cores (`SGLANG_CPU_OMP_THREADS_BIND`, unless set)."""
+    """`base` plus the CPU engine switch and the stub on the library path; with `--tp N` or
+    `--dp-size N` in SGLang's `args`, each rank's cores (`SGLANG_CPU_OMP_THREADS_BIND`,
+    unless set: SGLang counts dp x tp ranks against it, or against NUMA nodes without it)."""
     stub = str(build_stub_libcuda())
     path = base.get("LD_LIBRARY_PATH")
     env = {**base, "SGLANG_USE_CPU_ENGINE": "1",
            "LD_LIBRARY_PATH": stub + (os.pathsep + path if path else "")}
-    tp = tp_size(args)
-    if tp > 1 and not env.get(THREADS_BIND):
-        env[THREADS_BIND] = threads_bind(tp)
+    ranks = tp_size(args) * dp_size(args)
+    if ranks > 1 and not env.get(THREADS_BIND):
+        env[THREADS_BIND] = threads_bind(ranks)
     return env
 
 
@@ -88,30 +89,33 @@ def tp_size(args: list[str] | tuple[str, ...]) -> int:
     return _int_arg(args, ("--tp", "--tp-size", "--tensor-parallel-size"))
 
 
-# SGLang's parallelism modes that split one server into several schedulers with different
-# requests (data parallel replicas, attention-DP groups) or different layers (pipeline
-# stages): each would keep its own anchor store and draw its own epoch behind one contract,
-# and the scheduler RPC reaches them as one. Tensor parallelism is served (tp.py).
+def dp_size(args: list[str] | tuple[str, ...]) -> int:
+    """SGLang's `--dp-size` / `--data-parallel-size` among `args` (1 if absent)."""
+    return _int_arg(args, ("--dp-size", "--data-parallel-size"))
+
+
+# SGLang's parallelism modes that split one server into schedulers we cannot address apart:
+# attention-DP groups share one tree across ranks' requests, and pipeline stages hold
+# different layers. Tensor parallelism (tp.py) and data parallelism (each rank a worker of
+# its own under `/dp/K`, ext/sglang/http.py) are served.
 UNSERVED_PARALLELISM = {
-    ("--dp-size", "--data-parallel-size"): "data parallelism",
     ("--attn-dp-size", "--attention-data-parallel-size"): "attention data parallelism",
     ("--pp-size", "--pipeline-parallel-size"): "pipeline parallelism",
 }
 
 
 def parallelism_refusal(args: list[str] | tuple[str, ...]) -> str | None:
-    """Why anchorcache cannot serve SGLang with `args`, or None: more than one data-parallel
-    replica, attention-DP group or pipeline stage (`UNSERVED_PARALLELISM`), or more than one
-    tokenizer (HTTP) process."""
+    """Why anchorcache cannot serve SGLang with `args`, or None: more than one attention-DP
+    group or pipeline stage (`UNSERVED_PARALLELISM`), or more than one tokenizer (HTTP)
+    process."""
     for names, what in UNSERVED_PARALLELISM.items():
         n = _int_arg(args, names)
         if n > 1:
             return (f"anchorcache does not serve SGLang's {what} ({names[0]} {n}): each "
-                    f"scheduler would keep its own anchors and epoch behind one worker. Run "
-                    f"one SGLang worker per replica (each with its own GPUs) behind one proxy, "
-                    f"`anchorcache proxy --worker URL --worker URL ...`, which routes each "
-                    f"conversation to the worker holding its anchors (docs/configuration.md); "
-                    f"tensor parallelism (--tp N) is served.")
+                    f"scheduler would keep its own anchors and epoch, and no request could be "
+                    f"sent to the one that holds its anchors. Tensor parallelism (--tp N) and "
+                    f"data parallelism (--dp-size N) are served, and so are several SGLang "
+                    f"workers behind one proxy (docs/configuration.md).")
     workers = _int_arg(args, ("--tokenizer-worker-num",))
     if workers > 1:
         return (f"anchorcache does not serve SGLang with several tokenizer workers "
@@ -222,8 +226,34 @@ def sglang_command(python: str, *, model: str, host: str, port: int, log_level: 
 NO_PYNCCL_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 
 
+# SGLang 0.5.23's data-parallel controller polls its input socket without blocking, in a loop
+# with no wait: one core busy while idle. On a GPU host that is one core of many; on a small
+# CPU box it is half of what the ranks have. On the CPU engine its loop waits on the socket
+# (zmq.Poller) instead, and drains it as SGLang's does; the dispatch is SGLang's own.
+DP_LOOP_TARGET = "sglang.srt.managers.data_parallel_controller.DataParallelController.event_loop"
+DP_POLL_MS = 1000  # the longest wait; the watchdog is fed at least this often
+
+
+def dp_event_loop(original: Any, controller: Any) -> None:
+    import zmq
+    from sglang.srt.managers.io_struct import sock_recv
+
+    poller = zmq.Poller()
+    poller.register(controller.recv_from_tokenizer, zmq.POLLIN)
+    while True:
+        poller.poll(DP_POLL_MS)
+        while True:
+            controller.soft_watchdog.feed()
+            try:
+                req = sock_recv(controller.recv_from_tokenizer, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            controller._request_dispatcher(req)
+
+
 def register_cpu_hooks() -> None:
-    """In every SGLang process of the CPU engine (`SGLANG_USE_CPU_ENGINE=1`): no PyNccl."""
+    """In every SGLang process of the CPU engine (`SGLANG_USE_CPU_ENGINE=1`): no PyNccl; the
+    data-parallel controller waits for input instead of spinning."""
     if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
         return
     from .cpu_kernels import install
@@ -236,3 +266,4 @@ def register_cpu_hooks() -> None:
         return original(*args, **kwargs)
 
     HookRegistry.register(NO_PYNCCL_TARGET, no_pynccl, HookType.AROUND)
+    HookRegistry.register(DP_LOOP_TARGET, dp_event_loop, HookType.AROUND)

@@ -4,15 +4,25 @@ SGLang's own HTTP process.
 `SGLangBackend` implements the contract's `Backend`: a `/generate` is a `Run` (`run.py`);
 every anchor operation crosses to the scheduler's loop through the scheduler RPC
 (`rpc.py`), whose replies are parsed into their wire records here; the worker's state and
-limits are `SGLangWorker` (`worker.py`). `install(app, worker)` replaces SGLang's native
+limits are `SGLangWorker` (`worker.py`). `install(app, workers)` replaces SGLang's native
 `/generate`, `/health`, `/model_info`, `/flush_cache` and `/abort_request` routes on its
 FastAPI app with the contract's and adds `/anchor/*`.
+
+Data parallelism (`--dp-size N`): each rank is a worker of its own, its contract served under
+`/dp/K` (`/dp/0/generate`, `/dp/0/anchor/confirm`, ...): its own anchors and epoch, requests
+sent to that rank (SGLang's `routed_dp_rank`). At the root, `/model_info` lists the ranks
+(`ranks`: the paths under which each is served) and `/health` answers for the whole server;
+every other contract route there is a 409 that names the ranks, since no call may leave the
+rank it is meant for.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
+
+import orjson
 
 from anchorcache import wire
 from anchorcache.ext import contract
@@ -152,11 +162,64 @@ class SGLangBackend(Backend):
         worker = self.worker
         if not await worker.ready():
             raise ContractError(503, "the scheduler is not ready")
-        samples = {r for run in worker.runs.values() for r in run.sglang_rids()}
+        # requests that are no contract run's (SGLang's own routes) count on every rank: SGLang
+        # does not say which rank runs them
+        ours = {r for peer in worker.peers for run in peer.runs.values()
+                for r in run.sglang_rids()}
         rids = [r for r in worker.tm.rid_to_state
-                if not str(r).startswith(HEALTH_CHECK_RID_PREFIX) and r not in samples]
+                if not str(r).startswith(HEALTH_CHECK_RID_PREFIX) and r not in ours]
         rids += [r for r in worker.runs if r not in rids]
         return wire.WorkerHealth("ok", self.epoch, tuple(rids))
+
+
+class RankedServer:
+    """The root of a server with data-parallel ranks: `/model_info` lists the ranks and
+    `/health` answers for all of them; every other contract call there is refused (a 409
+    that names the ranks), since no call may leave the rank it is meant for."""
+
+    def __init__(self, ranks: list[SGLangBackend]) -> None:
+        self.ranks = ranks
+
+    @property
+    def epoch(self) -> str:
+        return ",".join(b.epoch for b in self.ranks)
+
+    async def model_info(self) -> wire.ModelInfo:
+        infos = [await b.model_info() for b in self.ranks]  # every rank ready: its epoch
+        return replace(infos[0], epoch=self.epoch,
+                       ranks=tuple(rank_path(b.worker.dp_rank) for b in self.ranks))
+
+    async def health(self) -> wire.WorkerHealth:
+        replies = [await b.health() for b in self.ranks]  # 503 while any rank is not ready
+        rids = dict.fromkeys(r for h in replies for r in h.running_requests)
+        return wire.WorkerHealth("ok", self.epoch, tuple(rids))
+
+    def refusal(self) -> ContractError:
+        paths = ", ".join(f"/{rank_path(b.worker.dp_rank)}" for b in self.ranks)
+        return ContractError(409, f"this SGLang server runs {len(self.ranks)} data-parallel "
+                                  f"ranks, each with its own anchors: call one of {paths} "
+                                  f"(/model_info lists them as `ranks`)")
+
+    def handler(self, path: str) -> Callable[[Any], Awaitable[Any]]:
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {"/model_info": self.model_info,
+                                                           "/health": self.health}
+
+        async def handler(request: Any) -> Any:
+            try:
+                call = calls.get(path)
+                if call is None:
+                    raise self.refusal()
+                return _response(contract.Reply(200, orjson.dumps((await call()).to_json())))
+            except ContractError as e:
+                return _response(contract.error_reply(e))
+
+        handler.__name__ = "server_" + path.strip("/").replace("/", "_")
+        return handler
+
+
+def rank_path(dp_rank: int | None) -> str:
+    """The path under which data-parallel rank `dp_rank`'s contract is served."""
+    return f"dp/{dp_rank}"
 
 
 # ---- Starlette adapter ---------------------------------------------------------------------
@@ -188,13 +251,25 @@ def _generate(backend: Backend) -> Callable[[Any], Awaitable[Any]]:
     return generate
 
 
-def install(app: Any, worker: SGLangWorker) -> None:
-    """Put the contract's routes on SGLang's FastAPI `app` (before it starts serving)."""
-    backend = SGLangBackend(worker)
+def install(app: Any, workers: list[SGLangWorker]) -> None:
+    """Put the contract's routes on SGLang's FastAPI `app` (before it starts serving): at the
+    root for one worker; under `/dp/K` for each data-parallel rank's, with the rank list
+    (`ServerBackend`) at the root."""
     routes = contract.routes(SGLangAnchorConfig.from_env().fault_injection)
     ours = {"/generate", *(r.path for r in routes)}
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in ours]
+    ranks = [SGLangBackend(w) for w in workers]
+    if len(ranks) > 1:
+        server = RankedServer(ranks)
+        for route in (*routes, contract.Route("POST", "/generate", _no_call)):
+            app.add_route(route.path, server.handler(route.path), methods=[route.method])
     # plain Starlette routes: the handler gets the Request itself, no FastAPI injection
-    for route in routes:
-        app.add_route(route.path, _route(backend, route), methods=[route.method])
-    app.add_route("/generate", _generate(backend), methods=["POST"])
+    for backend in ranks:
+        prefix = "" if len(ranks) == 1 else f"/{rank_path(backend.worker.dp_rank)}"
+        for route in routes:
+            app.add_route(prefix + route.path, _route(backend, route), methods=[route.method])
+        app.add_route(prefix + "/generate", _generate(backend), methods=["POST"])
+
+
+async def _no_call(backend: Backend, body: Any) -> Any:
+    raise NotImplementedError  # a route entry for RankedServer.handler, never called

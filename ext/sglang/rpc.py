@@ -25,6 +25,14 @@ hands every TP rank with the request), and the scheduler pushes the request's re
 it releases the request's KV (`{"push": "finish", "token", ...}` on the same PULL socket,
 taken by `expect(token)`). The proxy's `/anchor/confirm` is then the request's one call.
 A request that fails, or whose report does not come, ends with the `finish` call.
+
+Data parallelism (`--dp-size N`): each data-parallel rank is its own scheduler (with its own
+TP group, tree, anchor store and epoch), and SGLang gives each rank's scheduler an RPC socket
+of its own, under a random name that only its DP controller knows. With `RANK_RPC_DIR` set
+(by our launcher, for every SGLang process it starts), each rank's scheduler connects to
+`rank_rpc_name(dp_rank)` instead (the plugin's hook around `Scheduler.init_ipc_channels`),
+so the HTTP process reaches rank k through one `SchedulerRpc` per rank, as it reaches the one
+scheduler without DP.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +55,16 @@ log = logging.getLogger("anchorcache.sglang")
 
 RPC_TIMEOUT_S = 120.0
 PLAN_PARAM = "anchorcache_plan"  # the custom_params key of a request's anchor plan
+RANK_RPC_DIR = "ANCHORCACHE_RANK_RPC_DIR"  # the folder of the DP ranks' RPC sockets
+
+
+def rank_rpc_name(dp_rank: int | None) -> str | None:
+    """Data-parallel rank `dp_rank`'s scheduler RPC socket (module docstring), or None: no
+    data parallelism (SGLang's own socket name is used)."""
+    folder = os.environ.get(RANK_RPC_DIR)
+    if not folder or dp_rank is None:
+        return None
+    return f"ipc://{Path(folder) / f'rpc-dp{int(dp_rank)}'}"
 
 
 class SchedulerError(RuntimeError):

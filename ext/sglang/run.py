@@ -120,7 +120,10 @@ class Run:
         return GenerateReqInput(rid=rid, input_ids=list(req.input_ids),
                                 sampling_params=sampling, stream=True,
                                 return_logprob=req.return_logprob,
-                                top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0)
+                                top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+                                # data parallelism: the rank this worker addresses (SGLang's own
+                                # field; its DP controller sends the request there)
+                                routed_dp_rank=self.worker.dp_rank)
 
     async def _stream(self, obj: Any) -> AsyncIterator[dict[str, Any]]:
         """SGLang's outputs for one request; `Aborted` (or WireError: SGLang's way of refusing

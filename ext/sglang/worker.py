@@ -1,5 +1,9 @@
 """The SGLang worker's state in SGLang's HTTP process: the scheduler RPC, the worker's
-epoch (the scheduler's, learnt from every reply), and the limits a request must fit."""
+epoch (the scheduler's, learnt from every reply), and the limits a request must fit.
+
+With SGLang's data parallelism (`--dp-size N`) there is one `SGLangWorker` per rank, each
+with its own RPC to its own rank's scheduler (ext/sglang/rpc.py) and its own epoch; they
+share SGLang's one tokenizer manager, and `peers` lists them all."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from anchorcache.wire import GenerateRequest, WireError
 
-from .rpc import SchedulerError, SchedulerRpc
+from .rpc import SchedulerError, SchedulerRpc, rank_rpc_name
 
 if TYPE_CHECKING:
     from .run import Run
@@ -18,20 +22,29 @@ if TYPE_CHECKING:
 class SGLangWorker:
     """What the contract routes need in SGLang's HTTP process."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, dp_rank: int | None = None) -> None:
         self.model_path = model_path
         self.model_id = Path(model_path).name
+        self.dp_rank = dp_rank  # SGLang's data-parallel rank this worker addresses (None: no DP)
+        self.peers: list[SGLangWorker] = [self]  # every rank's worker, this one included
         self.rpc: SchedulerRpc | None = None
         self.epoch: str | None = None
         self.pin_budget_tokens = 0  # the scheduler's (hello): kept out of every request
         self.runs: dict[str, Run] = {}  # running contract requests by rid
 
-    def init_tokenizer_manager(self, server_args: Any, port_args: Any, *args: Any) -> Any:
-        """`launch_server`'s tokenizer-manager factory: SGLang's own, plus the RPC socket name."""
-        from sglang.srt.entrypoints.engine import init_tokenizer_manager
+    @staticmethod
+    def ranks(model_path: str, dp_size: int) -> list[SGLangWorker]:
+        """The workers of a server with `dp_size` data-parallel ranks (one, unranked, for 1)."""
+        if dp_size <= 1:
+            return [SGLangWorker(model_path)]
+        workers = [SGLangWorker(model_path, k) for k in range(dp_size)]
+        for w in workers:
+            w.peers = workers
+        return workers
 
-        self.rpc = SchedulerRpc(port_args.rpc_ipc_name)
-        return init_tokenizer_manager(server_args, port_args, *args)
+    def connect(self, port_args: Any) -> None:
+        """Set up the RPC to this worker's scheduler (`port_args`: SGLang's, of the server)."""
+        self.rpc = SchedulerRpc(rank_rpc_name(self.dp_rank) or port_args.rpc_ipc_name)
 
     @property
     def tm(self) -> Any:

@@ -50,24 +50,32 @@ def test_the_no_pynccl_hook_only_on_the_cpu_engine(monkeypatch):
     assert seen["use_pynccl"] is False
 
 
-@pytest.mark.parametrize("args", [["--dp-size", "2"], ["--data-parallel-size=4"],
-                                  ["--attn-dp-size", "2"], ["--pp-size", "2"],
+@pytest.mark.parametrize("args", [["--attn-dp-size", "2"], ["--pp-size", "2"],
                                   ["--pipeline-parallel-size=2"], ["--enable-dp-attention"],
                                   ["--tokenizer-worker-num", "2"]])
-def test_data_and_pipeline_parallelism_are_refused_by_name(args):
+def test_attention_dp_and_pipeline_parallelism_are_refused_by_name(args):
     refusal = cpu.parallelism_refusal(args)
     assert "parallelism" in refusal or "tokenizer workers" in refusal
 
 
-@pytest.mark.parametrize("args", [[], ["--tp", "2"], ["--dp-size", "1"], ["--dp-size", "x"]])
-def test_tensor_parallelism_and_one_replica_are_served(args):
+@pytest.mark.parametrize("args", [[], ["--tp", "2"], ["--dp-size", "2"],
+                                  ["--data-parallel-size=4", "--tp", "2"], ["--dp-size", "x"]])
+def test_tensor_and_data_parallelism_are_served(args):
     assert cpu.parallelism_refusal(args) is None
 
 
-def test_the_cli_refuses_data_parallelism_before_starting_anything():
-    """`anchorcache serve/worker --backend sglang -- --dp-size 2`: a usage error naming data
-    parallelism and the multi-worker proxy, not SGLang started with one anchor store per
-    replica behind one worker."""
+def test_each_data_parallel_rank_gets_its_cores_on_cpu(monkeypatch):
+    """SGLang's CPU engine counts dp x tp ranks against SGLANG_CPU_OMP_THREADS_BIND (or NUMA
+    nodes), so the CPU recipe splits the cores over all of them."""
+    monkeypatch.delenv(cpu.THREADS_BIND, raising=False)
+    env = cpu.cpu_env({}, ["--dp-size", "2", "--tp", "2"])
+    assert len(env[cpu.THREADS_BIND].split("|")) == 4
+    assert cpu.THREADS_BIND not in cpu.cpu_env({}, ["--dp-size", "1"])
+
+
+def test_the_cli_refuses_pipeline_parallelism_before_starting_anything():
+    """`anchorcache serve/worker --backend sglang -- --pp-size 2`: a usage error naming
+    pipeline parallelism, not SGLang started with stages our anchors cannot address."""
     import os
     import subprocess
     import sys
@@ -75,9 +83,9 @@ def test_the_cli_refuses_data_parallelism_before_starting_anything():
     pytest.importorskip("sglang")  # --backend sglang first checks that SGLang is installed
     for command in ("worker", "serve"):
         out = subprocess.run([sys.executable, "-m", "anchorcache.cli", command, "--backend",
-                              "sglang", "--", "--dp-size", "2"],
+                              "sglang", "--", "--pp-size", "2"],
                              capture_output=True, text=True, timeout=120,
                              env={**os.environ, "COLUMNS": "400"})  # rich's box: one line
         assert out.returncode == 2, out
         text = " ".join(out.stderr.split())
-        assert "data parallelism" in text and "--worker URL" in text, text
+        assert "pipeline parallelism" in text and "--dp-size N" in text, text

@@ -34,7 +34,7 @@ from anchorcache.wire import (
 
 from . import cache_io
 
-__all__ = ["STAGED_TTL_S", "AnchorHeld", "AnchorStore", "Slab"]
+__all__ = ["STAGED_TTL_S", "AnchorHeld", "AnchorStore", "Slab", "cache_from_slabs", "capture_slabs"]
 
 
 class AnchorStore(_Store):
@@ -54,23 +54,8 @@ class AnchorStore(_Store):
                 plan: AnchorPlan) -> tuple[Any, int, AnchorReport]:
         """Restore the verified prefix of `plan.restore`; (cache or None, depth, the
         reply's anchor record so far)."""
-        spec = self.spec
-
-        def load(chain: tuple[Slab, ...]) -> Any:
-            depth = chain[-1].depth
-            kv_shape = (1, spec.num_kv_heads or 0, depth, spec.head_dim or 0)
-            keys_t = [torch.empty(kv_shape, dtype=spec.kv_dtype) for _ in spec.kv_layers]
-            values_t = [torch.empty(kv_shape, dtype=spec.kv_dtype) for _ in spec.kv_layers]
-            states = [torch.empty(s.shape, dtype=s.dtype) for s in spec.states]
-            slabs = [s.kv for s in chain if s.kv is not None] if keys_t else []
-            rows = [(s.start, s.depth) for s in chain] if keys_t else []
-            ops.restore_chain(slabs, rows, keys_t, values_t, layout="bhtd",
-                              state_slab=chain[-1].state if states else None,
-                              states=states or None)
-            return cache_io.cache_from_tensors(model, keys_t, values_t, states, spec=spec,
-                                               adopt=True)
-
-        return self.restore_chain(rid, ids, plan, load)
+        return self.restore_chain(rid, ids, plan,
+                                  lambda chain: cache_from_slabs(model, self.spec, chain))
 
     def snapshot(self, rid: str, cache: Any, ids: tuple[int, ...], depth: int,
                  spec: SnapshotSpec, plan: AnchorPlan) -> AnchorWritten | AnchorHeld | None:
@@ -87,16 +72,40 @@ class AnchorStore(_Store):
 
     def _save(self, rid: str, cache: Any, key: bytes, depth: int, kind: AnchorKind,
               region: Any) -> AnchorWritten | AnchorHeld | None:
-        def capture(start: int, depth: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            kv = None
-            if self.spec.kv_layers:
-                k, v = cache_io.kv_views(cache)
-                kv = ops.snapshot_kv(k, v, (start, depth), layout="bhtd")
-            state = None
-            if self.spec.states:
-                state = ops.snapshot_state(cache_io.state_views(cache), 0)
-            return kv, state
-
         # a cache that cannot be snapshot at `depth` is a bug of the caller: raise, uncaught
-        return self.write(rid, key, depth, kind, region, capture,
+        return self.write(rid, key, depth, kind, region,
+                          lambda start, depth: capture_slabs(self.spec, cache, start, depth),
                           check=lambda: cache_io.check_snapshot_depth(cache, depth))
+
+
+def capture_slabs(spec: cache_io.CacheSpec, cache: Any, start: int, depth: int
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(KV slab of rows `[start, depth)`, state slab) of `cache`, whose states must be at
+    `depth`: the slabs docs/ext.md describes, the same the SGLang worker writes (the states
+    through `cache_io.slab_state_views`). None where the model has no such layers."""
+    kv = None
+    if spec.kv_layers:
+        k, v = cache_io.kv_views(cache)
+        kv = ops.snapshot_kv(k, v, (start, depth), layout="bhtd")
+    state = None
+    if spec.states:
+        state = ops.snapshot_state(cache_io.slab_state_views(spec, cache_io.state_views(cache)), 0)
+    return kv, state
+
+
+def cache_from_slabs(model: torch.nn.Module, spec: cache_io.CacheSpec,
+                     chain: tuple[Slab, ...] | list[Slab]) -> Any:
+    """A fresh cache holding a root → leaf chain's rows and the leaf's state (the oldest
+    conv column, which no later step reads, as zeros). Raises RuntimeError (`ops`) on
+    slabs of the wrong size or dtype."""
+    depth = chain[-1].depth
+    kv_shape = (1, spec.num_kv_heads or 0, depth, spec.head_dim or 0)
+    keys_t = [torch.empty(kv_shape, dtype=spec.kv_dtype) for _ in spec.kv_layers]
+    values_t = [torch.empty(kv_shape, dtype=spec.kv_dtype) for _ in spec.kv_layers]
+    states = [torch.zeros(s.shape, dtype=s.dtype) for s in spec.states]
+    slabs = [s.kv for s in chain if s.kv is not None] if keys_t else []
+    rows = [(s.start, s.depth) for s in chain] if keys_t else []
+    ops.restore_chain(slabs, rows, keys_t, values_t, layout="bhtd",
+                      state_slab=chain[-1].state if states else None,
+                      states=cache_io.slab_state_views(spec, states) or None)
+    return cache_io.cache_from_tensors(model, keys_t, values_t, states, spec=spec, adopt=True)

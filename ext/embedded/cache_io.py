@@ -46,6 +46,27 @@ Findings in transformers 5.19.0 (read from cache_utils.py and the model files):
 - `cache_position` no longer exists in 5.19; masks come from the cache's
   `get_mask_sizes` and positions from `position_ids`.
 
+The state slab (docs/ext.md, "State slab layout"): both workers write one layout, SGLang's
+Mamba pool's as its CUDA kernels keep it, so that the SGLang worker's snapshot and restore
+stay plain copies on a GPU, and this worker converts (`StateSpec.slab_view`, a view, so the
+slab ops copy straight from and into the cache's own tensors):
+
+- The conv window keeps its last `kernel - 1` input columns, not transformers' `kernel`.
+  The oldest column is never read again (transformers 5.19, the same in the Qwen3.5 /
+  Qwen3-Next GDN, Mamba2, NemotronH, FalconH1, Bamba, LFM2 and Jamba files): a decode step's
+  `causal_conv1d_update` concatenates the `kernel` stored columns with the new input and
+  keeps the last output of a width-`kernel` conv, which reads the newest `kernel - 1`
+  stored columns and the input; a prefill chunk over a cache (`update_conv_state` returns
+  the stored columns + the chunk, `causal_conv1d_fn` pads `kernel - 1` zeros left and the
+  layer keeps the last `seq_len` outputs) reads the oldest stored column only for outputs it
+  drops. Both then store the last `kernel` columns, so the column is shifted out before any
+  kept output reads it. A restore writes it as zeros (`test_cache_io.py` checks the logits
+  bit for bit on every tiny architecture).
+- A Gated DeltaNet recurrent state is `[v_heads, v_head_dim, k_head_dim]` (SGLang's
+  `temporal`, `Mamba2StateShape` with head_dim = v_head_dim, state_size = k_head_dim);
+  transformers keeps `[v_heads, k_head_dim, v_head_dim]`, so its last two dims are swapped.
+  Mamba2 states (`[heads, head_dim, state_size]`) and the rest are as transformers keeps them.
+
 Invariants:
 - `kv_views` / `state_views` return the cache's own tensors (no copy). K/V views are
   valid until the next forward (which replaces them); state views are updated in place,
@@ -75,6 +96,8 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from anchorcache.ext.ops import STATE_ALIGN_BYTES
+
 OnBoundary = Callable[[int, Cache], None]
 
 
@@ -85,17 +108,32 @@ class StateKind(str, Enum):
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One recurrent-model state tensor: where it lives and its shape (batch dim first)."""
+    """One recurrent-model state tensor: where it lives, its shape in the cache (batch dim
+    first) and how its piece of the state slab views it (module docstring)."""
 
     layer_idx: int
     state_idx: int
     kind: StateKind
     shape: tuple[int, ...]
     dtype: torch.dtype
+    swap_last: bool = False  # a Gated DeltaNet recurrent state: [.., k, v] in the cache
 
     @property
     def nbytes(self) -> int:
         return _numel(self.shape) * _itemsize(self.dtype)
+
+    @property
+    def slab_shape(self) -> tuple[int, ...]:
+        """Its piece of the state slab (no batch dim): conv `[channels, kernel - 1]`; a GDN
+        recurrent state `[v_heads, v_head_dim, k_head_dim]`; other states as cached."""
+        return tuple(self.slab_view(torch.empty((1, *self.shape[1:]), device="meta")).shape[1:])
+
+    def slab_view(self, t: torch.Tensor) -> torch.Tensor:
+        """The slab layout of cache tensor `t` (shaped `shape`), as a view of it: what the
+        slab's piece is copied from at a snapshot and into at a restore."""
+        if self.kind is StateKind.CONV:
+            return t[..., 1:]  # the oldest column is never read again (module docstring)
+        return t.transpose(-1, -2) if self.swap_last else t
 
 
 @dataclass(frozen=True)
@@ -135,7 +173,17 @@ class CacheSpec:
 
     @property
     def state_bytes(self) -> int:
-        return sum(s.nbytes for s in self.states)
+        """Bytes of one state slab: each piece at a 64-byte boundary, no tail padding (as
+        `ops.state_slab_nbytes`)."""
+        end = 0
+        for s in self.states:
+            start = -(-end // STATE_ALIGN_BYTES) * STATE_ALIGN_BYTES
+            end = start + _numel(s.slab_shape) * _itemsize(s.dtype)
+        return end
+
+    def state_layout(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """(shape, dtype) of every piece of the state slab, in slab order."""
+        return tuple((s.slab_shape, s.dtype) for s in self.states)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> CacheSpec:
@@ -165,8 +213,10 @@ class CacheSpec:
         if len(kv_shapes) > 1:
             raise NotImplementedError(f"KV layers differ in heads/head_dim/dtype: {kv_shapes}")
         heads, head_dim, kv_dtype = next(iter(kv_shapes)) if kv_shapes else (None, None, None)
+        gdn = _gated_deltanet_layers(model)
         states = tuple(
-            StateSpec(layer_idx, state_idx, kind, tuple(t.shape), t.dtype)
+            StateSpec(layer_idx, state_idx, kind, tuple(t.shape), t.dtype,
+                      swap_last=kind is StateKind.RECURRENT and layer_idx in gdn)
             for layer_idx, state_idx, kind, t in _state_entries(cache)
         )
         return cls(
@@ -222,6 +272,14 @@ def state_views(cache: Cache) -> list[torch.Tensor]:
     and for a cache that has not run a forward yet.
     """
     return [t for _, _, _, t in _state_entries(cache)]
+
+
+def slab_state_views(spec: CacheSpec, states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`states` (cache layout, in `spec.states` order, batch dim first) as views in the
+    state slab's layout, for `ops.snapshot_state` (read) and `ops.restore_chain` (write)."""
+    if len(states) != len(spec.states):
+        raise ValueError(f"model has {len(spec.states)} state tensors, got {len(states)}")
+    return [s.slab_view(t) for s, t in zip(spec.states, states, strict=True)]
 
 
 def check_snapshot_depth(cache: Cache, depth: int) -> None:
@@ -410,6 +468,13 @@ def _state_entries(cache: Cache) -> list[tuple[int, int, StateKind, torch.Tensor
             if layer.is_recurrent_states_initialized[j] and recurrent is not None:
                 entries.append((idx, j, StateKind.RECURRENT, recurrent))
     return entries
+
+
+def _gated_deltanet_layers(model: torch.nn.Module) -> set[int]:
+    """Decoder-layer indices whose linear mixer is a Gated DeltaNet (Qwen3-Next, Qwen3.5:
+    a `*GatedDeltaNet` module carrying its `layer_idx`)."""
+    return {int(getattr(m, "layer_idx")) for m in model.modules()  # noqa: B009
+            if type(m).__name__.endswith("GatedDeltaNet") and hasattr(m, "layer_idx")}
 
 
 def _as_batch(input_ids: torch.Tensor | Sequence[int], model: torch.nn.Module) -> torch.Tensor:

@@ -322,6 +322,9 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         confirmed, evicted = self.anchors.confirm(_slots(body))
         for key in evicted:
             self._unpin_device(key)
+        if self.anchor_config.slab_dump_dir is not None and self._tp_rank == 0:
+            hybrid.dump_slabs(self.anchors, confirmed, self.anchor_config.slab_dump_dir,
+                              self._states)
         return ConfirmReply(tuple(confirmed), tuple(evicted), self.epoch).to_json()
 
     def _op_abort(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -2,18 +2,21 @@
 
 The scheduler is a subprocess SGLang spawns; the only channel our launcher has into it
 is the environment it inherits. The launcher (`anchorcache worker --backend sglang`)
-writes one JSON variable, the scheduler's cache factory reads it back; nothing else reads
-the environment.
+writes one JSON variable, the scheduler's cache factory reads it back. Two more: with
+data parallelism, the folder of the ranks' RPC sockets (`rpc.RANK_RPC_DIR`, read by the
+plugin's hook), and for tests only (no launcher flag sets it)
+`ANCHORCACHE_SGLANG_SLAB_DUMP_DIR`: `slab_dump_dir`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import orjson
 
 ENV = "ANCHORCACHE_SGLANG_CONFIG"
+DUMP_ENV = "ANCHORCACHE_SGLANG_SLAB_DUMP_DIR"
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class SGLangAnchorConfig:
     # POST /debug/fault arms one fault in the scheduler's cache (tests show that the checks
     # catch a wrong restore); off unless the worker is started with --fault-injection
     fault_injection: bool = False
+    # tests: TP rank 0 also saves every anchor it confirms, its chain's slabs and tokens, as
+    # `<key hex>.pt` here, so a test can compare them with the embedded worker's
+    slab_dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.anchor_slots < 1 or not 0 <= self.pinned_slots < self.anchor_slots:
@@ -42,4 +48,6 @@ class SGLangAnchorConfig:
     @classmethod
     def from_env(cls) -> SGLangAnchorConfig:
         raw = os.environ.get(ENV)
-        return cls(**orjson.loads(raw)) if raw else cls()
+        config = cls(**orjson.loads(raw)) if raw else cls()
+        dump = os.environ.get(DUMP_ENV)
+        return replace(config, slab_dump_dir=dump) if dump else config

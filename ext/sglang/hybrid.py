@@ -19,10 +19,24 @@ the full-attention pool (`full_kv_pool.k_buffer[layer][slot]`, `thd`); the Mamba
 state is `conv[i][layer][slot]` and `temporal[layer][slot]` for every layer: the state
 views below list them per layer, conv before temporal, so `ops.snapshot_state` /
 `ops.restore_chain` copy exactly one slot. Runs on the scheduler's loop.
+
+That is the state slab both workers write (docs/ext.md, "State slab layout"; tensor parallel
+size 1): per linear layer, in layer order, the conv window `[conv_dim, kernel - 1]`
+(`Mamba2StateShape.conv`; an AMX CPU re-strides it, the logical shape, which the slab
+copies, stays) in SGLang's conv dtype (`SGLANG_MAMBA_CONV_DTYPE`, bfloat16 unless set),
+then the recurrent state `temporal` `[heads, head_dim, state_size]` in its SSM dtype
+(`mamba_ssm_dtype`, float32 by default): for Gated DeltaNet `[v_heads, v_head_dim,
+k_head_dim]`, as SGLang's CUDA kernels keep it. So on a GPU this worker copies its pool as
+it is; on CPU, whose GDN kernels keep the state's last two dims the other way round, it
+copies through a transposed view (`temporal_k_first`); the embedded worker converts too
+(`cache_io.StateSpec.slab_view`). With tensor parallelism each rank's slab holds its own
+shard, which the embedded worker's slabs do not match.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,13 +50,59 @@ def kv_views(allocator: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def state_views(req_to_token_pool: Any) -> list[torch.Tensor]:
-    """Every Mamba state tensor indexed by slot first, per layer (conv pieces, temporal)."""
+    """Every Mamba state tensor indexed by slot first, per layer (conv pieces, temporal), in
+    the state slab's layout: the pool's own tensors, except where SGLang's CPU kernels fill
+    the temporal state (`temporal_k_first`), a view of it."""
+    from sglang.srt.utils import is_cpu
+
     cache = req_to_token_pool.mamba_pool.mamba_cache
+    k_first = is_cpu()  # the condition under which SGLang picks its CPU GDN kernels
     views: list[torch.Tensor] = []
     for layer in range(cache.temporal.shape[0]):
         views.extend(conv[layer] for conv in cache.conv)
-        views.append(cache.temporal[layer])
+        temporal = cache.temporal[layer]
+        views.append(temporal_k_first(temporal) if k_first else temporal)
     return views
+
+
+def temporal_k_first(temporal: torch.Tensor) -> torch.Tensor:
+    """The GDN state as SGLang's CPU kernels keep it, viewed in the slab's layout.
+
+    The pool declares `[slots, v_heads, v_head_dim, k_head_dim]` (`Mamba2StateShape`), which
+    is how its CUDA kernels (fla Triton `chunk_delta_h` / `fused_recurrent`, FlashInfer:
+    "K-last") read each slot. Its CPU kernels (`sgl_kernel`'s `chunk_gated_delta_rule_cpu`:
+    `final_state [N, HV, EK, EV]`; the CPU recipe's, `ext/sglang/cpu_kernels.py`, alike)
+    read the same bytes as `[k_head_dim, v_head_dim]` per head. So on CPU each head's bytes
+    are reread as `[k, v]` and transposed: a view, `[slots, v_heads, v_head_dim,
+    k_head_dim]` again, and the slab holds K-last states from either device. (SGLang serves
+    no Mamba2 model on CPU, docs/sglang.md, so every temporal state there is a GDN one.)"""
+    v_dim, k_dim = temporal.shape[-2:]
+    return temporal.flatten(-2).unflatten(-1, (k_dim, v_dim)).transpose(-1, -2)
+
+
+def state_layout(states: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """(shape, dtype) of every piece of a state slab over `states` (`state_views`), in slab
+    order: what `cache_io.CacheSpec.state_layout` gives for the same model."""
+    return tuple((tuple(t.shape[1:]), t.dtype) for t in states)
+
+
+def dump_slabs(store: Any, slots: Iterable[int], directory: str,
+               states: list[torch.Tensor] | None) -> None:
+    """Tests only (`SGLangAnchorConfig.slab_dump_dir`): save each committed anchor of
+    `slots` as `<key hex>.pt`: `ids` (its tokens), `kv` (its chain's KV slabs, root to
+    leaf), `rows` (their `(start, depth)`), `state` (the leaf's state slab or None) and
+    `layout` (`state_layout` of the pool's `states`, dtypes as strings)."""
+    layout = [(shape, str(dtype)) for shape, dtype in state_layout(states or [])]
+    keys = {e.slot: e.key for e in store.table.entries()}
+    for slot in slots:
+        found = store.prefix_of(keys[slot]) if slot in keys else None
+        if found is None:
+            continue
+        chain, ids = found
+        torch.save({"ids": list(ids), "kv": [s.kv for s in chain],
+                    "rows": [(s.start, s.depth) for s in chain], "state": chain[-1].state,
+                    "layout": layout},
+                   Path(directory) / f"{keys[slot].hex()}.pt")
 
 
 def refusal(server_args: Any) -> str | None:

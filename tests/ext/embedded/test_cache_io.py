@@ -148,6 +148,46 @@ def test_chain_of_two_copies_restores_identically(case: Case) -> None:
     assert warm == cold
 
 
+def test_slab_chain_restores_bit_for_bit(case: Case) -> None:
+    """The embedded worker's own slabs (`anchors.capture_slabs`: docs/ext.md's layout, the
+    conv window without its oldest column, a GDN state with its last dims swapped) restore a
+    chain of two whose logits and greedy tokens equal the cold run's bit for bit: the column
+    the slab drops is one no later step reads."""
+    from anchorcache.ext import ops
+    from anchorcache.ext.embedded.anchors import Slab, cache_from_slabs, capture_slabs
+    from anchorcache.wire import AnchorKind
+
+    chain: list[Slab] = []
+
+    def on_boundary(position: int, cache: Any) -> None:
+        if position in (case.c1, case.c2):
+            start = chain[-1].depth if chain else 0
+            kv, state = capture_slabs(case.spec, cache, start, position)
+            chain.append(Slab(bytes(16), position, start, None, AnchorKind.CONVERSATION, kv,
+                              state, 0))
+
+    cold_logits, cold = _cold(case, on_boundary)
+    probe = cache_io.new_cache(case.model)
+    cache_io.prefill(case.model, probe, case.ids[:2], 0)
+    views = cache_io.slab_state_views(case.spec, cache_io.state_views(probe))
+    assert [(tuple(v.shape[1:]), v.dtype) for v in views] == list(case.spec.state_layout())
+    assert ops.state_slab_nbytes(views) == case.spec.state_bytes
+    for slab in chain:
+        assert (slab.state is None if not case.spec.is_recurrent
+                else slab.state.numel() == case.spec.state_bytes)
+    for s in case.spec.states:  # the slab's layout (docs/ext.md), per kind of state
+        if s.kind is cache_io.StateKind.CONV:
+            assert s.slab_shape == (*s.shape[1:-1], s.shape[-1] - 1)
+        elif case.name in ("qwen3_next", "qwen3_5"):
+            assert s.swap_last and s.slab_shape == (*s.shape[1:-2], s.shape[-1], s.shape[-2])
+        else:
+            assert not s.swap_last and s.slab_shape == s.shape[1:]
+    cache = cache_from_slabs(case.model, case.spec, chain)
+    warm_logits = cache_io.prefill(case.model, cache, case.ids, case.c2, [])
+    assert torch.equal(warm_logits, cold_logits)
+    assert _greedy(case.model, cache, warm_logits, len(case.ids)) == cold
+
+
 def test_wrong_state_changes_output(case: Case) -> None:
     """K/V at c2 with the state taken at c1: the first delta position must see it, and
     where the model carries recurrent state (long memory), so must the greedy tokens."""

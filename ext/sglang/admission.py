@@ -33,6 +33,12 @@ def prefill_adder_class(base: type) -> type:
     class AnchorPrefillAdder(base):  # type: ignore[misc,valid-type]
         _waits: Any = None  # the request refused this round because its cut must wait
 
+        def __init__(self, page_size: int, tree_cache: Any, *args: Any, **kwargs: Any) -> None:
+            # before SGLang reads the round's budget: restores whose copy is done go into the
+            # tree now, reached this round or not (their rows then count as evictable)
+            tree_cache.land_ready()
+            super().__init__(page_size, tree_cache, *args, **kwargs)
+
         def _select_prefill_admission(self, req: Any, **kwargs: Any) -> Any:
             got = super()._select_prefill_admission(req, **kwargs)
             if isinstance(got, AddReqResult) or self.rem_chunk_tokens is None:

@@ -474,6 +474,22 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             self._timed("land", t)
         return super().match_prefix(params)
 
+    def land_ready(self) -> None:
+        """At the start of every admission round (our adder): insert every restore whose copy
+        is done (on every rank), whether or not the round reaches its request. A placement
+        holds its fresh slots out of the tree until it lands; were it to land only at its
+        own request's match, a round whose admission stops before that request (a chunked
+        request that needs those very slots for its next chunk) would stop every round, for
+        good. Landed, the slots are an unlocked part of the tree: evictable if another
+        request needs them before this one is admitted, which then prefills what is gone."""
+        for rid, p in list(getattr(self, "_pending", {}).items()):
+            if p.landing is not None and self._landed(p.landing):
+                t = time.perf_counter()
+                landing, p.landing = p.landing, None
+                self._placed(rid, p, self._land(landing))
+                p.restore_s += time.perf_counter() - t
+                self._timed("land", t)
+
     def _placed(self, rid: str, p: _Pending, placed: tuple[Any, int, int] | None) -> None:
         p.placed = True
         if placed is None:  # (the copy failed: the request prefills the prefix)

@@ -30,9 +30,15 @@ def test_cpu_env_binds_the_ranks_unless_told(monkeypatch, tmp_path):
     assert cpu.cpu_env({}, ["--tp", "2"])[cpu.THREADS_BIND] == "0|1"
     given = {cpu.THREADS_BIND: "1|0"}
     assert cpu.cpu_env(given, ["--tp", "2"])[cpu.THREADS_BIND] == "1|0"
+    # SGLang's CPU engine counts dp x tp ranks against the bind (or against NUMA nodes)
+    assert cpu.cpu_env({}, ["--dp-size", "2"])[cpu.THREADS_BIND] == "0|1"
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert cpu.cpu_env({}, ["--dp-size", "2", "--tp", "2"])[cpu.THREADS_BIND] == "0|1|2|3"
 
 
-def test_the_no_pynccl_hook_only_on_the_cpu_engine(monkeypatch):
+def test_the_cpu_engine_hooks_only_on_the_cpu_engine(monkeypatch):
+    """No PyNccl for TP groups, and a DP controller that waits on its socket: on the CPU
+    engine only."""
     hook_registry = pytest.importorskip("sglang.srt.plugins.hook_registry")
     registered = []
     monkeypatch.setattr(hook_registry.HookRegistry, "register",
@@ -43,8 +49,10 @@ def test_the_no_pynccl_hook_only_on_the_cpu_engine(monkeypatch):
     assert registered == []
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     cpu.register_cpu_hooks()
-    [(target, hook, kind)] = registered
-    assert target == cpu.NO_PYNCCL_TARGET and kind == hook_registry.HookType.AROUND
+    hooks = {target: hook for target, hook, kind in registered
+             if kind == hook_registry.HookType.AROUND}
+    assert set(hooks) == {cpu.NO_PYNCCL_TARGET, cpu.DP_LOOP_TARGET} and len(registered) == 2
+    hook = hooks[cpu.NO_PYNCCL_TARGET]
     seen = {}
     hook(lambda *a, **k: seen.update(k), [[0, 1]], 0, "gloo", use_pynccl=True)
     assert seen["use_pynccl"] is False
@@ -62,15 +70,6 @@ def test_attention_dp_and_pipeline_parallelism_are_refused_by_name(args):
                                   ["--data-parallel-size=4", "--tp", "2"], ["--dp-size", "x"]])
 def test_tensor_and_data_parallelism_are_served(args):
     assert cpu.parallelism_refusal(args) is None
-
-
-def test_each_data_parallel_rank_gets_its_cores_on_cpu(monkeypatch):
-    """SGLang's CPU engine counts dp x tp ranks against SGLANG_CPU_OMP_THREADS_BIND (or NUMA
-    nodes), so the CPU recipe splits the cores over all of them."""
-    monkeypatch.delenv(cpu.THREADS_BIND, raising=False)
-    env = cpu.cpu_env({}, ["--dp-size", "2", "--tp", "2"])
-    assert len(env[cpu.THREADS_BIND].split("|")) == 4
-    assert cpu.THREADS_BIND not in cpu.cpu_env({}, ["--dp-size", "1"])
 
 
 def test_the_cli_refuses_pipeline_parallelism_before_starting_anything():

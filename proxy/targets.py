@@ -3,10 +3,10 @@
 A target is one worker URL; its id (the URL) is the ledger's `worker` column, so the ledger
 records which target holds each anchor, under that target's epoch. A server of several
 workers (SGLang's data-parallel ranks) lists them in its `/model_info` (`ranks`: `dp/0`,
-`dp/1`, ...): each is a target of its own, `URL/dp/K`, with its own anchors and epoch. Each target has its own
-`WorkerClient` and its own `AnchorLifecycle` (planner, index, epoch), so everything the
-single-worker proxy did per worker (reconcile, re-warm pinned toolsets, quotas) happens per
-target unchanged. `Targets` adds what is between them:
+`dp/1`, ...): each is a target of its own, `URL/dp/K`, with its own anchors and epoch.
+Each target has its own `WorkerClient` and its own `AnchorLifecycle` (planner, index,
+epoch), so everything the single-worker proxy did per worker (reconcile, re-warm pinned
+toolsets, quotas) happens per target unchanged. `Targets` adds what is between them:
 
 - **Routing** (`route`), by policy (`ProxyConfig.route`):
   - `affinity` (default): the target whose anchors give the request the deepest restore

@@ -466,12 +466,8 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         with no restore started registers its plan here (`_plan_of`)."""
         req = params.req
         p = self._plan_of(req) if req is not None and hasattr(self, "_pending") else None
-        if p is not None and p.landing is not None and self._landed(p.landing):
-            t = time.perf_counter()
-            landing, p.landing = p.landing, None
-            self._placed(req.rid, p, self._land(landing))
-            p.restore_s += time.perf_counter() - t
-            self._timed("land", t)
+        if p is not None:
+            self._land_if_copied(req.rid, p)
         return super().match_prefix(params)
 
     def land_ready(self) -> None:
@@ -483,12 +479,16 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         good. Landed, the slots are an unlocked part of the tree: evictable if another
         request needs them before this one is admitted, which then prefills what is gone."""
         for rid, p in list(getattr(self, "_pending", {}).items()):
-            if p.landing is not None and self._landed(p.landing):
-                t = time.perf_counter()
-                landing, p.landing = p.landing, None
-                self._placed(rid, p, self._land(landing))
-                p.restore_s += time.perf_counter() - t
-                self._timed("land", t)
+            self._land_if_copied(rid, p)
+
+    def _land_if_copied(self, rid: str, p: _Pending) -> None:
+        """Insert request `rid`'s restore if its copy is done on every rank."""
+        if p.landing is not None and self._landed(p.landing):
+            t = time.perf_counter()
+            landing, p.landing = p.landing, None
+            self._placed(rid, p, self._land(landing))
+            p.restore_s += time.perf_counter() - t
+            self._timed("land", t)
 
     def _placed(self, rid: str, p: _Pending, placed: tuple[Any, int, int] | None) -> None:
         p.placed = True

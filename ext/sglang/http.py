@@ -254,22 +254,18 @@ def _generate(backend: Backend) -> Callable[[Any], Awaitable[Any]]:
 def install(app: Any, workers: list[SGLangWorker]) -> None:
     """Put the contract's routes on SGLang's FastAPI `app` (before it starts serving): at the
     root for one worker; under `/dp/K` for each data-parallel rank's, with the rank list
-    (`ServerBackend`) at the root."""
+    (`RankedServer`) at the root."""
     routes = contract.routes(SGLangAnchorConfig.from_env().fault_injection)
     ours = {"/generate", *(r.path for r in routes)}
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in ours]
     ranks = [SGLangBackend(w) for w in workers]
     if len(ranks) > 1:
         server = RankedServer(ranks)
-        for route in (*routes, contract.Route("POST", "/generate", _no_call)):
-            app.add_route(route.path, server.handler(route.path), methods=[route.method])
+        for path, method in (*((r.path, r.method) for r in routes), ("/generate", "POST")):
+            app.add_route(path, server.handler(path), methods=[method])
     # plain Starlette routes: the handler gets the Request itself, no FastAPI injection
     for backend in ranks:
         prefix = "" if len(ranks) == 1 else f"/{rank_path(backend.worker.dp_rank)}"
         for route in routes:
             app.add_route(prefix + route.path, _route(backend, route), methods=[route.method])
         app.add_route(prefix + "/generate", _generate(backend), methods=["POST"])
-
-
-async def _no_call(backend: Backend, body: Any) -> Any:
-    raise NotImplementedError  # a route entry for RankedServer.handler, never called

@@ -3,8 +3,10 @@
 Archs: qwen3 and llama (dense; llama is SmolLM2's architecture), qwen3_next and qwen3_5
 (Gated DeltaNet + attention), mamba2 (pure SSM: the arch has no attention layer),
 falcon_h1 (attention and Mamba2 in every layer), bamba (Mamba2 + attention), lfm2
-(short conv, conv state only, + attention), jamba (Mamba-1 + attention). All hidden 64,
-2-3 layers; a 2k-token forward takes well under a second on one CPU thread.
+(short conv, conv state only, + attention), jamba (Mamba-1 + attention); granite_swa
+(sliding-window attention with sinks, 3 sliding layers of 4: the SGLang worker's only, see
+`SLIDING_ARCHS`). All hidden 64, 2-4 layers; a 2k-token forward takes well under a second
+on one CPU thread.
 
 They exist so the embedded worker's cache layer can be tested on CPU in seconds against
 every cache structure transformers uses (per-layer K/V, Gated DeltaNet and Mamba2
@@ -187,6 +189,19 @@ def _jamba(vocab: int) -> Any:
     )
 
 
+def _granite_swa(vocab: int) -> Any:
+    from transformers import GraniteSWAConfig
+
+    # Sliding-window attention with attention sinks (SGLang's hybrid-SWA family, as gpt-oss):
+    # a window of 32 tokens, far shorter than any agent prompt, in three layers of four.
+    return GraniteSWAConfig(
+        **_common(vocab), intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention"],
+    )
+
+
 _CONFIGS: dict[str, Callable[[int], Any]] = {
     "qwen3": _qwen3,
     "llama": _llama,
@@ -197,10 +212,14 @@ _CONFIGS: dict[str, Callable[[int], Any]] = {
     "bamba": _bamba,
     "lfm2": _lfm2,
     "jamba": _jamba,
+    "granite_swa": _granite_swa,
 }
 
-#: Architectures `build_tiny_model` supports, each checked by the cache-io tests.
-TINY_ARCHS: tuple[str, ...] = tuple(_CONFIGS)
+#: Sliding-window models: served by the SGLang worker (tests/ext/sglang/test_sglang_swa_cpu.py);
+#: the embedded worker's cache layer does not take transformers' sliding-window cache layers.
+SLIDING_ARCHS: tuple[str, ...] = ("granite_swa",)
+#: Architectures the embedded worker serves, each checked by the cache-io tests.
+TINY_ARCHS: tuple[str, ...] = tuple(a for a in _CONFIGS if a not in SLIDING_ARCHS)
 
 
 def _slow_decay(model: Any) -> None:
@@ -209,8 +228,9 @@ def _slow_decay(model: Any) -> None:
     its start within a few tokens: a restored state, right or wrong, would then not
     change the output and the restore tests would prove nothing.
 
-    Applies to every `A_log` parameter (Gated DeltaNet and Mamba2 mixers alike); draws
-    from torch's seeded generator, so it is part of the deterministic init.
+    Applies to every `A_log` parameter (Gated DeltaNet and Mamba2 mixers alike); attention
+    sinks (zero in transformers' init) get random logits, so they change the output too.
+    Draws from torch's seeded generator, so it is part of the deterministic init.
     """
     import torch
 
@@ -218,6 +238,9 @@ def _slow_decay(model: Any) -> None:
         for name, param in model.named_parameters():
             if name.endswith("A_log"):
                 param.copy_(torch.empty_like(param).uniform_(1e-3, 3e-2).log_())
+            elif name.endswith("sinks"):  # transformers inits them to 0; any value is a logit,
+                # held to bfloat16 values: SGLang keeps sinks in bfloat16 (its Granite SWA)
+                param.copy_(torch.empty_like(param).normal_(0.0, 1.0).bfloat16().float())
 
 
 def tiny_model_dir(arch: str, seed: int = 0) -> Path:

@@ -676,9 +676,10 @@ def build(ctx: Any) -> AnchorRadixCache:
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
     if ctx.is_hybrid_swa or ctx.disable_radix_cache:
-        raise NotImplementedError("anchorcache on SGLang serves dense and Mamba / Gated "
-                                  "DeltaNet hybrid models with the radix cache on; not "
-                                  "sliding-window hybrids (see docs/sglang.md)")
+        raise NotImplementedError("anchorcache on SGLang needs the radix cache on and, for "
+                                  "a sliding-window model, SGLang's plain KV pool "
+                                  "(--disable-hybrid-swa-memory, which `anchorcache serve` "
+                                  "and `anchorcache worker` pass; see docs/sglang.md)")
     if ctx.is_hybrid_ssm:
         refusal = hybrid.refusal(ctx.server_args)
         if refusal is not None:

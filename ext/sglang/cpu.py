@@ -212,7 +212,8 @@ def sglang_command(python: str, *, model: str, host: str, port: int, log_level: 
     if not gpu:
         args = with_cpu_args(args, default_pool_tokens(model))
     # a hybrid model's anchors need SGLang's `no_buffer` Mamba strategy, on a GPU too
-    # (its default, extra_buffer, tracks states on a fixed grid; ext/sglang/hybrid.py)
+    # (its default, extra_buffer, tracks states on a fixed grid; ext/sglang/hybrid.py), and
+    # a sliding-window model's its plain KV pool (cpu_kernels.SLIDING_FLAGS)
     args = with_hybrid_args(args, model)
     return [python, "-m", "anchorcache.ext.sglang.launch", *args]
 
@@ -252,13 +253,17 @@ def dp_event_loop(original: Any, controller: Any) -> None:
 
 
 def register_cpu_hooks() -> None:
-    """In every SGLang process of the CPU engine (`SGLANG_USE_CPU_ENGINE=1`): no PyNccl; the
-    data-parallel controller waits for input instead of spinning."""
+    """In every SGLang process of the CPU engine (`SGLANG_USE_CPU_ENGINE=1`): the hybrid
+    models' reference kernels (cpu_kernels.py) and attention sinks (cpu_attention.py); no
+    PyNccl; the data-parallel controller waits for input instead of spinning."""
     if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
         return
     from .cpu_kernels import install
 
     install()  # reference kernels for the CPU ops of hybrid models, where missing
+    from . import cpu_attention
+
+    cpu_attention.register()  # attention sinks on the torch_native backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def no_pynccl(original: Any, *args: Any, **kwargs: Any) -> Any:

@@ -366,9 +366,24 @@ def is_hybrid(config: dict[str, Any]) -> bool:
     return any(key in cfg for key in RECURRENT_KEYS)
 
 
+def has_sliding_window(config: dict[str, Any]) -> bool:
+    """Whether a HF `config.json` (its text config) has sliding-window attention layers."""
+    cfg = config.get("text_config") or config
+    return "sliding_attention" in set(cfg.get("layer_types") or ())
+
+
+# A sliding-window hybrid (SGLang's `is_hybrid_swa`: gpt-oss, Granite SWA, ...) gets a
+# second KV pool for its sliding layers by default, each token's slot there translated from
+# its full-pool slot and freed once out of the window. Anchors address rows by full-pool
+# slot and keep all of a prefix's rows, so the worker serves these models with SGLang's
+# plain pool (its own flag, on any device; docs/sglang.md "Sliding-window models").
+SLIDING_FLAGS = ("--disable-hybrid-swa-memory",)
+
+
 def with_hybrid_args(args: list[str], model: str) -> list[str]:
     """SGLang arguments plus the CPU strategy for a hybrid `model` (a local folder), those
-    the user did not give; unchanged for other models."""
+    the user did not give, and the plain KV pool for a sliding-window one; unchanged for
+    other models."""
     import json
     from pathlib import Path
 
@@ -376,10 +391,12 @@ def with_hybrid_args(args: list[str], model: str) -> list[str]:
         config = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
         return list(args)
-    if not is_hybrid(config):
-        return list(args)
     given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
     out = list(args)
+    if has_sliding_window(config):
+        out += [f for f in SLIDING_FLAGS if f not in given]
+    if not is_hybrid(config):
+        return out
     for name, value in HYBRID_ARGS.items():
         if name not in given:
             out += [name, value]

@@ -191,3 +191,54 @@ def test_gated_rmsnorm_matches_transformers():
         norm.weight.copy_(torch.randn(V))
         x, z = torch.randn(5, V), torch.randn(5, V)
         torch.testing.assert_close(ck.fused_rmsnorm_gated(x, norm.weight, z, 1e-6), norm(x, z))
+
+
+def test_a_sliding_window_model_gets_the_plain_kv_pool(tmp_path):
+    """`--disable-hybrid-swa-memory` for a config with sliding layers (not twice, not for
+    others), with the hybrid strategy too when it also has recurrent layers."""
+    import json
+
+    swa, both = tmp_path / "s", tmp_path / "b"
+    swa.mkdir()
+    both.mkdir()
+    (swa / "config.json").write_text(json.dumps(
+        {"layer_types": ["sliding_attention", "full_attention"]}))
+    (both / "config.json").write_text(json.dumps(
+        {"text_config": {"layer_types": ["sliding_attention", "linear_attention"]}}))
+    assert ck.with_hybrid_args(["--x"], str(swa)) == ["--x", "--disable-hybrid-swa-memory"]
+    given = ["--disable-hybrid-swa-memory"]
+    assert ck.with_hybrid_args(given, str(swa)) == given
+    assert ck.with_hybrid_args([], str(both)) == [
+        "--disable-hybrid-swa-memory", "--mamba-radix-cache-strategy", "no_buffer",
+        "--page-size", "1", "--disable-overlap-schedule"]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sink_attention_matches_transformers_granite_swa(window):
+    """ext/sglang/cpu_attention.py against transformers' Granite SWA eager attention (the
+    sink as an extra softmax-denominator logit), GQA, queries at an offset as in an
+    extend over a cached prefix, with and without a sliding window."""
+    from types import SimpleNamespace
+
+    from anchorcache.ext.sglang.cpu_attention import sink_attention
+
+    granite = pytest.importorskip("transformers.models.granite_swa.modeling_granite_swa")
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, lk, lq = 4, 2, 16, 12, 5
+    q = torch.randn(heads, lq, d, generator=g)
+    k = torch.randn(kv_heads, lk, d, generator=g)
+    v = torch.randn(kv_heads, lk, d, generator=g)
+    sinks = torch.randn(heads, generator=g) * 2
+    start = lk - lq
+    got = sink_attention(q, k, v, sinks, scaling=d ** -0.5, q_start=start, window=window)
+    q_pos = torch.arange(start, lk)[:, None]
+    k_pos = torch.arange(lk)[None]
+    seen = (k_pos <= q_pos) & ((k_pos >= q_pos - window) if window else True)
+    mask = torch.zeros(lq, lk).masked_fill(~seen, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, sinks=sinks, training=False)
+    want, _ = granite.eager_attention_forward(module, q[None], k[None], v[None], mask[None, None],
+                                              d ** -0.5)
+    torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
+    plain = sink_attention(q, k, v, torch.full((heads,), -1e4), scaling=d ** -0.5,
+                           q_start=start, window=window)
+    assert (plain - got).abs().max() > 1e-2  # the sinks matter

@@ -128,35 +128,38 @@ def restore(*links):
 TIE = 0.05
 
 
+def equal_to_transformers(model, url: str, ids: list[int]) -> tuple[list[int], int]:
+    """SGLang's greedy tokens for `ids` equal transformers' up to the first near-tie (`TIE`),
+    and their logprobs (teacher-forced on SGLang's own tokens) within 1e-3; (SGLang's
+    tokens, its cached_tokens)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    want = out.sequences[0, len(ids):].tolist()
+    gaps = [float(t[0] - t[1]) for t in (s[0].topk(2).values for s in out.scores)]
+    upto = next((i for i, g in enumerate(gaps) if g < TIE), NEW) + 1
+    got = generate(url, ids, logprobs=True)
+    assert upto >= 2 and got["output_ids"][:upto] == want[:upto], (got, want, gaps)
+    seq = torch.tensor([ids + got["output_ids"]])
+    with torch.no_grad():
+        logits = model(seq).logits[0, len(ids) - 1:-1].float()
+    ref = logits.log_softmax(-1).gather(1, seq[0, len(ids):, None])[:, 0]
+    lps = torch.tensor([lp for lp, _, _ in got["output_token_logprobs"]])
+    torch.testing.assert_close(lps, ref, rtol=0, atol=1e-3)
+    return got["output_ids"], int(got["meta_info"]["cached_tokens"])
+
+
 def test_greedy_tokens_and_logprobs_equal_transformers(hybrid):
     """Cold, and over SGLang's own cached state (a second turn: the first turn's KV rows and
-    its recurrent + conv state at their end, `no_buffer`)."""
+    its recurrent + conv state at their end, `no_buffer`). Logprobs: prefill through the
+    delta rule and the conv for the first token, decode steps for the rest; measured at most
+    7e-6 apart (float32 rounding), 0.016 while SGLang served this float32 model in float16
+    (its `--dtype auto`, before the module's server said float32)."""
     from transformers import AutoModelForCausalLM
 
     worker, model_dir = hybrid
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def check(ids: list[int]) -> tuple[list[int], int]:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)
-        want = out.sequences[0, len(ids):].tolist()
-        gaps = [float(t[0] - t[1]) for t in (s[0].topk(2).values for s in out.scores)]
-        upto = next((i for i, g in enumerate(gaps) if g < TIE), NEW) + 1
-        got = generate(worker.url, ids, logprobs=True)
-        assert upto >= 2 and got["output_ids"][:upto] == want[:upto], (got, want, gaps)
-        # each output token's logprob (teacher-forced on SGLang's own tokens): prefill
-        # through the delta rule and the conv for the first, decode steps for the rest
-        seq = torch.tensor([ids + got["output_ids"]])
-        with torch.no_grad():
-            logits = model(seq).logits[0, len(ids) - 1:-1].float()
-        ref = logits.log_softmax(-1).gather(1, seq[0, len(ids):, None])[:, 0]
-        lps = torch.tensor([lp for lp, _, _ in got["output_token_logprobs"]])
-        # measured: at most 7e-6 (float32 rounding); 0.016 while SGLang served this float32
-        # model in float16 (its `--dtype auto`, before the module's server said float32)
-        torch.testing.assert_close(lps, ref, rtol=0, atol=1e-3)
-        return got["output_ids"], int(got["meta_info"]["cached_tokens"])
-
+    check = partial(equal_to_transformers, model, worker.url)
     flush_device(worker.url)
     for ids in PROMPTS:
         check(list(ids))
@@ -376,14 +379,15 @@ def test_interleaved_requests_flushes_and_churn_never_restore_stale_state(hybrid
             assert out["output_ids"] == cold["output_ids"], (ops, i)
 
 
-def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(hybrid):
-    worker, _ = hybrid
-    conv = conversations("base")[2]
-    with proxy_process(worker.url, "--anchors") as on, proxy_process(worker.url, "--no-anchors") as off:
+def replay_on_equals_off(url: str, conv: dict) -> None:
+    """Three turns of `conv` through an anchors-on and an anchors-off proxy in front of the
+    worker at `url`, each from an empty device tree: the same choices (up to a near-tie),
+    and from turn 2 on, part of the prompt restored; nothing left staged."""
+    with proxy_process(url, "--anchors") as on, proxy_process(url, "--no-anchors") as off:
         for turn, messages in enumerate(turn_requests(conv, 3), 1):
             outs = []
             for proxy in (off, on):
-                flush_device(worker.url)
+                flush_device(url)
                 client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="", max_retries=0,
                                        timeout=600)
                 outs.append(client.chat.completions.create(
@@ -395,7 +399,11 @@ def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(hybrid):
             cached = warm.usage.prompt_tokens_details.cached_tokens
             if turn >= 2:  # the instruction and the conversation so far come back
                 assert 0 < cached < warm.usage.prompt_tokens, turn
-    assert httpx.get(worker.url + "/anchor/stats", timeout=30).json()["staged"] == 0
+    assert httpx.get(url + "/anchor/stats", timeout=30).json()["staged"] == 0
+
+
+def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(hybrid):
+    replay_on_equals_off(hybrid[0].url, conversations("base")[2])
 
 
 def same_up_to_a_tie(a, b, tol=2e-3) -> None:

@@ -51,7 +51,10 @@ def test_the_cpu_engine_hooks_only_on_the_cpu_engine(monkeypatch):
     cpu.register_cpu_hooks()
     hooks = {target: hook for target, hook, kind in registered
              if kind == hook_registry.HookType.AROUND}
-    assert set(hooks) == {cpu.NO_PYNCCL_TARGET, cpu.DP_LOOP_TARGET} and len(registered) == 2
+    from anchorcache.ext.sglang import cpu_attention
+
+    assert set(hooks) == {cpu.NO_PYNCCL_TARGET, cpu.DP_LOOP_TARGET, cpu_attention.EXTEND_TARGET,
+                          cpu_attention.DECODE_TARGET} and len(registered) == 4
     hook = hooks[cpu.NO_PYNCCL_TARGET]
     seen = {}
     hook(lambda *a, **k: seen.update(k), [[0, 1]], 0, "gloo", use_pynccl=True)

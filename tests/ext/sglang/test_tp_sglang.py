@@ -1,13 +1,19 @@
-"""The SGLang worker with tensor parallelism: `--tp 2` on CPU (SGLang's own CPU TP over
-gloo, each rank on its own core: the CPU recipe sets SGLANG_CPU_OMP_THREADS_BIND) with the
+"""The SGLang worker at the settings real deployments use: tensor parallelism (`--tp 2` on
+CPU: SGLang's own CPU TP over gloo, each rank on its own core, the CPU recipe sets
+SGLANG_CPU_OMP_THREADS_BIND) and paged KV (`--page-size 16`), one server for both, with the
 tiny Qwen3, whose 2 KV heads are split one per rank. Each rank keeps its own anchor store
-over its own head; rank 0 answers (ext/sglang/tp.py).
+over its own head; rank 0 answers (ext/sglang/tp.py). SGLang's tree holds whole pages only,
+so a restore puts back the page-aligned part of an anchor's prefix and the request
+prefills the tail (fewer than 16 tokens); the slabs are per token, the same at any page
+size.
 
 Checked: one epoch for the worker (rank 0's, shared), one reply per call; a snapshot
 flushed from the device and restored gives the cold output token for token (so both ranks
 restored their shard: a rank without its head's rows would attend to garbage); the
 restored rows equal the snapshot byte for byte on every rank (`/anchor/verify` combines
-the ranks); a copy slow on one rank holds the request on both."""
+the ranks); a copy slow on one rank holds the request on both; pins lock whole pages; an
+anchor under one page is a miss. Every check drops SGLang's own device cache first, so a
+hit can only come from a restore."""
 
 from __future__ import annotations
 
@@ -24,17 +30,25 @@ from tests.servers import Server, sglang_worker_process
 pytestmark = pytest.mark.slow
 
 NS = bytes(range(16, 32))
+PAGE = 16
 
 
 @pytest.fixture(scope="module")
 def sglang_tp(tiny_qwen3) -> Iterator[Server]:
-    with sglang_worker_process("--tp", "2", model=str(tiny_qwen3)) as server:
+    with sglang_worker_process("--tp", "2", "--page-size", str(PAGE),
+                               model=str(tiny_qwen3)) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def conversations(qwen3_tokenizer):
-    return two_turn_prompts(qwen3_tokenizer, 3)
+    convs = two_turn_prompts(qwen3_tokenizer, 6)
+    # anchors that end inside a page, so the tail is really prefilled
+    return [c for c in convs if c[0] % PAGE and c[1] % PAGE]
+
+
+def aligned(depth: int) -> int:
+    return depth - depth % PAGE
 
 
 def test_one_epoch_and_one_reply_per_call(sglang_tp):
@@ -57,16 +71,26 @@ def test_flush_restore_equals_cold_on_two_ranks(sglang_tp, conversations):
     chain = (AnchorRef(keys[tool_depth], tool_depth), AnchorRef(keys[conv_depth], conv_depth))
     warm = generate(url, p2, AnchorPlan(NS, restore=chain))
     meta = warm["meta_info"]
-    assert meta["cached_tokens"] == conv_depth
-    assert meta["anchors"]["restored_tokens"] == conv_depth
+    assert [r["depth"] for r in meta["anchors"]["restored"]] == [tool_depth, conv_depth]
+    assert meta["cached_tokens"] == aligned(conv_depth) > conv_depth - PAGE
+    assert meta["anchors"]["restored_tokens"] == aligned(conv_depth)
     assert warm["output_ids"] == cold["output_ids"]
     check = verify(url, keys[conv_depth])
-    assert check["device_tokens"] == conv_depth and check["mismatch"] is None, check
+    assert check["device_tokens"] == aligned(conv_depth) and check["mismatch"] is None, check
+    # the scheduler's own time in anchor work is counted per kind, with its maximum
+    calls = {c["op"]: c for c in httpx.get(url + "/anchor/stats").json()["scheduler_calls"]}
+    assert calls["restore"]["calls"] >= 2 and calls["snapshot"]["calls"] >= 1
+    assert 0 < calls["restore"]["max_ms"] <= calls["restore"]["total_ms"]
+    # the chain's first link alone: its pages come back, the rest is prefilled
+    flush_device(url)
+    partial = generate(url, p2, AnchorPlan(NS, restore=chain[:1]))
+    assert partial["meta_info"]["cached_tokens"] == aligned(tool_depth)
+    assert partial["output_ids"] == cold["output_ids"]
 
 
 def test_anchors_on_equal_off_over_turns(sglang_tp, conversations):
     url = sglang_tp.url
-    for _, depth, p1, p2 in conversations[1:]:
+    for _, depth, p1, p2 in conversations[1:3]:
         flush_device(url)
         off = [generate(url, p1)["output_ids"]]
         flush_device(url)
@@ -75,7 +99,7 @@ def test_anchors_on_equal_off_over_turns(sglang_tp, conversations):
         keys, out1 = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
         flush_device(url)
         out2 = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
-        assert out2["meta_info"]["anchors"]["restored_tokens"] == depth
+        assert out2["meta_info"]["anchors"]["restored_tokens"] == aligned(depth)
         assert [out1["output_ids"], out2["output_ids"]] == off
 
 
@@ -90,7 +114,7 @@ def test_a_fault_on_one_rank_is_seen(sglang_tp, conversations, rank):
     post(url, "/debug/fault", {"where": "restore_shift_row", "rank": rank})
     generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
     check = verify(url, keys[depth])
-    assert check["device_tokens"] == depth and check["mismatch"] is not None, check
+    assert check["device_tokens"] == aligned(depth) and check["mismatch"] is not None, check
 
 
 def test_a_slow_copy_on_one_rank_holds_the_request_on_both(sglang_tp, conversations):
@@ -106,7 +130,35 @@ def test_a_slow_copy_on_one_rank_holds_the_request_on_both(sglang_tp, conversati
     flush_device(url)
     post(url, "/debug/fault", {"where": "restore_slow", "rank": 1})
     warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
-    assert warm["meta_info"]["anchors"]["restored_tokens"] == depth
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == aligned(depth)
     assert warm["output_ids"] == cold
     check = verify(url, keys[depth])
-    assert check["device_tokens"] == depth and check["mismatch"] is None, check
+    assert check["device_tokens"] == aligned(depth) and check["mismatch"] is None, check
+
+
+def test_paged_pin_locks_whole_pages(sglang_tp, conversations):
+    url = sglang_tp.url
+    post(url, "/anchor/flush")
+    _, depth, p1, p2 = conversations[3]
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    pin = post(url, "/anchor/pin", {"key": keys[depth].hex()})
+    assert pin == {**pin, "pinned": True, "device": "locked"}
+    assert httpx.get(url + "/anchor/stats").json()["device_pinned_tokens"] == aligned(depth)
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+    assert warm["meta_info"]["cached_tokens"] == aligned(depth)
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == 0  # already on the device
+    assert post(url, "/anchor/unpin", {"key": keys[depth].hex()})["unpinned"]
+    flush_device(url)
+    assert warm["output_ids"] == generate(url, p2)["output_ids"]
+
+
+def test_an_anchor_under_one_page_is_a_miss_not_a_restore(sglang_tp, conversations):
+    url = sglang_tp.url
+    _, _, p1, _ = conversations[0]
+    short = PAGE - 3
+    keys, _ = save(url, p1, [(short, AnchorKind.CONVERSATION, Region.THICK)], max_new=1)
+    flush_device(url)
+    out = generate(url, p1, AnchorPlan(NS, restore=(AnchorRef(keys[short], short),)))
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert out["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "under_one_page"

@@ -1,0 +1,105 @@
+"""Attention sinks on SGLang's CPU attention backend (part of the CPU recipe, cpu.py).
+
+Sliding-window models with attention sinks (Granite SWA, gpt-oss: SGLang's `SWA_SINK_ARCHS`)
+call `RadixAttention(..., sinks=...)`: a learned per-head logit that joins every softmax
+denominator. SGLang 0.5.23's `torch_native` backend, the one the CPU recipe serves with,
+takes no `sinks` argument (a `TypeError` at the first prefill). On the CPU engine an AROUND
+hook on its `forward_extend` / `forward_decode` runs the calls that carry sinks here; every
+other call is SGLang's own. The KV write is SGLang's (`set_kv_buffer`); the attention is a
+plain torch reference: per request, causal, the layer's sliding window
+(`sliding_window_size`, SGLang's: a query at position p sees keys p - size .. p), then
+transformers' sink rule, `softmax(scores) @ v * sigmoid(logsumexp(scores) - sink)`, in
+float32.
+
+The pool must be SGLang's plain one: `--disable-hybrid-swa-memory`, which the CLI gives
+every sliding-window model (cpu_kernels.with_hybrid_args; anchors need it on any device,
+docs/sglang.md "Sliding-window models").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+BACKEND = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+EXTEND_TARGET = f"{BACKEND}.forward_extend"
+DECODE_TARGET = f"{BACKEND}.forward_decode"
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   *, scaling: float, q_start: int, window: int | None) -> torch.Tensor:
+    """Attention of the queries `q` `[heads, Lq, D]` at positions `q_start ..` over the keys
+    and values `k`, `v` `[kv_heads, Lk, D]` at positions `0 .. Lk-1`, with a per-head sink
+    logit; float32 `[heads, Lq, Dv]`."""
+    heads, kv_heads = q.shape[0], k.shape[0]
+    k = k.float().repeat_interleave(heads // kv_heads, 0)
+    v = v.float().repeat_interleave(heads // kv_heads, 0)
+    scores = (q.float() @ k.transpose(-1, -2)) * scaling
+    q_pos = torch.arange(q_start, q_start + q.shape[1]).unsqueeze(1)
+    k_pos = torch.arange(k.shape[1]).unsqueeze(0)
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen &= k_pos >= q_pos - window
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    gate = torch.sigmoid(lse - sinks.float().view(-1, 1, 1))
+    return (scores.softmax(-1) @ v) * gate
+
+
+def _window(layer: Any) -> int | None:
+    size = getattr(layer, "sliding_window_size", None)
+    return int(size) if size is not None and size > -1 else None
+
+
+def _attend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any,
+            sinks: torch.Tensor, *, decode: bool) -> torch.Tensor:
+    """Every request's attention with sinks, from the pool (its keys written already)."""
+    q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+    pool = backend.token_to_kv_pool
+    k_cache = pool.get_key_buffer(layer.layer_id)
+    v_cache = pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    seq_lens = forward_batch.seq_lens.tolist()
+    q_lens = [1] * len(seq_lens) if decode else forward_batch.extend_seq_lens.tolist()
+    start = 0
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
+        mine = q[start:start + q_len].transpose(0, 1)
+        o = sink_attention(mine, k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1),
+                           sinks, scaling=layer.scaling, q_start=seq_len - q_len,
+                           window=_window(layer))
+        out[start:start + q_len] = o.transpose(0, 1).reshape(q_len, -1).to(out.dtype)
+        start += q_len
+    return out
+
+
+def _around(decode: bool):  # type: ignore[no-untyped-def]
+    def hook(original: Any, backend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             layer: Any, forward_batch: Any, save_kv_cache: bool = True, *,
+             sinks: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        if sinks is None:
+            return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if kwargs or layer.is_cross_attention:
+            raise NotImplementedError(f"attention sinks with {sorted(kwargs)} on the CPU "
+                                      f"recipe's torch_native backend")
+        if getattr(backend, "use_sliding_window_kv_pool", False):
+            raise NotImplementedError("attention sinks on the CPU recipe need SGLang's plain "
+                                      "KV pool: --disable-hybrid-swa-memory")
+        if save_kv_cache and k is not None and v is not None:
+            from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+            backend.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        return _attend(backend, q, layer, forward_batch, sinks, decode=decode)
+
+    return hook
+
+
+def register() -> None:
+    """Route the CPU backend's calls that carry sinks through `sink_attention`."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(EXTEND_TARGET, _around(decode=False), HookType.AROUND)
+    HookRegistry.register(DECODE_TARGET, _around(decode=True), HookType.AROUND)

@@ -1,0 +1,148 @@
+"""A sliding-window model with attention sinks (tiny random Granite SWA: a 32-token window
+in three layers of four, the family of gpt-oss) served by the SGLang worker on CPU: SGLang
+0.5.23's scheduler and radix cache, its plain KV pool (`--disable-hybrid-swa-memory`, which
+the CLI adds), the CPU recipe's attention with sinks (ext/sglang/cpu_attention.py), our
+anchor cache.
+
+- Its greedy tokens and their logprobs equal transformers' on the same weights, for prompts
+  shorter and longer than the window, cold and over SGLang's own cached prefix.
+- The seeds' headline case after a flush: a second conversation with the same tools and
+  another first message restores the instruction anchor (`cached_tokens` its depth) and
+  answers as a cold run does; a chain whose second link spans windows comes back the same
+  way, and the rows on the device equal the slabs (`/anchor/verify`).
+- A restored row shifted by one (fault injection) is caught by that check, and a restore
+  after a flush is clean again.
+- Through the proxy, a BFCL replay with anchors on equals anchors off.
+
+One server for the module (about a minute to start on a 2-core machine)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import httpx
+import pytest
+import torch
+
+from tests.data import conversations, two_turn_prompts
+from tests.ext.sglang import test_sglang_worker as worker_helpers
+from tests.ext.sglang.test_sglang_hybrid_cpu import (
+    equal_to_transformers,
+    replay_on_equals_off,
+    restore,
+    save,
+)
+from tests.ext.sglang.test_sglang_worker import flush_device, post
+from tests.servers import sglang_worker_process
+
+pytestmark = pytest.mark.slow
+
+NEW = 8
+POOL = 6000
+WINDOW = 32  # the tiny model's sliding window (tiny_models._granite_swa)
+
+
+@pytest.fixture(scope="module")
+def swa():
+    """(worker, model dir): the SGLang worker with our anchor cache on the tiny Granite SWA,
+    float32 as transformers runs it (SGLang's `--dtype auto` would serve it in float16)."""
+    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+
+    model = build_tiny_model("granite_swa", tiny_model_dir("granite_swa"))
+    with sglang_worker_process("--max-total-tokens", str(POOL), "--dtype", "float32",
+                               model=str(model)) as worker:
+        yield worker, model
+
+
+@pytest.fixture(scope="module")
+def prompts(qwen3_tokenizer):
+    return two_turn_prompts(qwen3_tokenizer, 2)
+
+
+generate = partial(worker_helpers.generate, max_new=NEW)
+
+
+def test_the_cli_serves_it_with_the_plain_pool(swa):
+    """`anchorcache worker` gave SGLang `--disable-hybrid-swa-memory`: without it SGLang
+    builds its sliding-window pool and our factory refuses to start."""
+    worker, _ = swa
+    info = httpx.get(worker.url + "/model_info", timeout=30).json()
+    assert info["architecture"] == "GraniteSWAForCausalLM" and info["hybrid"] is False
+    args = httpx.get(worker.url + "/server_info", timeout=30).json()
+    assert args["disable_hybrid_swa_memory"] is True
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers(swa):
+    """Within and past the window; cold, and over SGLang's own cached prefix. Logprobs
+    measured at most 1.5e-5 apart (float32 rounding); with sinks other than SGLang's
+    bfloat16 ones, 2e-3; with sinks or the window ignored, far more."""
+    from transformers import AutoModelForCausalLM
+
+    worker, model_dir = swa
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    check = partial(equal_to_transformers, model, worker.url)
+    flush_device(worker.url)
+    short = [9707, 11, 1879, 0, 3555, 374, 279, 6722, 315, 9625, 30, 576, 6722, 374]
+    long = list(range(1000, 1000 + 4 * WINDOW))
+    check(short)
+    out, _ = check(long)
+    _, cached = check(long + out + [5, 6, 7])
+    assert cached >= len(long)  # the first turn's rows, from SGLang's tree
+
+
+def test_instruction_anchor_serves_a_new_conversation_after_a_flush(swa, prompts):
+    """The seeds' headline case: same system prompt and tools, another first message; the
+    tree flushed (as eviction would), the instruction anchor comes back from the host."""
+    worker, _ = swa
+    url = worker.url
+    tool_depth, _, p1, _ = prompts[0]
+    other = p1[:tool_depth] + prompts[1][2][prompts[1][0]:]
+    assert other[:tool_depth] == p1[:tool_depth] and other != p1 and tool_depth > 4 * WINDOW
+    flush_device(url)
+    cold = generate(url, other)
+    flush_device(url)
+    keys = save(url, p1, tool_depth)
+    flush_device(url)
+    alone = generate(url, other)
+    assert alone["meta_info"]["cached_tokens"] == 0
+    flush_device(url)
+    warm = generate(url, other, restore((tool_depth, keys[tool_depth])))
+    assert warm["meta_info"]["cached_tokens"] == tool_depth
+    assert warm["meta_info"]["anchors"]["restored"][0]["depth"] == tool_depth
+    assert warm["output_ids"] == cold["output_ids"] == alone["output_ids"]
+
+
+def test_chain_restores_after_a_flush_and_verifies(swa, prompts):
+    """A chain (instruction anchor, then an anchor more than a window further: its link holds
+    every layer's rows, the sliding layers' last window among them) comes back from the
+    host tier: the cold run's output, the rows on the device equal to the slabs; a shifted
+    row is caught."""
+    worker, _ = swa
+    url = worker.url
+    tool_depth, _, _, p2 = prompts[1]
+    conv_depth = len(p2) - NEW  # the request prefills its last NEW tokens
+    assert conv_depth - tool_depth > WINDOW
+    flush_device(url)
+    cold = generate(url, p2)
+    flush_device(url)
+    keys = save(url, p2, tool_depth, conv_depth)
+    flush_device(url)
+    chain = restore((tool_depth, keys[tool_depth]), (conv_depth, keys[conv_depth]))
+    warm = generate(url, p2, chain)
+    assert warm["meta_info"]["cached_tokens"] == conv_depth
+    assert warm["output_ids"] == cold["output_ids"]
+    ok = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
+    assert ok["device_tokens"] == conv_depth and ok["mismatch"] is None
+    flush_device(url)
+    assert post(url, "/debug/fault", {"where": "restore_shift_row"})["armed"]
+    generate(url, p2, chain)
+    bad = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
+    assert bad["mismatch"] is not None  # (the conversation link's middle row)
+    flush_device(url)
+    again = generate(url, p2, chain)
+    assert again["output_ids"] == cold["output_ids"]
+    assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["mismatch"] is None
+
+
+def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(swa):
+    replay_on_equals_off(swa[0].url, conversations("base")[3])

@@ -192,8 +192,13 @@ def worker(
     config = WorkerConfig(model=model, threads=threads, dtype=dtype, anchor_slots=anchor_slots,
                           anchor_capacity_bytes=anchor_bytes,
                           pinned_slots=min(16, anchor_slots // 4), fault_injection=fault_injection)
-    asyncio.run(_serve_forever(create_app(config), host, port,
-                               "anchorcache worker listening on http://{host}:{port}"))
+    try:
+        asyncio.run(_serve_forever(create_app(config), host, port,
+                                   "anchorcache worker listening on http://{host}:{port}"))
+    except NotImplementedError as e:  # at load: a cache the embedded worker cannot snapshot
+        typer.echo(f"error: the embedded worker cannot serve {model}: {e}. `--backend sglang` "
+                   "serves sliding-window models (docs/sglang.md).", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()

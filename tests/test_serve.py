@@ -126,3 +126,17 @@ def test_sigkill_of_serve_leaves_no_process_and_frees_the_ports(serve_proc):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))  # free
+
+
+def test_the_embedded_worker_refuses_a_sliding_window_model_in_one_line():
+    """Its cache layer cannot snapshot a sliding layer (transformers keeps only the window):
+    a one-line error naming the SGLang worker, exit 2, no traceback."""
+    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+
+    model = build_tiny_model("granite_swa", tiny_model_dir("granite_swa"))
+    proc = subprocess.run([sys.executable, "-m", "anchorcache.cli", "worker", "--port",
+                           str(free_port()), "--model", str(model)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "sliding-window layer" in proc.stderr and "--backend sglang" in proc.stderr
+    assert "Traceback" not in proc.stderr

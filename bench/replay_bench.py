@@ -45,9 +45,14 @@ class Url(str):
 def model_or_tiny(model: str | None) -> str:
     """`model` (a model dir, or a tiny arch's name such as `qwen3_5`), or the tiny random
     Qwen3 (the real Qwen3 tokenizer), built once."""
-    from anchorcache.ext.embedded.tiny_models import TINY_ARCHS, build_tiny_model, tiny_model_dir
+    from anchorcache.ext.embedded.tiny_models import (
+        SLIDING_ARCHS,
+        TINY_ARCHS,
+        build_tiny_model,
+        tiny_model_dir,
+    )
 
-    if model is not None and model not in TINY_ARCHS:
+    if model is not None and model not in TINY_ARCHS + SLIDING_ARCHS:
         return model
     arch = model or "qwen3"
     return str(build_tiny_model(arch, tiny_model_dir(arch), seed=0))

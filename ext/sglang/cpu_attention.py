@@ -27,24 +27,34 @@ EXTEND_TARGET = f"{BACKEND}.forward_extend"
 DECODE_TARGET = f"{BACKEND}.forward_decode"
 
 
+BLOCK = 512  # queries per block: the scores of one block are [heads, BLOCK, keys] float32
+
+
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
                    *, scaling: float, q_start: int, window: int | None) -> torch.Tensor:
     """Attention of the queries `q` `[heads, Lq, D]` at positions `q_start ..` over the keys
     and values `k`, `v` `[kv_heads, Lk, D]` at positions `0 .. Lk-1`, with a per-head sink
-    logit; float32 `[heads, Lq, Dv]`."""
+    logit; float32 `[heads, Lq, Dv]`. Queries go `BLOCK` at a time, each over the keys it
+    can see (a window's block reads only its last `BLOCK + window` keys)."""
     heads, kv_heads = q.shape[0], k.shape[0]
     k = k.float().repeat_interleave(heads // kv_heads, 0)
     v = v.float().repeat_interleave(heads // kv_heads, 0)
-    scores = (q.float() @ k.transpose(-1, -2)) * scaling
-    q_pos = torch.arange(q_start, q_start + q.shape[1]).unsqueeze(1)
-    k_pos = torch.arange(k.shape[1]).unsqueeze(0)
-    seen = k_pos <= q_pos
-    if window is not None:
-        seen &= k_pos >= q_pos - window
-    scores = scores.masked_fill(~seen, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    gate = torch.sigmoid(lse - sinks.float().view(-1, 1, 1))
-    return (scores.softmax(-1) @ v) * gate
+    sink = sinks.float().view(-1, 1, 1)
+    out = []
+    for b in range(0, q.shape[1], BLOCK):
+        first, last = q_start + b, q_start + min(b + BLOCK, q.shape[1]) - 1
+        lo = 0 if window is None else max(0, first - window)
+        keys, values = k[:, lo:last + 1], v[:, lo:last + 1]
+        scores = (q[:, b:b + BLOCK].float() @ keys.transpose(-1, -2)) * scaling
+        q_pos = torch.arange(first, last + 1).unsqueeze(1)
+        k_pos = torch.arange(lo, last + 1).unsqueeze(0)
+        seen = k_pos <= q_pos
+        if window is not None:
+            seen &= k_pos >= q_pos - window
+        scores = scores.masked_fill(~seen, float("-inf"))
+        gate = torch.sigmoid(torch.logsumexp(scores, dim=-1, keepdim=True) - sink)
+        out.append((scores.softmax(-1) @ values) * gate)
+    return torch.cat(out, dim=1)
 
 
 def _window(layer: Any) -> int | None:

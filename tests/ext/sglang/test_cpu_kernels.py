@@ -242,3 +242,20 @@ def test_sink_attention_matches_transformers_granite_swa(window):
     plain = sink_attention(q, k, v, torch.full((heads,), -1e4), scaling=d ** -0.5,
                            q_start=start, window=window)
     assert (plain - got).abs().max() > 1e-2  # the sinks matter
+
+
+def test_sink_attention_in_blocks_equals_one_block(monkeypatch):
+    """Queries in blocks (each over the keys it can see) give what one block gives."""
+    from anchorcache.ext.sglang import cpu_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, 8, generator=g) for n in (23, 40, 40))
+    sinks = torch.randn(2, generator=g)
+    for window in (None, 6):
+        whole = cpu_attention.sink_attention(q, k, v, sinks, scaling=0.3, q_start=17,
+                                             window=window)
+        monkeypatch.setattr(cpu_attention, "BLOCK", 5)
+        blocks = cpu_attention.sink_attention(q, k, v, sinks, scaling=0.3, q_start=17,
+                                              window=window)
+        monkeypatch.setattr(cpu_attention, "BLOCK", 512)
+        torch.testing.assert_close(blocks, whole, rtol=1e-6, atol=1e-6)

@@ -333,12 +333,16 @@ def serve(
         raise typer.BadParameter(f"unexpected arguments {ctx.args}")
     from anchorcache.proxy.config import ProxyConfig
 
-    config = ProxyConfig(worker_urls=(f"http://127.0.0.1:{worker_port}",), host=host, port=port,
-                         anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
-                         max_body_bytes=max_body_bytes, state_dir=state_dir,
-                         admin_token=admin_token or None, anonymous=anonymous,
-                         strict_keys=strict_keys, metrics_max_tenants=metrics_max_tenants,
-                         metrics_worker_timeout_s=metrics_worker_timeout_s)
+    try:  # checked before the worker starts, as `proxy` checks it
+        config = ProxyConfig(worker_urls=(f"http://127.0.0.1:{worker_port}",), host=host,
+                             port=port, anchors=anchors, adapter=adapter,
+                             canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
+                             state_dir=state_dir, admin_token=admin_token or None,
+                             anonymous=anonymous, strict_keys=strict_keys,
+                             metrics_max_tenants=metrics_max_tenants,
+                             metrics_worker_timeout_s=metrics_worker_timeout_s)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     watch = SuperviseConfig(health_timeout_s=worker_health_timeout_s or None,
                             stall_timeout_s=worker_stall_timeout_s or None)
     try:

@@ -18,12 +18,16 @@
 #      inter-token latency with anchor copies under way, anchors on vs off;
 #   7. a hybrid model on the GPU: bench/sglang_replay.py --model qwen3_5 (the tiny Gated
 #      DeltaNet Qwen3.5 with SGLang's own GPU kernels, `no_buffer`): prefilled tokens vs the
-#      ideal, outputs anchors on vs off, the cost of the prefill cuts (4 at once).
+#      ideal, outputs anchors on vs off, the cost of the prefill cuts (4 at once);
+#   8. a sliding-window model with attention sinks on the GPU: bench/sglang_replay.py
+#      --model granite_swa (the tiny Granite SWA on SGLang's plain KV pool and its own GPU
+#      attention with sinks): prefilled tokens vs the ideal, outputs anchors on vs off.
 #
 # JSON lands in $GPU_CHECK_OUT (default bench/results/gpu_check/): summary.json (each
 # step: status, seconds, the command), equality.json, and the benchmarks' own files
 # (sglang_replay_gpu_tiny_qwen3[_page16].json, ext_snapshot_cuda.json,
-# sglang_stall_gpu_smollm2.json, sglang_replay_gpu_tiny_qwen3_5.json in bench/results/).
+# sglang_stall_gpu_smollm2.json, sglang_replay_gpu_tiny_qwen3_5.json,
+# sglang_replay_gpu_granite_swa.json in bench/results/).
 #
 #   bash bench/gpu_check.sh            # on the GPU machine, from the repository root
 #   bash bench/gpu_check.sh --dry-run  # anywhere (DRY_RUN=1 too): every step's command in a
@@ -210,6 +214,10 @@ step stall "$PY bench/sglang_stall.py --help | grep -q -- --anchor-tokens && ech
 # ---- 7. a hybrid model (Gated DeltaNet + attention) on SGLang's GPU kernels ------------------
 step hybrid_replay "$PY bench/sglang_replay.py --help | grep -q -- qwen3_5 && echo 'hybrid replay: arguments ok'" \
     "$PY bench/sglang_replay.py --model qwen3_5 --conversations 6 --turns 5 --concurrent 4 --rounds 2 --name sglang_replay_gpu_tiny_qwen3_5"
+
+# ---- 8. a sliding-window model with attention sinks on SGLang's GPU attention --------------
+step swa_replay "$PY bench/sglang_replay.py --help | grep -q -- granite_swa && echo 'sliding-window replay: arguments ok'" \
+    "$PY bench/sglang_replay.py --model granite_swa --conversations 6 --turns 5 --concurrent 0 --name sglang_replay_gpu_granite_swa"
 
 python3 - "$STEPS_JSON" "$OUT/summary.json" "$DRY_RUN" "$(( $(date +%s) - T0 ))" <<'PYEOF'
 import json, sys

@@ -150,7 +150,8 @@ def overhead(model: str, convs, turns: int, max_tokens: int, longest: int, round
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None,
-                    help="model dir, or a tiny arch (qwen3_5); default: the tiny Qwen3")
+                    help="model dir, or a tiny arch (qwen3_5, granite_swa); default: the tiny "
+                         "Qwen3")
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=8)

@@ -21,3 +21,15 @@ def test_backend_sglang_without_sglang_says_how_to_get_it(command, tmp_path):
     assert done.returncode == 2, done.stderr
     assert "make setup-sglang" in done.stderr and "sglang==0.5.23" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("command", ["proxy", "serve"])
+def test_a_short_admin_token_is_a_usage_error(command, tmp_path):
+    """Under 16 characters: one line naming the rule, exit 2, before any worker starts."""
+    model = ["--model", str(tmp_path)] if command == "serve" else []  # (never loaded)
+    done = subprocess.run([sys.executable, "-m", "anchorcache.cli", command, "--admin-token",
+                           "short", "--state-dir", str(tmp_path), *model],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "at least 16 characters" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout

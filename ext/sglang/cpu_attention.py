@@ -31,11 +31,13 @@ BLOCK = 512  # queries per block: the scores of one block are [heads, BLOCK, key
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                   *, scaling: float, q_start: int, window: int | None) -> torch.Tensor:
+                   *, scaling: float, q_start: int, window: int | None,
+                   k_start: int = 0) -> torch.Tensor:
     """Attention of the queries `q` `[heads, Lq, D]` at positions `q_start ..` over the keys
-    and values `k`, `v` `[kv_heads, Lk, D]` at positions `0 .. Lk-1`, with a per-head sink
-    logit; float32 `[heads, Lq, Dv]`. Queries go `BLOCK` at a time, each over the keys it
-    can see (a window's block reads only its last `BLOCK + window` keys)."""
+    and values `k`, `v` `[kv_heads, Lk, D]` at positions `k_start .. k_start+Lk-1` (every
+    key a query can see), with a per-head sink logit; float32 `[heads, Lq, Dv]`. Queries go
+    `BLOCK` at a time, each over the keys it can see (with a window, its last
+    `BLOCK + window` keys)."""
     heads, kv_heads = q.shape[0], k.shape[0]
     k = k.float().repeat_interleave(heads // kv_heads, 0)
     v = v.float().repeat_interleave(heads // kv_heads, 0)
@@ -43,8 +45,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     out = []
     for b in range(0, q.shape[1], BLOCK):
         first, last = q_start + b, q_start + min(b + BLOCK, q.shape[1]) - 1
-        lo = 0 if window is None else max(0, first - window)
-        keys, values = k[:, lo:last + 1], v[:, lo:last + 1]
+        lo = k_start if window is None else max(k_start, first - window)
+        keys, values = (t[:, lo - k_start:last + 1 - k_start] for t in (k, v))
         scores = (q[:, b:b + BLOCK].float() @ keys.transpose(-1, -2)) * scaling
         q_pos = torch.arange(first, last + 1).unsqueeze(1)
         k_pos = torch.arange(lo, last + 1).unsqueeze(0)
@@ -74,12 +76,14 @@ def _attend(backend: Any, q: torch.Tensor, layer: Any, forward_batch: Any,
     seq_lens = forward_batch.seq_lens.tolist()
     q_lens = [1] * len(seq_lens) if decode else forward_batch.extend_seq_lens.tolist()
     start = 0
+    window = _window(layer)
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        slots = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
+        first = 0 if window is None else max(0, seq_len - q_len - window)  # the keys it sees
+        slots = req_to_token[forward_batch.req_pool_indices[i], first:seq_len]
         mine = q[start:start + q_len].transpose(0, 1)
         o = sink_attention(mine, k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1),
                            sinks, scaling=layer.scaling, q_start=seq_len - q_len,
-                           window=_window(layer))
+                           window=window, k_start=first)
         out[start:start + q_len] = o.transpose(0, 1).reshape(q_len, -1).to(out.dtype)
         start += q_len
     return out

@@ -48,7 +48,7 @@ def test_tiny_models_on_equals_off(stack_factory, arch):
     if arch not in TINY_ARCHS:
         pytest.skip(f"{arch} not buildable with this transformers")
     stack = stack_factory(tiny_model(arch))
-    for turns in replay(stack, short_conversations(2), max_turns=4, max_tokens=12):
+    for turns in replay(stack, short_conversations(2), max_turns=3, max_tokens=12):
         assert len(turns) >= 2
         for prompt, cached, timings in turns[1:]:  # every later turn restores its history
             assert 0 < cached < prompt

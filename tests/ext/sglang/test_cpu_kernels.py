@@ -245,7 +245,8 @@ def test_sink_attention_matches_transformers_granite_swa(window):
 
 
 def test_sink_attention_in_blocks_equals_one_block(monkeypatch):
-    """Queries in blocks (each over the keys it can see) give what one block gives."""
+    """Queries in blocks (each over the keys it can see), or over only the keys they see,
+    give what one block over all keys gives."""
     from anchorcache.ext.sglang import cpu_attention
 
     g = torch.Generator().manual_seed(1)
@@ -259,3 +260,9 @@ def test_sink_attention_in_blocks_equals_one_block(monkeypatch):
                                               window=window)
         monkeypatch.setattr(cpu_attention, "BLOCK", 512)
         torch.testing.assert_close(blocks, whole, rtol=1e-6, atol=1e-6)
+        if window is not None:  # only the keys the queries see, as the hook gathers them
+            first = 17 - window
+            seen = cpu_attention.sink_attention(q, k[:, first:], v[:, first:], sinks,
+                                                scaling=0.3, q_start=17, window=window,
+                                                k_start=first)
+            torch.testing.assert_close(seen, whole, rtol=1e-6, atol=1e-6)

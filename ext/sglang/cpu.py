@@ -213,7 +213,7 @@ def sglang_command(python: str, *, model: str, host: str, port: int, log_level: 
         args = with_cpu_args(args, default_pool_tokens(model))
     # a hybrid model's anchors need SGLang's `no_buffer` Mamba strategy, on a GPU too
     # (its default, extra_buffer, tracks states on a fixed grid; ext/sglang/hybrid.py), and
-    # a sliding-window model's its plain KV pool (cpu_kernels.SLIDING_FLAGS)
+    # a sliding-window model's anchors need SGLang's plain KV pool (cpu_kernels.SLIDING_FLAGS)
     args = with_hybrid_args(args, model)
     return [python, "-m", "anchorcache.ext.sglang.launch", *args]
 

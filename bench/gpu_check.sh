@@ -20,8 +20,9 @@
 #      DeltaNet Qwen3.5 with SGLang's own GPU kernels, `no_buffer`): prefilled tokens vs the
 #      ideal, outputs anchors on vs off, the cost of the prefill cuts (4 at once);
 #   8. a sliding-window model with attention sinks on the GPU: bench/sglang_replay.py
-#      --model granite_swa (the tiny Granite SWA on SGLang's plain KV pool and its own GPU
-#      attention with sinks): prefilled tokens vs the ideal, outputs anchors on vs off.
+#      --model granite_swa (the tiny Granite SWA on SGLang's sliding-window pool, anchors
+#      keeping the sliding layers' last window, and SGLang's own GPU attention with sinks):
+#      prefilled tokens vs the ideal, outputs anchors on vs off.
 #
 # JSON lands in $GPU_CHECK_OUT (default bench/results/gpu_check/): summary.json (each
 # step: status, seconds, the command), equality.json, and the benchmarks' own files

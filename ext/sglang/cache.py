@@ -72,7 +72,7 @@ from anchorcache.wire import (
     parse_anchor_plan,
 )
 
-from . import cpu, hybrid, tp
+from . import cpu, hybrid, swa, tp
 from .config import SGLangAnchorConfig
 from .device import DevicePin, DeviceTree, Placement
 from .rpc import PLAN_PARAM
@@ -127,11 +127,17 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         # our prefill adder ends a chunk there (`next_cut`, ext/sglang/admission.py)
         self._states = (hybrid.state_views(self.req_to_token_pool) if self.supports_mamba()
                         else None)
+        # SGLang's sliding-window pool: `_k`, `_v` are the full-attention layers' and an
+        # anchor's state slab is its sliding layers' last window (ext/sglang/swa.py)
+        self._window = (swa.WindowPool(self.token_to_kv_pool_allocator,
+                                       self.components[ComponentType.SWA].sliding_window_size)
+                        if self.supports_swa() else None)
+        state_bytes = (ops.state_slab_nbytes(self._states) if self._states
+                       else self._window.nbytes if self._window is not None else 0)
         table = SlotTable(config.anchor_slots, config.anchor_capacity_bytes,
                           pinned_slots=config.pinned_slots)
-        self.anchors = AnchorStore(
-            model_id, table, kv_bytes_per_token=kv_bytes,
-            state_bytes=ops.state_slab_nbytes(self._states) if self._states else 0)
+        self.anchors = AnchorStore(model_id, table, kv_bytes_per_token=kv_bytes,
+                                   state_bytes=state_bytes)
         self.anchor_config = config
         self.epoch = secrets.token_hex(8)
         # tensor parallelism (ext/sglang/tp.py): `build` sets the rank and group and shares
@@ -250,6 +256,18 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         floor = max(start, self.anchors.tip_depth(req.rid))
         return next((s.depth for s in p.todo if s.depth > floor
                      and not self.anchors.table.contains(p.keys[s.depth], s.depth)), None)
+
+    def swa_retain_floor(self, req: Any) -> int | None:
+        """SGLang's own floor (SGLang frees no window slot of a running request at or past
+        it), lowered to the window of the request's next planned anchor: on the sliding-window
+        pool its window rows must still be there when the checkpoint hook copies them."""
+        floor = super().swa_retain_floor(req)
+        window = getattr(self, "_window", None)
+        p = self._pending.get(req.rid) if window is not None else None
+        if window is None or p is None or not p.todo:
+            return floor
+        ours = window.span(p.todo[0].depth)[0]
+        return ours if floor is None else min(floor, ours)
 
     def on_release(self, req: Any, **kwargs: Any) -> None:
         """SGLang released a request's KV (after its last checkpoint): when it has finished,
@@ -395,6 +413,12 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         per_token = tp.all_ranks(self._tp_group, per_token)  # each rank checked its shard
         bad = (~per_token).nonzero()
         state_equal = None
+        if self._window is not None and n == len(ids) and chain[-1].state is not None:
+            lo, hi = self._window.span(n)
+            window = self._window.gather(rows[lo:hi])
+            same_window = window is not None and torch.equal(
+                window.contiguous().view(torch.uint8).flatten().cpu(), chain[-1].state)
+            state_equal = bool(tp.all_ranks(self._tp_group, torch.tensor([same_window]))[0])
         if self._states is not None and n == len(ids) and chain[-1].state is not None:
             slot = self.tree_core.get_component_device_value(match.last_device_node,
                                                              ComponentType.MAMBA)
@@ -571,8 +595,22 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         for spec in ready:
             if spec.depth <= self.anchors.tip_depth(req.rid):
                 continue  # at or below what the request restored: nothing new to save
+            if self._window is not None and not self.anchors.table.contains(
+                    keys[spec.depth], spec.depth):
+                window = self._window_of(req, spec.depth)
+                if window is None:
+                    continue  # (its window rows are gone: the tree's older part of a prefix)
+                capture = self._capture(req, p, ready[-1].depth, state_at=up_to, window=window)
             self._record(p, self.anchors.write(req.rid, keys[spec.depth], spec.depth, spec.kind,
                                                spec.region.value, capture, ids=p.ids))
+
+    def _window_of(self, req: Any, depth: int) -> torch.Tensor | None:
+        """On the sliding-window pool, the window of request `req`'s prefix at `depth`, copied
+        now (`WindowPool.gather`): SGLang frees window slots as the request moves on."""
+        assert self._window is not None
+        lo, hi = self._window.span(depth)
+        return self._window.gather(
+            self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, lo:hi].to(torch.int64))
 
     def _snapshot_response(self, req: Any, p: _Pending, up_to: int) -> None:
         """The response anchor of a request that stopped on a stop token: prompt + output
@@ -588,17 +626,23 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         depth = min(up_to, len(full) - 1, len(full) if p.cut is None else p.cut)
         if depth <= len(p.ids) or (self._states is not None and depth != up_to):
             return  # (on a hybrid model the request's state is at `up_to` only)
+        window = self._window_of(req, depth) if self._window is not None else None
+        if self._window is not None and window is None:
+            return
         key = anchor_keys(p.plan.namespace, self.model_id, full, [depth])[depth]
-        self._record(p, self.anchors.write(req.rid, key, depth, AnchorKind.RESPONSE, "thick",
-                                           self._capture(req, p, depth, state_at=up_to),
-                                           ids=full))
+        self._record(p, self.anchors.write(
+            req.rid, key, depth, AnchorKind.RESPONSE, "thick",
+            self._capture(req, p, depth, state_at=up_to, window=window), ids=full))
 
-    def _capture(self, req: Any, p: _Pending, depth: int, *, state_at: int) -> Any:
+    def _capture(self, req: Any, p: _Pending, depth: int, *, state_at: int,
+                 window: torch.Tensor | None = None) -> Any:
         """`capture(start, depth)` over the request's own row of `req_to_token`, which it
         still holds (and locks) while SGLang checkpoints it: the slab is allocated here and
         filled on the copy thread (`p.copies`), which `_join` waits for. On a hybrid model
         the request's recurrent state, which is at depth `state_at` (SGLang's `up_to`), is
-        copied in `capture`, at once: the request's next forward overwrites it in place."""
+        copied in `capture`, at once: the request's next forward overwrites it in place. On
+        the sliding-window pool the state slab is `window` (`_window_of`), made host bytes
+        on the copy thread."""
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :depth].to(torch.int64)
 
         def capture(start: int, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -608,24 +652,34 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
                     raise RuntimeError(f"no recurrent state at depth {depth} (at {state_at})")
                 state = ops.snapshot_state(self._states,
                                            hybrid.state_slot(self.req_to_token_pool, req))
+            elif window is not None:
+                state = torch.empty(window.numel() * window.element_size(), dtype=torch.uint8,
+                                    pin_memory=self._copy_stream is not None)
             rows = row[start:depth].contiguous()
             k0 = self._k[0]
             out = torch.empty((len(self._k), 2, depth - start, *k0.shape[1:]), dtype=k0.dtype,
                               pin_memory=self._copy_stream is not None)
             self._fence()  # (CUDA) after the forward that wrote the rows
-            p.copies.append(self._copier.submit(self._copy, rows, out))
+            p.copies.append(self._copier.submit(self._copy, rows, out, window, state))
             return out, state
 
         return capture
 
-    def _copy(self, rows: torch.Tensor, out: torch.Tensor) -> float:
-        """On the copy thread: rows → `out`; the seconds it took."""
+    def _copy(self, rows: torch.Tensor, out: torch.Tensor, window: torch.Tensor | None = None,
+              state: torch.Tensor | None = None) -> float:
+        """On the copy thread: rows → `out` (and a gathered `window` → `state`); the seconds
+        it took."""
         t = time.perf_counter()
         if self._copy_stream is None:
             ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)
+            if window is not None and state is not None:
+                state.copy_(window.view(torch.uint8).flatten())
         else:
             with torch.cuda.stream(self._copy_stream):
                 ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)  # synchronizes
+                if window is not None and state is not None:
+                    state.copy_(window.view(torch.uint8).flatten())
+                    self._copy_stream.synchronize()
         return time.perf_counter() - t
 
     def _join(self, rid: str, p: _Pending) -> None:
@@ -675,11 +729,12 @@ def build(ctx: Any) -> AnchorRadixCache:
     """The `--radix-cache-backend anchorcache` factory (runs in the scheduler process)."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
-    if ctx.is_hybrid_swa or ctx.disable_radix_cache:
-        raise NotImplementedError("anchorcache on SGLang needs the radix cache on and, for "
-                                  "a sliding-window model, SGLang's plain KV pool "
-                                  "(--disable-hybrid-swa-memory, which `anchorcache serve` "
-                                  "and `anchorcache worker` pass; see docs/sglang.md)")
+    if ctx.disable_radix_cache:
+        raise NotImplementedError("anchorcache on SGLang needs its radix cache on")
+    if ctx.is_hybrid_swa:
+        refusal = swa.refusal(ctx, ctx.params.token_to_kv_pool_allocator)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
     if ctx.is_hybrid_ssm:
         refusal = hybrid.refusal(ctx.server_args)
         if refusal is not None:

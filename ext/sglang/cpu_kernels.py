@@ -372,18 +372,28 @@ def has_sliding_window(config: dict[str, Any]) -> bool:
     return "sliding_attention" in set(cfg.get("layer_types") or ())
 
 
-# A sliding-window hybrid (SGLang's `is_hybrid_swa`: gpt-oss, Granite SWA, ...) gets a
-# second KV pool for its sliding layers by default, each token's slot there translated from
-# its full-pool slot and freed once out of the window. Anchors address rows by full-pool
-# slot and keep all of a prefix's rows, so the worker serves these models with SGLang's
-# plain pool (its own flag, on any device; docs/sglang.md "Sliding-window models").
+# A sliding-window model (SGLang's `is_hybrid_swa`: gpt-oss, Granite SWA, ...) gets a second
+# KV pool for its sliding layers by default, which anchors use at page size 1
+# (ext/sglang/swa.py). With a larger page size, or recurrent layers as well, the worker
+# serves it on SGLang's plain pool (its own flag, on any device; docs/sglang.md
+# "Sliding-window models").
 SLIDING_FLAGS = ("--disable-hybrid-swa-memory",)
+
+
+def _page_size(args: list[str]) -> int:
+    """The `--page-size` in SGLang arguments (1 when not given)."""
+    for i, arg in enumerate(args):
+        value = (arg.split("=", 1)[1] if arg.startswith("--page-size=") else
+                 args[i + 1] if arg == "--page-size" and i + 1 < len(args) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 1
 
 
 def with_hybrid_args(args: list[str], model: str) -> list[str]:
     """SGLang arguments plus the CPU strategy for a hybrid `model` (a local folder), those
-    the user did not give, and the plain KV pool for a sliding-window one; unchanged for
-    other models."""
+    the user did not give, and, for a sliding-window one with pages of several tokens or
+    recurrent layers too, SGLang's plain KV pool; unchanged for other models."""
     import json
     from pathlib import Path
 
@@ -393,7 +403,7 @@ def with_hybrid_args(args: list[str], model: str) -> list[str]:
         return list(args)
     given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
     out = list(args)
-    if has_sliding_window(config):
+    if has_sliding_window(config) and (_page_size(args) > 1 or is_hybrid(config)):
         out += [f for f in SLIDING_FLAGS if f not in given]
     if not is_hybrid(config):
         return out

@@ -21,6 +21,7 @@ import time
 from array import array
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext as _no_stream
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 from anchorcache.ext import ops
 from anchorcache.ext.store import AnchorStore, Slab
 
-from . import tp
+from . import swa, tp
 
 try:  # SGLang is an optional dependency of the package; this module runs inside it
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -62,6 +63,7 @@ class Placement:
     rows: torch.Tensor  # fresh slots for the rest, held out of the tree until the insert
     slot: torch.Tensor | None  # a hybrid model's fresh Mamba slot for the state at `depth`
     copy: Future[float] | None  # the copy thread's slabs → slots (None: nothing to copy)
+    fresh: swa.Fresh | None = None  # on the sliding-window pool: `rows`, some with a window
 
 
 class DeviceTree:
@@ -80,6 +82,7 @@ class DeviceTree:
     _repin: set[bytes]
     _fault: str | None
     _states: list[torch.Tensor] | None  # a hybrid model's state tensors (hybrid.state_views)
+    _window: swa.WindowPool | None  # SGLang's sliding-window pool (ext/sglang/swa.py)
     _copier: ThreadPoolExecutor
     _copy_stream: torch.cuda.Stream | None
     forward_stream: Any  # SGLang's (CUDA), which the copy stream waits for (`_fence`)
@@ -161,7 +164,8 @@ class DeviceTree:
         depth = len(ids)
         tip = chain[-1] if chain else None
         hybrid = self._states is not None
-        if hybrid and (tip is None or tip.depth != depth or tip.state is None):
+        if (hybrid or self._window is not None) and (
+                tip is None or tip.depth != depth or tip.state is None):
             return "no_state"
         key = RadixKey(array("q", ids))
         if hybrid:  # the KV the tree holds, with or without states (SGLang's match stops at
@@ -178,7 +182,13 @@ class DeviceTree:
         if need > room():
             self.unlock(head_lock)
             return "no_room"
-        rows = self._alloc(need) if need else path[:0]
+        fresh = None
+        if self._window is not None:  # window slots for the tokens in the tip's window only
+            windowed = min(need, depth - self._window.span(depth)[0])
+            fresh = self._alloc_windowed(need, windowed)
+            rows = fresh.rows if fresh is not None else None
+        else:
+            rows = self._alloc(need) if need else path[:0]
         slot = self._alloc_state() if hybrid else None
         if rows is None or (hybrid and slot is None):
             self._free(rows, slot)
@@ -186,39 +196,47 @@ class DeviceTree:
             return "no_device_space"
         slabs, where = self._slabs(chain, on_device, depth, rows)
         state, index = None, 0
-        if tip is not None and slot is not None:
-            index = int(self.req_to_token_pool.translate_mamba_indices(slot)[0])
+        if tip is not None and (slot is not None or fresh is not None):
+            index = int(self.req_to_token_pool.translate_mamba_indices(slot)[0]) if slot else 0
             state = tip.state
             if self._fault == "restore_state_flip":
                 self._fault = None
                 state = state.clone()
-                state[1] ^= 0x40  # an exponent bit of the first value (float32 or bf16)
-                state[3] ^= 0x40
+                at = 1 if fresh is None else len(state) - 3  # (a window's last row is live)
+                state[at] ^= 0x40  # an exponent bit of a value (float32 or bf16)
+                state[at + 2] ^= 0x40
         copy = None
         if slabs or state is not None:
             delay = 0.0
             if self._fault == "restore_slow":
                 self._fault, delay = None, RESTORE_SLOW_S
             self._fence()
-            copy = self._copier.submit(self._write, slabs, where, state, index, delay)
+            # the tip's window goes to its fresh tokens only: the head's part of it is the
+            # tree's, live (SGLang's match ends only after a whole live window)
+            window_rows = rows[need - fresh.windowed:] if fresh is not None else None
+            copy = self._copier.submit(self._write, slabs, where, state, index, delay,
+                                       window_rows)
         self._placing_rows += need
         self._placing_states += slot is not None
-        return Placement(key, depth, path[:on_device], head_lock, rows, slot, copy)
+        return Placement(key, depth, path[:on_device], head_lock, rows, slot, copy, fresh)
 
     def _write(self, slabs: list[torch.Tensor], where: list[torch.Tensor],
-               state: torch.Tensor | None, index: int, delay: float) -> float:
-        """On the copy thread: slabs → pool rows, state → Mamba slot `index`; the seconds
-        it took (with `delay`, the `restore_slow` fault's sleep, first)."""
+               state: torch.Tensor | None, index: int, delay: float,
+               window_rows: torch.Tensor | None = None) -> float:
+        """On the copy thread: slabs → pool rows, state → Mamba slot `index` (on the
+        sliding-window pool, the window → the window slots of `window_rows`); the seconds it
+        took (with `delay`, the `restore_slow` fault's sleep, first)."""
         time.sleep(delay)
         t = time.perf_counter()
-        states = self._states if state is not None else None
-        if self._copy_stream is None:
-            ops.restore_chain(slabs, where, self._k, self._v, layout="thd", state_slab=state,
+        states = self._states if state is not None and window_rows is None else None
+        mamba = state if states is not None else None
+        with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None \
+                else _no_stream():
+            ops.restore_chain(slabs, where, self._k, self._v, layout="thd", state_slab=mamba,
                               states=states, state_index=index)
-        else:
-            with torch.cuda.stream(self._copy_stream):
-                ops.restore_chain(slabs, where, self._k, self._v, layout="thd",
-                                  state_slab=state, states=states, state_index=index)
+            if window_rows is not None and state is not None and self._window is not None:
+                self._window.write(state, window_rows)
+        if self._copy_stream is not None:
             self._copy_stream.synchronize()  # done means on the device
         return time.perf_counter() - t
 
@@ -241,13 +259,18 @@ class DeviceTree:
         except Exception:
             log.exception("a restore copy failed")
             self.unlock(pl.head_lock)
-            self._free(pl.rows, pl.slot)
+            self._free(pl.rows if pl.fresh is None else None, pl.slot)
+            if pl.fresh is not None:
+                pl.fresh.free(self.token_to_kv_pool_allocator)
             return None
         on_device = len(pl.head)
         if len(pl.rows) or pl.slot is not None:
-            result = self.insert(InsertParams(
+            params = InsertParams(
                 key=pl.key, value=torch.cat([pl.head, pl.rows]), prev_prefix_len=on_device,
-                **({} if pl.slot is None else {"mamba_value": pl.slot})))
+                **({} if pl.slot is None else {"mamba_value": pl.slot}))
+            if self._window is not None:  # the tokens before the window have no window rows
+                params.set_evicted_seqlen(ComponentType.SWA, self._window.span(pl.depth)[0])
+            result = self.insert(params)
             # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
             # (the insert frees any other overlap itself); a state already there wins
             if pl.slot is not None and result.mamba_exist:
@@ -282,6 +305,18 @@ class DeviceTree:
             self.evict(EvictParams(num_tokens=0, mamba_num=1))
             got = allocator.alloc(1)
         return None if got is None else got.view(1)
+
+    def _alloc_windowed(self, n: int, windowed: int) -> swa.Fresh | None:
+        """`_alloc` on the sliding-window pool: `n` fresh full slots, the last `windowed` with
+        a window slot each, evicting unlocked tree nodes (either kind of slot) for them."""
+        assert self._window is not None
+        allocator = self.token_to_kv_pool_allocator
+        short_full = n - allocator.full_available_size()
+        short_window = windowed - allocator.swa_available_size()
+        if short_full > 0 or short_window > 0:
+            self.evict(EvictParams(num_tokens=max(0, short_full),
+                                   swa_num_tokens=max(0, short_window)))
+        return self._window.take(n, windowed)
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         """`n` fresh pool slots, evicting unlocked tree nodes for them; None (and nothing

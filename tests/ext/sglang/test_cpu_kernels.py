@@ -193,9 +193,10 @@ def test_gated_rmsnorm_matches_transformers():
         torch.testing.assert_close(ck.fused_rmsnorm_gated(x, norm.weight, z, 1e-6), norm(x, z))
 
 
-def test_a_sliding_window_model_gets_the_plain_kv_pool(tmp_path):
-    """`--disable-hybrid-swa-memory` for a config with sliding layers (not twice, not for
-    others), with the hybrid strategy too when it also has recurrent layers."""
+def test_a_sliding_window_model_keeps_its_window_pool_at_page_size_1(tmp_path):
+    """SGLang's sliding-window pool at page size 1 (anchors keep windows there); its plain
+    pool, `--disable-hybrid-swa-memory`, with pages of several tokens or recurrent layers
+    too (not twice, not for other models)."""
     import json
 
     swa, both = tmp_path / "s", tmp_path / "b"
@@ -205,8 +206,11 @@ def test_a_sliding_window_model_gets_the_plain_kv_pool(tmp_path):
         {"layer_types": ["sliding_attention", "full_attention"]}))
     (both / "config.json").write_text(json.dumps(
         {"text_config": {"layer_types": ["sliding_attention", "linear_attention"]}}))
-    assert ck.with_hybrid_args(["--x"], str(swa)) == ["--x", "--disable-hybrid-swa-memory"]
-    given = ["--disable-hybrid-swa-memory"]
+    assert ck.with_hybrid_args(["--x"], str(swa)) == ["--x"]
+    assert ck.with_hybrid_args(["--page-size", "1"], str(swa)) == ["--page-size", "1"]
+    for paged in (["--page-size", "16"], ["--page-size=16"]):
+        assert ck.with_hybrid_args(paged, str(swa)) == [*paged, "--disable-hybrid-swa-memory"]
+    given = ["--page-size", "16", "--disable-hybrid-swa-memory"]
     assert ck.with_hybrid_args(given, str(swa)) == given
     assert ck.with_hybrid_args([], str(both)) == [
         "--disable-hybrid-swa-memory", "--mamba-radix-cache-strategy", "no_buffer",
@@ -242,6 +246,12 @@ def test_sink_attention_matches_transformers_granite_swa(window):
     plain = sink_attention(q, k, v, torch.full((heads,), -1e4), scaling=d ** -0.5,
                            q_start=start, window=window)
     assert (plain - got).abs().max() > 1e-2  # the sinks matter
+    # without sinks (a sliding-window model without them, on SGLang's window pool): torch's
+    # own attention with the same mask
+    none = sink_attention(q, k, v, None, scaling=d ** -0.5, q_start=start, window=window)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0), attn_mask=mask, scale=d ** -0.5)
+    torch.testing.assert_close(none, sdpa, rtol=1e-5, atol=1e-6)
 
 
 def test_sink_attention_in_blocks_equals_one_block(monkeypatch):

@@ -1,17 +1,20 @@
 """A sliding-window model with attention sinks (tiny random Granite SWA: a 32-token window
 in three layers of four, the family of gpt-oss) served by the SGLang worker on CPU: SGLang
-0.5.23's scheduler and radix cache, its plain KV pool (`--disable-hybrid-swa-memory`, which
-the CLI adds), the CPU recipe's attention with sinks (ext/sglang/cpu_attention.py), our
-anchor cache.
+0.5.23's scheduler and radix cache, its sliding-window pool (the sliding layers' rows by a
+second slot, freed once out of the window), the CPU recipe's attention
+(ext/sglang/cpu_attention.py), our anchor cache (its windows: ext/sglang/swa.py).
 
 - Its greedy tokens and their logprobs equal transformers' on the same weights, for prompts
   shorter and longer than the window, cold and over SGLang's own cached prefix.
+- An anchor's slabs are compact: the full layer's rows, and the sliding layers' last window.
 - The seeds' headline case after a flush: a second conversation with the same tools and
   another first message restores the instruction anchor (`cached_tokens` its depth) and
   answers as a cold run does; a chain whose second link spans windows comes back the same
-  way, and the rows on the device equal the slabs (`/anchor/verify`).
-- A restored row shifted by one (fault injection) is caught by that check, and a restore
-  after a flush is clean again.
+  way, and the rows and the window on the device equal the slabs (`/anchor/verify`).
+- A restored row shifted by one, or a window with one value changed (fault injection), is
+  caught by that check, and a restore after a flush is clean again.
+- An anchor whose window SGLang already freed (inside the tree's older part of a prefix) is
+  not written.
 - Through the proxy, a BFCL replay with anchors on equals anchors off.
 
 One server for the module (about a minute to start on a 2-core machine)."""
@@ -24,9 +27,11 @@ import httpx
 import pytest
 import torch
 
+from anchorcache.wire import AnchorKind, AnchorPlan, Region, SnapshotSpec
 from tests.data import conversations, two_turn_prompts
 from tests.ext.sglang.test_sglang_hybrid_cpu import (
     NEW,
+    NS,
     equal_to_transformers,
     generate,
     replay_on_equals_off,
@@ -45,7 +50,8 @@ WINDOW = 32  # the tiny model's sliding window (tiny_models._granite_swa)
 @pytest.fixture(scope="module")
 def swa():
     """(worker, model dir): the SGLang worker with our anchor cache on the tiny Granite SWA,
-    float32 as transformers runs it (SGLang's `--dtype auto` would serve it in float16)."""
+    float32 as transformers runs it (SGLang's `--dtype auto` would serve it in float16), on
+    SGLang's sliding-window pool (its default at page size 1)."""
     from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
 
     model = build_tiny_model("granite_swa", tiny_model_dir("granite_swa"))
@@ -59,14 +65,29 @@ def prompts(qwen3_tokenizer):
     return two_turn_prompts(qwen3_tokenizer, 2)
 
 
-def test_the_cli_serves_it_with_the_plain_pool(swa):
-    """`anchorcache worker` gave SGLang `--disable-hybrid-swa-memory`: without it SGLang
-    builds its sliding-window pool and our factory refuses to start."""
-    worker, _ = swa
+def test_it_is_served_on_the_window_pool_with_compact_slabs(swa, prompts):
+    """SGLang built its sliding-window pool (`anchorcache worker` no longer turns it off at
+    page size 1), and an anchor's slab holds the full layer's rows for every token and the
+    three sliding layers' rows for the last window only: for an instruction anchor of more
+    than four windows, under half of what the plain pool's slab (every layer, every token)
+    holds."""
+    import json
+
+    worker, model_dir = swa
     info = httpx.get(worker.url + "/model_info", timeout=30).json()
     assert info["architecture"] == "GraniteSWAForCausalLM" and info["hybrid"] is False
     args = httpx.get(worker.url + "/server_info", timeout=30).json()
-    assert args["disable_hybrid_swa_memory"] is True
+    assert args["disable_hybrid_swa_memory"] is False
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    row = 2 * config["num_key_value_heads"] * head_dim * 4  # K and V, float32
+    tool_depth, _, p1, _ = prompts[0]
+    flush_device(worker.url)
+    keys = save(worker.url, p1, tool_depth)
+    slots = httpx.get(worker.url + "/anchor/slots", timeout=30).json()["slots"]
+    nbytes = next(s["nbytes"] for s in slots if s["key"] == keys[tool_depth].hex())
+    assert nbytes == row * (tool_depth + 3 * WINDOW)  # (the tree's window: 32 tokens)
+    assert nbytes < row * 4 * tool_depth / 2
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers(swa):
@@ -130,15 +151,42 @@ def test_chain_restores_after_a_flush_and_verifies(swa, prompts):
     assert warm["output_ids"] == cold["output_ids"]
     ok = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
     assert ok["device_tokens"] == conv_depth and ok["mismatch"] is None
+    assert ok["state_equal"] is True  # the window
     flush_device(url)
     assert post(url, "/debug/fault", {"where": "restore_shift_row"})["armed"]
     generate(url, p2, chain)
     bad = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
     assert bad["mismatch"] is not None  # (the conversation link's middle row)
     flush_device(url)
+    assert post(url, "/debug/fault", {"where": "restore_state_flip"})["armed"]
+    flipped = generate(url, p2, chain)
+    bad = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
+    assert bad["mismatch"] is None and bad["state_equal"] is False
+    assert flipped["meta_info"]["cached_tokens"] == conv_depth
+    flush_device(url)
     again = generate(url, p2, chain)
     assert again["output_ids"] == cold["output_ids"]
-    assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["mismatch"] is None
+    ok = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
+    assert ok["mismatch"] is None and ok["state_equal"] is True
+
+
+def test_an_anchor_whose_window_is_gone_is_not_written(swa):
+    """A finished request leaves its tokens in SGLang's tree with window rows for its last
+    window only. A second request that continues them matches them from the tree; an anchor
+    it plans deep inside that part has no window rows left: it is not written (a slab
+    there would hold freed rows), while one at the end of its own prompt is."""
+    url = swa[0].url
+    first = list(range(2000, 2000 + 6 * WINDOW))
+    flush_device(url)
+    second = first + generate(url, first)["output_ids"] + list(range(500, 500 + 2 * WINDOW))
+    plan = AnchorPlan(NS, snapshot=(
+        SnapshotSpec(2 * WINDOW, AnchorKind.INSTRUCTION, Region.THICK),
+        SnapshotSpec(len(second) - 8, AnchorKind.CONVERSATION, Region.THICK)))
+    out = generate(url, second, plan)
+    assert out["meta_info"]["cached_tokens"] >= len(first)  # the first turn, from the tree
+    written = out["meta_info"]["anchors"]["written"]
+    assert [w["depth"] for w in written] == [len(second) - 8]
+    post(url, "/anchor/abort", {"slots": [w["slot"] for w in written]})
 
 
 def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(swa):

@@ -114,6 +114,7 @@ class _Pending:
     snapshot_s: float = 0.0  # spent writing the request's anchors (snapshot_ms)
     copies: list[Future[float]] = field(default_factory=list)  # its slabs' copies in flight
     cut: int | None = None  # stopped by the proxy: the response anchor's depth (`_op_cut`)
+    own_from: int | None = None  # its rows past what it matched in the tree (first checkpoint)
 
 
 class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,valid-type]
@@ -169,6 +170,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         self._copy_stream = torch.cuda.Stream(k0.device) if k0.is_cuda else None
         self.forward_stream: Any = None  # SGLang's, set by our adder hook (__init__.py)
         self._placing_rows = self._placing_states = 0  # held by restores in flight
+        self._placing_windows = 0
 
     # ---- RPC entry (scheduler loop) ---------------------------------------------------
     def __call__(self, op: str, payload: str, reply_to: str, call_id: int,
@@ -551,6 +553,9 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
     def mamba_protected_size(self) -> int:
         return int(super().mamba_protected_size()) + getattr(self, "_placing_states", 0)
 
+    def swa_protected_size(self) -> int:
+        return int(super().swa_protected_size()) + getattr(self, "_placing_windows", 0)
+
     # ---- snapshots (SGLang's checkpoint hook) -----------------------------------------
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         """Start the copies of every planned cut the request has computed (and, when it
@@ -562,6 +567,8 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         the request until it releases it."""
         p = self._pending.get(req.rid) if hasattr(self, "_pending") else None
         finished = req.finished()
+        if p is not None and p.own_from is None:  # (before SGLang's checkpoint inserts them)
+            p.own_from = int(req.kv.cache_protected_len)
         if p is None or not finished:
             super().checkpoint(req, up_to=up_to, **kwargs)
         if p is None:
@@ -597,20 +604,25 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
                 continue  # at or below what the request restored: nothing new to save
             if self._window is not None and not self.anchors.table.contains(
                     keys[spec.depth], spec.depth):
-                window = self._window_of(req, spec.depth)
+                window = self._window_of(req, p, spec.depth)
                 if window is None:
                     continue  # (its window rows are gone: the tree's older part of a prefix)
                 capture = self._capture(req, p, ready[-1].depth, state_at=up_to, window=window)
             self._record(p, self.anchors.write(req.rid, keys[spec.depth], spec.depth, spec.kind,
                                                spec.region.value, capture, ids=p.ids))
 
-    def _window_of(self, req: Any, depth: int) -> torch.Tensor | None:
+    def _window_of(self, req: Any, p: _Pending, depth: int) -> torch.Tensor | None:
         """On the sliding-window pool, the window of request `req`'s prefix at `depth`, copied
-        now (`WindowPool.gather`): SGLang frees window slots as the request moves on."""
+        now (`WindowPool.gather`): SGLang frees window slots as the request moves on. A
+        window of the request's own tokens that SGLang has not freed yet (its evicted-window
+        length, `swa_retain_floor` keeping planned ones) is live; any other is checked (on
+        CPU every one: it costs nothing there)."""
         assert self._window is not None
         lo, hi = self._window.span(depth)
-        return self._window.gather(
-            self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, lo:hi].to(torch.int64))
+        rows = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, lo:hi].to(torch.int64)
+        own = p.own_from is not None and lo >= max(
+            p.own_from, req.kv.get_evicted_seqlen(ComponentType.SWA))
+        return self._window.gather(rows, check=not (own and rows.is_cuda))
 
     def _snapshot_response(self, req: Any, p: _Pending, up_to: int) -> None:
         """The response anchor of a request that stopped on a stop token: prompt + output
@@ -626,7 +638,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         depth = min(up_to, len(full) - 1, len(full) if p.cut is None else p.cut)
         if depth <= len(p.ids) or (self._states is not None and depth != up_to):
             return  # (on a hybrid model the request's state is at `up_to` only)
-        window = self._window_of(req, depth) if self._window is not None else None
+        window = self._window_of(req, p, depth) if self._window is not None else None
         if self._window is not None and window is None:
             return
         key = anchor_keys(p.plan.namespace, self.model_id, full, [depth])[depth]
@@ -718,7 +730,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
                 if p.landing is not None and p.landing.copy is not None:
                     p.landing.copy.exception()
                 p.landing = None
-            self._placing_rows = self._placing_states = 0
+            self._placing_rows = self._placing_states = self._placing_windows = 0
             self._repin |= set(self._pins)
             self._pins.clear()
             self._pinned_tokens = 0

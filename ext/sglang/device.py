@@ -86,8 +86,9 @@ class DeviceTree:
     _copier: ThreadPoolExecutor
     _copy_stream: torch.cuda.Stream | None
     forward_stream: Any  # SGLang's (CUDA), which the copy stream waits for (`_fence`)
-    _placing_rows: int  # slots (and Mamba slots) held by placements in flight
+    _placing_rows: int  # slots (Mamba slots, window slots) held by placements in flight
     _placing_states: int
+    _placing_windows: int
     _tp_group: Any
     _timed: Any
     req_to_token_pool: Any
@@ -218,6 +219,7 @@ class DeviceTree:
                                        window_rows)
         self._placing_rows += need
         self._placing_states += slot is not None
+        self._placing_windows += fresh.windowed if fresh is not None else 0
         return Placement(key, depth, path[:on_device], head_lock, rows, slot, copy, fresh)
 
     def _write(self, slabs: list[torch.Tensor], where: list[torch.Tensor],
@@ -253,6 +255,7 @@ class DeviceTree:
         pl = placement
         self._placing_rows -= len(pl.rows)
         self._placing_states -= pl.slot is not None
+        self._placing_windows -= pl.fresh.windowed if pl.fresh is not None else 0
         try:
             if pl.copy is not None:
                 self._timed("restore_copy", 0.0, 1e3 * pl.copy.result())

@@ -18,9 +18,12 @@ attention window), so a restored prefix is one SGLang's match accepts.
 
 - A snapshot reads the window through the mapping, at once (`gather`): SGLang frees window
   slots as the request moves on, so they are copied before it does (on CUDA a gather on the
-  scheduler's stream, then host-bound on the copy thread). A window whose slots were freed
-  already (the tree's older part of a prefix) is no anchor: `gather` returns None. Until
-  its planned depths are copied, a request keeps their windows (`retain_floor`).
+  scheduler's stream, then host-bound on the copy thread). Until its planned depths are
+  copied, a request keeps their windows (`AnchorRadixCache.swa_retain_floor`), so a window
+  of tokens the request computed itself is live. One that reaches into the prefix it
+  matched in SGLang's tree may have been freed (the tree's older part of a prefix): its
+  mapping is checked (on CUDA a wait for the device, for those only), and such a window is
+  no anchor: `gather` returns None.
 - A restore takes full slots for the whole fresh part and window slots for its last
   `window` tokens only (`Fresh`), writes both, and inserts the prefix with SGLang's
   evicted-window length set to where the window starts: the part before is a tombstone.
@@ -78,12 +81,13 @@ class WindowPool:
         """The token positions `[lo, depth)` of the window of an anchor at `depth`."""
         return max(0, depth - self.window), depth
 
-    def gather(self, full_slots: torch.Tensor) -> torch.Tensor | None:
+    def gather(self, full_slots: torch.Tensor, *, check: bool = True) -> torch.Tensor | None:
         """The window rows of the tokens in `full_slots` (the last `window` of a prefix, by
         full slot) as `[sliding layers, 2, window, kv_heads, head_dim]`, front rows zero
-        when there are fewer; None if any of them has no window slot any more."""
+        when there are fewer; None if any of them has no window slot any more. Without
+        `check` the caller knows they have (on CUDA the check waits for the device)."""
         swa = self.mapping[full_slots]
-        if len(swa) and not bool((swa > 0).all()):
+        if check and len(swa) and not bool((swa > 0).all()):
             return None
         k0 = self.k[0]
         out = torch.zeros((len(self.k), 2, self.window, *k0.shape[1:]), dtype=k0.dtype,

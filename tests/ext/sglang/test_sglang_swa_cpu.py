@@ -14,7 +14,9 @@ second slot, freed once out of the window), the CPU recipe's attention
 - A restored row shifted by one, or a window with one value changed (fault injection), is
   caught by that check, and a restore after a flush is clean again.
 - An anchor whose window SGLang already freed (inside the tree's older part of a prefix) is
-  not written.
+  not written; interleaved restores, flushes, SGLang's own cache of the prompt and long
+  prompts that make SGLang evict (windows included) never change turn 2's output; a
+  pinned anchor keeps its window on the device through that pressure.
 - Through the proxy, a BFCL replay with anchors on equals anchors off.
 
 One server for the module (about a minute to start on a 2-core machine)."""
@@ -26,6 +28,8 @@ from functools import partial
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from anchorcache.wire import AnchorKind, AnchorPlan, Region, SnapshotSpec
 from tests.data import conversations, two_turn_prompts
@@ -187,6 +191,63 @@ def test_an_anchor_whose_window_is_gone_is_not_written(swa):
     written = out["meta_info"]["anchors"]["written"]
     assert [w["depth"] for w in written] == [len(second) - 8]
     post(url, "/anchor/abort", {"slots": [w["slot"] for w in written]})
+
+
+@pytest.fixture(scope="module")
+def churn(swa, prompts):
+    """A chain saved for turn 2 (instruction anchor, then one more than a window further) and
+    turn 2's cold output, for the interleaving test."""
+    url = swa[0].url
+    tool_depth, _, _, p2 = prompts[1]
+    conv_depth = len(p2) - NEW
+    flush_device(url)
+    cold = generate(url, p2)
+    flush_device(url)
+    keys = save(url, p2, tool_depth, conv_depth)
+    return restore((tool_depth, keys[tool_depth]), (conv_depth, keys[conv_depth])), p2, cold
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(["restore", "flush", "other", "plain"]), min_size=3,
+                max_size=6))
+def test_interleaved_requests_flushes_and_pool_pressure_never_restore_a_stale_window(
+        swa, churn, ops):
+    """Whatever ran before (restores over a tree that holds turn 2's prefix with its older
+    part tombstoned, flushes, long other prompts that make SGLang evict tree nodes and their
+    windows, SGLang's own cache of the same prompt), turn 2 gives its cold output."""
+    url = swa[0].url
+    chain, p2, cold = churn
+    for i, op in enumerate(ops):
+        if op == "flush":
+            flush_device(url)
+        elif op == "other":  # (two of them fill most of the pool)
+            generate(url, list(range(3000 + 97 * i, 5200 + 97 * i)), max_new=3)
+        else:
+            out = generate(url, p2, chain if op == "restore" else None)
+            assert out["output_ids"] == cold["output_ids"], (ops, i)
+
+
+def test_a_pinned_anchor_keeps_its_window_on_the_device(swa, churn):
+    """A pinned instruction anchor goes on the device with its window (verify: rows and
+    window equal the slabs) and stays there, locked, while long prompts make SGLang evict
+    everything else: turn 2 then finds it on the device (nothing scattered from the host)
+    and gives its cold output."""
+    url = swa[0].url
+    chain, p2, cold = churn
+    link = chain.restore[0]  # the instruction anchor (within the pin budget)
+    flush_device(url)
+    assert post(url, "/anchor/pin", {"key": link.key.hex()})["device"] == "locked"
+    placed = post(url, "/anchor/verify", {"key": link.key.hex()})
+    assert placed["device_tokens"] == link.depth and placed["mismatch"] is None
+    assert placed["state_equal"] is True
+    for i in range(3):
+        generate(url, list(range(6000 + 89 * i, 8200 + 89 * i)), max_new=2)
+    warm = generate(url, p2, restore((link.depth, link.key)))
+    assert warm["meta_info"]["cached_tokens"] >= link.depth
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == 0
+    assert warm["output_ids"] == cold["output_ids"]
+    post(url, "/anchor/unpin", {"key": link.key.hex()})
 
 
 def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(swa):

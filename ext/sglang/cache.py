@@ -43,6 +43,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -419,7 +420,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             lo, hi = self._window.span(n)
             window = self._window.gather(rows[lo:hi])
             same_window = window is not None and torch.equal(
-                window.contiguous().view(torch.uint8).flatten().cpu(), chain[-1].state)
+                self._window.as_state(window), chain[-1].state)
             state_equal = bool(tp.all_ranks(self._tp_group, torch.tensor([same_window]))[0])
         if self._states is not None and n == len(ids) and chain[-1].state is not None:
             slot = self.tree_core.get_component_device_value(match.last_device_node,
@@ -682,16 +683,13 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         """On the copy thread: rows → `out` (and a gathered `window` → `state`); the seconds
         it took."""
         t = time.perf_counter()
-        if self._copy_stream is None:
-            ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)
+        with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None \
+                else nullcontext():
+            ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)  # synchronizes
             if window is not None and state is not None:
                 state.copy_(window.view(torch.uint8).flatten())
-        else:
-            with torch.cuda.stream(self._copy_stream):
-                ops.snapshot_kv(self._k, self._v, rows, layout="thd", out=out)  # synchronizes
-                if window is not None and state is not None:
-                    state.copy_(window.view(torch.uint8).flatten())
-                    self._copy_stream.synchronize()
+        if self._copy_stream is not None and window is not None:
+            self._copy_stream.synchronize()  # (the window's copy too)
         return time.perf_counter() - t
 
     def _join(self, rid: str, p: _Pending) -> None:

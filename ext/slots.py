@@ -7,7 +7,15 @@ Rules (the model in tests/ext/test_slot_table_model.py is their executable form)
 
 - Regions: slots ``[slot_base, slot_base + pinned_slots)`` are the thin region (tool anchors),
   all others the thick region. ``reserve`` takes the lowest free slot of the region, else the
-  least-recently-used slot that is not pinned, not reserved and not already claimed.
+  least-recently-used evictable slot: committed, not pinned, not reserved, not already claimed
+  and not protected (below).
+- Chains: an anchor may name a ``parent`` key. Its ancestors are the walk parent key -> the
+  slot where that key is committed (and not stale) -> its parent -> ..., stopping at a missing
+  parent and at a slot already on the walk (a parent may name a descendant: cycles end there).
+- Touch: a commit or a lookup hit gives the anchor a fresh ``last_use`` tick, then each
+  ancestor a fresher one (child t, parent t + 1, grandparent t + 2, ...); only the anchor's own
+  ``hits`` grows. A chain restored root first still ends with its root the newest, so LRU
+  evicts leaves before their ancestors.
 - Deferred eviction: ``reserve`` evicts nothing. It claims victims (the slot's occupant, then
   LRU slots of the same region, then of the other region, until
   ``bytes_used - claimed + reserved + nbytes <= capacity_bytes``); claimed anchors still hit.
@@ -15,8 +23,12 @@ Rules (the model in tests/ext/test_slot_table_model.py is their executable form)
   ``abort`` releases them, so a failed snapshot never costs the old anchor.
 - ``lookup`` hits only if the slot's committed key and depth equal the query's; a map entry
   whose slot now holds something else is stale and is evicted on sight.
-- Pinned anchors are never victims; a claimed anchor cannot be pinned (``pin`` returns False).
-- ``last_use`` is a logical clock (one tick per commit or hit), not wall time.
+- Pinned anchors are never victims, nor are their ancestors (protected): a pinned chain keeps
+  its parents. ``reserve(..., slot=S)`` refuses a pinned, claimed or protected occupant.
+  ``pin`` returns False if the anchor or any ancestor is claimed (the pending reservation
+  would evict it at confirm). ``evict`` and ``clear`` remove pinned and protected anchors too.
+- ``last_use`` is a logical clock (one tick per touch of the anchor or of a descendant), not
+  wall time.
 
 Thread-safe: every call takes the table's mutex (the GIL is released meanwhile).
 """
@@ -46,7 +58,7 @@ class SlotInfo(NamedTuple):
     nbytes: int
     pinned: bool
     hits: int
-    last_use: int  # logical clock tick
+    last_use: int  # logical clock tick: its own commit or hit, or a descendant's (ancestors)
     state: Literal["committed", "reserved"]
 
 
@@ -88,9 +100,10 @@ class SlotTable:
                 region: Region = "thick", slot: int | None = None) -> Reservation | None:
         """Reserves a slot for ``key`` at ``depth``; None if nothing can be reserved.
 
-        ``slot`` asks for an in-place refresh of that slot (None if it is pinned, reserved or
-        claimed). A key already committed or reserved is refused (None). Raises ValueError on
-        a malformed key or negative sizes, IndexError on a slot out of range.
+        ``slot`` asks for an in-place refresh of that slot (None if it is pinned, reserved,
+        claimed or an ancestor of a pinned anchor). A key already committed or reserved is
+        refused (None). Raises ValueError on a malformed key or negative sizes, IndexError
+        on a slot out of range.
         """
         if parent is not None:
             _key(parent, "parent")
@@ -111,7 +124,10 @@ class SlotTable:
         self._table.abort(slot)
 
     def lookup(self, key: bytes, depth: int) -> int | None:
-        """The slot of a committed ``key`` at exactly ``depth`` (LRU touch, hits++), else None."""
+        """The slot of a committed ``key`` at exactly ``depth``, else None.
+
+        A hit touches the anchor (hits++) and its ancestors (fresh ticks, hits unchanged).
+        """
         return self._table.lookup(_key(key), depth)
 
     def contains(self, key: bytes, depth: int) -> bool:
@@ -119,6 +135,8 @@ class SlotTable:
         return self._table.contains(_key(key), depth)
 
     def pin(self, key: bytes) -> bool:
+        """Pins a committed ``key`` (and so protects its ancestors); False if it is not
+        committed, or it or an ancestor is claimed by a pending reservation."""
         return self._table.pin(_key(key))
 
     def unpin(self, key: bytes) -> bool:

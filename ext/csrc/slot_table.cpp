@@ -1,5 +1,6 @@
 #include "slot_table.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <tuple>
 
@@ -42,22 +43,6 @@ void SlotTable::check_slot(int64_t slot) const {
   }
 }
 
-bool SlotTable::evictable(int64_t slot) const {
-  const Slot& s = slots_[slot];
-  return s.committed.has_value() && !s.committed->pinned && !s.claimed_by.has_value() &&
-         !s.pending.has_value();
-}
-
-std::optional<int64_t> SlotTable::lru_victim(bool thin, int64_t exclude) const {
-  std::optional<int64_t> best;
-  for (int64_t i = 0; i < num_slots_; ++i) {
-    if (i == exclude || in_thin(i) != thin || !evictable(i)) continue;
-    // Ties cannot happen (every commit and hit takes a fresh tick); lowest slot wins anyway.
-    if (!best || slots_[i].committed->last_use < slots_[*best].committed->last_use) best = i;
-  }
-  return best;
-}
-
 std::optional<int64_t> SlotTable::valid_slot(const std::string& key) const {
   auto it = index_.find(key);
   if (it == index_.end()) return std::nullopt;
@@ -66,6 +51,52 @@ std::optional<int64_t> SlotTable::valid_slot(const std::string& key) const {
     return std::nullopt;
   }
   return it->second.slot;
+}
+
+std::vector<int64_t> SlotTable::ancestors(int64_t slot) const {
+  // The walk visits each slot at most once (`slot` included), so it ends within num_slots
+  // steps even when parents form a cycle. Chains are a few links: a linear search is enough.
+  std::vector<int64_t> chain;
+  const SlotEntry* e = &*slots_[slot].committed;
+  while (e->parent) {
+    std::optional<int64_t> up = valid_slot(*e->parent);
+    if (!up || *up == slot || std::find(chain.begin(), chain.end(), *up) != chain.end()) break;
+    chain.push_back(*up);
+    e = &*slots_[*up].committed;
+  }
+  return chain;
+}
+
+void SlotTable::touch(int64_t slot) {
+  // Ancestors end strictly newer than their descendants: LRU reaches a chain's leaf first.
+  slots_[slot].committed->last_use = ++clock_;
+  for (int64_t up : ancestors(slot)) slots_[up].committed->last_use = ++clock_;
+}
+
+std::vector<char> SlotTable::protected_slots() const {
+  std::vector<char> is_protected(static_cast<size_t>(num_slots_), 0);
+  for (int64_t i = 0; i < num_slots_; ++i) {
+    if (!slots_[i].committed || !slots_[i].committed->pinned) continue;
+    for (int64_t up : ancestors(i)) is_protected[up] = 1;
+  }
+  return is_protected;
+}
+
+bool SlotTable::evictable(int64_t slot, const std::vector<char>& is_protected) const {
+  const Slot& s = slots_[slot];
+  return s.committed.has_value() && !s.committed->pinned && !s.claimed_by.has_value() &&
+         !s.pending.has_value() && !is_protected[slot];
+}
+
+std::optional<int64_t> SlotTable::lru_victim(bool thin, const std::vector<char>& taken,
+                                             const std::vector<char>& is_protected) const {
+  std::optional<int64_t> best;
+  for (int64_t i = 0; i < num_slots_; ++i) {
+    if (taken[i] || in_thin(i) != thin || !evictable(i, is_protected)) continue;
+    // Ties cannot happen (every touch takes fresh ticks); lowest slot wins anyway.
+    if (!best || slots_[i].committed->last_use < slots_[*best].committed->last_use) best = i;
+  }
+  return best;
 }
 
 void SlotTable::drop_committed(int64_t slot) {
@@ -93,11 +124,16 @@ std::optional<SlotReservation> SlotTable::reserve(const std::string& key, int64_
   std::lock_guard<std::mutex> lock(mu_);
   if (index_.count(key) || pending_keys_.count(key)) return std::nullopt;
 
+  const std::vector<char> is_protected = protected_slots();
+  // Claims are applied at the end, so candidates are marked as taken while searching.
+  std::vector<char> taken(static_cast<size_t>(num_slots_), 0);
   int64_t chosen = -1;
   if (slot) {
     const Slot& s = slots_[*slot];
     if (s.pending) return std::nullopt;
-    if (s.committed && (s.committed->pinned || s.claimed_by)) return std::nullopt;
+    if (s.committed && (s.committed->pinned || s.claimed_by || is_protected[*slot])) {
+      return std::nullopt;
+    }
     chosen = *slot;
   } else {
     const bool thin = region == Region::kThin;
@@ -105,11 +141,12 @@ std::optional<SlotReservation> SlotTable::reserve(const std::string& key, int64_
       if (in_thin(i) == thin && !slots_[i].committed && !slots_[i].pending) chosen = i;
     }
     if (chosen < 0) {
-      std::optional<int64_t> lru = lru_victim(thin, -1);
+      std::optional<int64_t> lru = lru_victim(thin, taken, is_protected);
       if (!lru) return std::nullopt;
       chosen = *lru;
     }
   }
+  taken[chosen] = 1;
 
   std::vector<int64_t> victim_slots;
   int64_t freed = 0;
@@ -120,16 +157,9 @@ std::optional<SlotReservation> SlotTable::reserve(const std::string& key, int64_
   // Bytes as they will be once every pending reservation (this one included) is confirmed.
   auto projected = [&] { return bytes_used_ - bytes_claimed_ + bytes_reserved_ + nbytes - freed; };
   // Secondary victims for bytes: LRU of the chosen slot's region first, then the other one.
-  // Claims are applied at the end, so mark candidates as taken while searching.
-  std::vector<char> taken(static_cast<size_t>(num_slots_), 0);
-  taken[chosen] = 1;
   for (bool thin : {in_thin(chosen), !in_thin(chosen)}) {
     while (projected() > capacity_bytes_) {
-      std::optional<int64_t> best;
-      for (int64_t i = 0; i < num_slots_; ++i) {
-        if (taken[i] || in_thin(i) != thin || !evictable(i)) continue;
-        if (!best || slots_[i].committed->last_use < slots_[*best].committed->last_use) best = i;
-      }
+      std::optional<int64_t> best = lru_victim(thin, taken, is_protected);
       if (!best) break;
       taken[*best] = 1;
       victim_slots.push_back(*best);
@@ -188,12 +218,12 @@ std::vector<std::string> SlotTable::confirm(int64_t slot) {
     }
   }
   SlotEntry entry = std::move(pending.entry);
-  entry.last_use = ++clock_;
   bytes_reserved_ -= entry.nbytes;
   bytes_used_ += entry.nbytes;
   pending_keys_.erase(entry.key);
   index_[entry.key] = MapEntry{slot, entry.depth};
   s.committed = std::move(entry);
+  touch(slot);  // after the victims are gone: an evicted parent ends the walk
   ++confirms_;
   return evicted;
 }
@@ -239,7 +269,7 @@ std::optional<int64_t> SlotTable::lookup(const std::string& key, int64_t depth) 
     ++misses_;
     return std::nullopt;
   }
-  e.last_use = ++clock_;
+  touch(*slot);
   ++e.hits;
   ++hits_;
   return slot;
@@ -257,6 +287,10 @@ bool SlotTable::pin(const std::string& key) {
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<int64_t> slot = valid_slot(key);
   if (!slot || slots_[*slot].claimed_by) return false;
+  // A claimed ancestor goes at its claimer's confirm: the pin could not keep the chain.
+  for (int64_t up : ancestors(*slot)) {
+    if (slots_[up].claimed_by) return false;
+  }
   slots_[*slot].committed->pinned = true;
   return true;
 }

@@ -2,17 +2,30 @@
 //
 // Bookkeeping only: slab memory belongs to the caller (the worker keeps slot -> slab). Slots
 // [slot_base, slot_base + pinned_slots) form the thin region (tool anchors), the rest the
-// thick region; each region is reused least-recently-used among unpinned, unclaimed slots.
+// thick region; each region is reused least-recently-used among evictable slots.
+//
+// Anchors chain: an entry may name a `parent` key (a child stores only the rows past its
+// parent). Its ancestors are the walk parent key -> the slot where that key is committed and
+// not stale -> that entry's parent -> ..., stopping at a missing or stale parent and at a slot
+// already on the walk (keys are arbitrary: a parent may name a descendant).
 //
 // Invariants (checked by tests/ext/test_slot_table*.py against a Python model):
 // - A key is visible to lookup only once committed (confirm), and only while the slot's
 //   committed (key, depth) equals the key's map entry; anything else is a stale map entry,
 //   evicted on sight.
+// - Touching an entry (its commit, a lookup hit) gives it a fresh clock tick, then each of its
+//   ancestors a fresher one (child t, parent t + 1, ...); only the entry's own hits grow. So
+//   outside cycles a parent is always newer than its child, and LRU evicts leaves first.
 // - reserve() evicts nothing: it claims victims (the slot's occupant, then LRU slots of the
 //   same region, then of the other region, until the bytes fit). Claimed victims stay
 //   visible; confirm() evicts them and every other key mapped to the slot; abort() releases
 //   them, so a failed snapshot never costs the old anchor.
-// - A claimed victim can be neither pinned nor claimed again; a pinned slot is never a victim.
+// - Evictable: committed, not pinned, not claimed, no pending reservation, and not an ancestor
+//   of a committed pinned entry (protected). Only evictable slots are victims; an in-place
+//   refresh of a pinned, claimed or protected occupant is refused. evict() and clear() remove
+//   anything committed.
+// - pin() refuses an entry that is claimed or has a claimed ancestor (a pending reservation
+//   would evict it at confirm, breaking the pinned chain).
 // - bytes_used - bytes_claimed + bytes_reserved <= capacity_bytes after every reserve.
 // Every public method takes the table's mutex: safe to call from several threads.
 #pragma once
@@ -37,7 +50,7 @@ struct SlotEntry {
   int64_t nbytes = 0;
   bool pinned = false;
   int64_t hits = 0;
-  int64_t last_use = 0;  // logical clock tick of the last commit or lookup hit
+  int64_t last_use = 0;  // logical clock tick of the last touch: its own or a descendant's
 };
 
 struct SlotReservation {
@@ -95,9 +108,17 @@ class SlotTable {
   };
 
   bool in_thin(int64_t slot) const;
-  bool evictable(int64_t slot) const;
-  std::optional<int64_t> lru_victim(bool thin, int64_t exclude) const;
   std::optional<int64_t> valid_slot(const std::string& key) const;  // committed, not stale
+  // Slots of the committed entry's ancestors, nearest first (the cycle-guarded parent walk).
+  std::vector<int64_t> ancestors(int64_t slot) const;
+  // A fresh tick for the committed entry at `slot`, then a fresher one for each ancestor.
+  void touch(int64_t slot);
+  // Per slot: 1 if it is an ancestor of a committed pinned entry (so never a victim).
+  std::vector<char> protected_slots() const;
+  bool evictable(int64_t slot, const std::vector<char>& is_protected) const;
+  // Least recently used evictable slot of the region, skipping slots marked in `taken`.
+  std::optional<int64_t> lru_victim(bool thin, const std::vector<char>& taken,
+                                    const std::vector<char>& is_protected) const;
   void drop_committed(int64_t slot);
   void check_slot(int64_t slot) const;
 

@@ -1,4 +1,5 @@
-"""Specific slot-table rules: refresh in place, abort keeps the old anchor, thin-region LRU."""
+"""Specific slot-table rules: refresh in place, abort keeps the old anchor, thin-region LRU,
+chains (touching an anchor touches its ancestors; a pinned anchor protects them)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,92 @@ def test_concurrent_reserve_confirm_lookup_keeps_the_books():
     assert (stats.confirms, stats.used_slots, stats.evictions) == (total, 16, total - 16)
     assert stats.bytes_used == 16 and stats.reserved_slots == 0
     assert sorted(e.slot for e in table.entries()) == list(range(16))
+
+
+def ticks(table: SlotTable) -> dict[bytes, int]:
+    return {e.key: e.last_use for e in table.entries() if e.state == "committed"}
+
+
+def test_a_chain_restored_root_first_loses_its_leaf_first_and_its_root_last():
+    table = SlotTable(6, 10_000, slot_base=0, pinned_slots=4)
+    commit(table, "root", 10, region="thin")
+    commit(table, "mid", 20, parent=key("root"), region="thin")
+    commit(table, "leaf", 30, parent=key("mid"), region="thin")
+    commit(table, "other", 15, region="thin")  # unrelated, newer than the chain's commits
+    # A restore looks the links up root first: pure LRU would leave the root the oldest.
+    for name, depth in (("root", 10), ("mid", 20), ("leaf", 30)):
+        assert table.lookup(key(name), depth) is not None
+    t = ticks(table)
+    assert t[key("other")] < t[key("leaf")] < t[key("mid")] < t[key("root")]
+    # Each lookup counts a hit for its own anchor only, not for the ancestors it touched.
+    assert {e.key: e.hits for e in table.entries()} == {
+        key("root"): 1, key("mid"): 1, key("leaf"): 1, key("other"): 0}
+    assert table.stats().hits == 3
+
+    evicted = []
+    for i in range(4):  # the thin region is full: each new tool anchor takes the LRU slot
+        res = table.reserve(key(f"new{i}"), 40 + i, 10, region="thin")
+        assert res is not None and len(res.victims) == 1
+        evicted += table.confirm(res.slot)
+    assert evicted == [key("other"), key("leaf"), key("mid"), key("root")]
+
+
+def test_a_pinned_leaf_keeps_its_ancestors_until_unpinned():
+    table = SlotTable(4, 1000)
+    root = commit(table, "root", 10)
+    mid = commit(table, "mid", 20, parent=key("root"))
+    commit(table, "leaf", 30, parent=key("mid"))
+    commit(table, "other", 40)
+    assert table.pin(key("leaf"))
+    # mid is the LRU unpinned anchor, but it and root are the pinned leaf's ancestors.
+    res = table.reserve(key("x"), 50, 10)
+    assert res is not None and res.victims == (key("other"),)
+    table.confirm(res.slot)
+    assert table.pin(key("x"))
+    assert table.reserve(key("y"), 60, 10) is None  # nothing else can go
+    assert table.reserve(key("y"), 60, 10, slot=mid) is None  # no in-place refresh either
+    assert table.reserve(key("y"), 60, 10, slot=root) is None
+    assert table.contains(key("mid"), 20) and table.contains(key("root"), 10)
+
+    assert table.unpin(key("leaf"))
+    res = table.reserve(key("y"), 60, 10)
+    assert res is not None and res.victims == (key("leaf"),)  # leaves before ancestors
+    table.abort(res.slot)
+    assert table.reserve(key("y"), 60, 10, slot=mid) == Reservation(mid, (key("mid"),))
+
+
+def test_pin_is_refused_while_an_ancestor_is_claimed():
+    table = SlotTable(3, 1000)
+    root = commit(table, "root", 10)
+    commit(table, "leaf", 20, parent=key("root"))
+    res = table.reserve(key("root2"), 15, 10, slot=root)  # root is now a pending victim
+    assert res == Reservation(root, (key("root"),))
+    assert not table.pin(key("leaf"))  # the confirm would break the pinned chain
+    assert not table.pin(key("root"))
+    table.abort(res.slot)
+
+    assert table.pin(key("leaf"))
+    assert table.reserve(key("root2"), 15, 10, slot=root) is None  # root is protected now
+    assert table.evict(key("root"))  # an explicit evict still removes it
+    assert not table.contains(key("root"), 10) and table.contains(key("leaf"), 20)
+
+
+def test_a_parent_cycle_ends_the_walk_and_touches_each_anchor_once():
+    table = SlotTable(3, 1000)
+    commit(table, "a", 1, parent=key("b"))  # b is not committed yet: the walk stops at a
+    assert ticks(table) == {key("a"): 1}
+    commit(table, "b", 2, parent=key("a"))  # closes the cycle: b, then a, then b again: stop
+    assert ticks(table) == {key("a"): 3, key("b"): 2}
+    assert table.lookup(key("a"), 1) is not None
+    assert ticks(table) == {key("a"): 4, key("b"): 5}
+    commit(table, "self", 3, parent=key("self"))  # its own parent
+    assert ticks(table)[key("self")] == 6
+    assert table.lookup(key("self"), 3) is not None and ticks(table)[key("self")] == 7
+
+    assert table.pin(key("a"))  # b is a's ancestor (and a is b's): both stay
+    res = table.reserve(key("c"), 4, 10)
+    assert res is not None and res.victims == (key("self"),)
+    table.abort(res.slot)
+    assert table.pin(key("self"))
+    assert table.reserve(key("c"), 4, 10) is None
+    assert {e.key: e.hits for e in table.entries()} == {key("a"): 1, key("b"): 0, key("self"): 1}

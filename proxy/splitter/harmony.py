@@ -270,6 +270,9 @@ class HarmonyParser(OutputParser):
         """`cut`: the output ended inside this body (see `OutputParser.flush(truncated=)`)."""
         self._in_body = False
         if self._kind == "call":
+            if cut and self._truncated and not body.strip():  # cut before its arguments
+                self._emit_call(self._name, "", out, partial=True)
+                return
             call = call_from_object({"name": self._name, "arguments": body})
             if call is not None:
                 self._emit_call(*call, out)

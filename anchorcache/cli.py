@@ -41,6 +41,10 @@ CanonicalTools = Annotated[bool, typer.Option(
     "--canonical-tools/--client-tools", envvar="ANCHORCACHE_CANONICAL_TOOLS",
     help="Sort tools and schema keys before rendering: more anchor sharing between clients, "
          "but the prompt differs from the model's own template (default: client order).")]
+ToolAnchorGap = Annotated[int, typer.Option(
+    envvar="ANCHORCACHE_TOOL_ANCHOR_GAP", min=0,
+    help="Tool anchors inside the instruction prefix, at least this many tokens apart, so "
+         "toolsets that start with the same tools share that prefix (0: none).")]
 LogLevel = Annotated[str, typer.Option(envvar="ANCHORCACHE_LOG_LEVEL")]
 AnchorSlots = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_SLOTS", min=2,
                                           help="Anchor slots in the worker.")]
@@ -147,7 +151,7 @@ def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, a
 
     _refuse_parallelism(extra)
     config = SGLangAnchorConfig(anchor_slots=anchor_slots, anchor_capacity_bytes=anchor_bytes,
-                                pinned_slots=min(16, anchor_slots // 4),
+                                pinned_slots=anchor_slots // 4,
                                 fault_injection=fault_injection)
     gpu = cpu.has_gpu()
     env = {**os.environ, **config.to_env()}
@@ -191,7 +195,7 @@ def worker(
 
     config = WorkerConfig(model=model, threads=threads, dtype=dtype, anchor_slots=anchor_slots,
                           anchor_capacity_bytes=anchor_bytes,
-                          pinned_slots=min(16, anchor_slots // 4), fault_injection=fault_injection)
+                          pinned_slots=anchor_slots // 4, fault_injection=fault_injection)
     try:
         asyncio.run(_serve_forever(create_app(config), host, port,
                                    "anchorcache worker listening on http://{host}:{port}"))
@@ -222,6 +226,7 @@ def proxy(
     anchors: Anchors = True,
     adapter: Adapter = "auto",
     canonical_tools: CanonicalTools = False,
+    tool_anchor_gap: ToolAnchorGap = 256,
     max_body_bytes: MaxBody = 32 << 20,
     state_dir: StateDir = str(default_state_dir()),
     admin_token: AdminToken = None,
@@ -249,6 +254,7 @@ def proxy(
                              route_max_imbalance=route_max_imbalance,
                              health_interval_s=health_interval_s, host=host, port=port,
                              anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
+                             tool_anchor_gap=tool_anchor_gap,
                              max_body_bytes=max_body_bytes, state_dir=state_dir,
                              admin_token=admin_token or None, anonymous=anonymous,
                              strict_keys=strict_keys,
@@ -293,6 +299,7 @@ def serve(
     anchors: Anchors = True,
     adapter: Adapter = "auto",
     canonical_tools: CanonicalTools = False,
+    tool_anchor_gap: ToolAnchorGap = 256,
     threads: Threads = None,
     anchor_slots: AnchorSlots = 256,
     anchor_bytes: AnchorBytes = 4 << 30,
@@ -336,7 +343,8 @@ def serve(
     try:  # checked before the worker starts, as `proxy` checks it
         config = ProxyConfig(worker_urls=(f"http://127.0.0.1:{worker_port}",), host=host,
                              port=port, anchors=anchors, adapter=adapter,
-                             canonical_tools=canonical_tools, max_body_bytes=max_body_bytes,
+                             canonical_tools=canonical_tools, tool_anchor_gap=tool_anchor_gap,
+                             max_body_bytes=max_body_bytes,
                              state_dir=state_dir, admin_token=admin_token or None,
                              anonymous=anonymous, strict_keys=strict_keys,
                              metrics_max_tenants=metrics_max_tenants,

@@ -30,6 +30,7 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class AnchorKind(str, Enum):
+    TOOL = "tool"  # the end of a tool schema inside the instruction prefix (the thin region)
     INSTRUCTION = "instruction"
     CONVERSATION = "conversation"
     RESPONSE = "response"

@@ -27,6 +27,9 @@ class ProxyConfig:
     # toolset in different orders; the prompt then differs from the template's). Off: the
     # client's order, byte-identical to the model's own template. See docs/splitter.md.
     canonical_tools: bool = False
+    # tool anchors inside the instruction prefix at least this many tokens apart (0: none),
+    # so toolsets that share their first tools share that prefix (proxy/planner.py)
+    tool_anchor_gap: int = 256
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 1024
     worker_timeout_s: float = 600.0
@@ -72,6 +75,8 @@ class ProxyConfig:
             raise ValueError("metrics_worker_timeout_s must be in (0, 60]")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
+        if self.tool_anchor_gap < 0:
+            raise ValueError("tool_anchor_gap must be >= 0")
         if self.pin_budget_bytes < 0:
             raise ValueError("pin_budget_bytes must be >= 0")
 

@@ -88,10 +88,11 @@ def _new(entries: Iterable[AnchorWritten]) -> list[NewAnchor]:
 class AnchorLifecycle:
     def __init__(self, worker: WorkerClient, ledger: Ledger, *, model_id: str, epoch: str,
                  worker_id: str, shared_namespace: bytes,
-                 single_flight_wait_s: float = 60.0, hybrid: bool = False) -> None:
+                 single_flight_wait_s: float = 60.0, hybrid: bool = False,
+                 tool_gap: int = 256) -> None:
         self.worker = worker
         self.ledger = ledger
-        self._planner = Planner(model_id, epoch, hybrid=hybrid)
+        self._planner = Planner(model_id, epoch, hybrid=hybrid, tool_gap=tool_gap)
         self.worker_id = worker_id
         self.shared_namespace = shared_namespace
         self.single_flight_wait_s = single_flight_wait_s

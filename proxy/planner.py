@@ -4,8 +4,13 @@
 deepest anchor whose whole chain is known and that is an exact prefix of this prompt (keys
 cover every token, so equal key ⇒ equal prefix), and asks for snapshots at the instruction
 cut, the conversation cut, the end of the messages and the end of the prompt, plus the
-response anchor. `record()` folds a settled request's outcome into the index. No I/O: the
-anchor life cycle (`proxy/lifecycle.py`) calls the worker and the ledger around these.
+response anchor. Inside the instruction prefix it also asks for tool anchors at tool cuts
+(where a tool's schema ends) at least `tool_gap` tokens apart and from the instruction cut:
+they are the instruction anchor's ancestors in its chain, so a toolset that starts with
+another one's first tools restores their common part (written only where the restore does
+not already cover them: a toolset's first request). `record()` folds a settled request's
+outcome into the index. No I/O: the anchor life cycle (`proxy/lifecycle.py`) calls the
+worker and the ledger around these.
 
 Namespaces: every key is derived in a namespace, a hash of the tenant's server-side secret
 salt, its name and (optionally) the client's `cache_salt`, which can only narrow sharing
@@ -66,13 +71,29 @@ class Settled:
 
 class Planner:
     def __init__(self, model_id: str, epoch: str, index: AnchorIndex | None = None, *,
-                 hybrid: bool = False) -> None:
+                 hybrid: bool = False, tool_gap: int = 256) -> None:
         self.model_id = model_id
         self.epoch = epoch
         self.index = index if index is not None else AnchorIndex()
         # a hybrid (recurrent) model: every cut inside a prompt ends a prefill chunk there,
         # one more prefill round, so only the cuts a later turn needs are made (`_cuts`)
         self.hybrid = hybrid
+        if tool_gap < 0:
+            raise ValueError("tool_gap must be >= 0")
+        self.tool_gap = tool_gap  # tokens between tool anchors (0: none)
+
+    def _tool_cuts(self, split: SplitResult) -> list[int]:
+        """The tool cuts to anchor: each at least `tool_gap` tokens past the previous one
+        (the first past the prompt's start) and before the instruction cut."""
+        instr = split.instruction_cut
+        if not self.tool_gap or instr is None:
+            return []
+        out, last = [], 0
+        for pos in split.tool_cuts:
+            if pos - last >= self.tool_gap and instr - pos >= self.tool_gap:
+                out.append(pos)
+                last = pos
+        return out
 
     def _cuts(self, split: SplitResult) -> list[tuple[int, AnchorKind]]:
         """Snapshot-worthy cuts strictly inside the prompt (the last token is always
@@ -85,7 +106,7 @@ class Planner:
         n = len(split.input_ids)
         skip_conversation = self.hybrid and split.stable_tail and any(
             c.kind == CutKind.MESSAGES and c.position < n for c in split.cuts)
-        out = []
+        out = [(pos, AnchorKind.TOOL) for pos in self._tool_cuts(split) if 0 < pos < n]
         for cut in split.cuts:
             if not 0 < cut.position < n:
                 continue
@@ -109,7 +130,7 @@ class Planner:
              skip_instruction: bool = False) -> Plan:
         """Plan `split` in `namespace`; `shared`: the shared-toolset namespace, whose
         instruction anchor may root the chain; `skip_instruction`: do not snapshot the
-        instruction cut (another request is writing it)."""
+        instruction cut and its tool cuts (another request is writing them)."""
         ns = namespace
         ids = split.input_ids
         n = len(ids)
@@ -136,16 +157,17 @@ class Planner:
                     or (shared_root is not None and r.key == shared_root.key) for r in links):
                 chain = links
                 break
-        if not chain and shared_root is not None:
-            chain = [shared_root]
+        if shared_root is not None and (not chain or chain[-1].depth < shared_root.depth):
+            chain = [shared_root]  # deeper than the tenant's own tool anchors
         # Every cut is asked for: the worker saves those past what it actually restored and
         # reports (and chains onto) those it already holds. The index cannot know either: a
         # planned link may be gone (eviction, worker restart), so the restore may end early.
         snapshots = {}
         for depth, kind in cuts:
-            if kind == AnchorKind.INSTRUCTION and skip_instruction:
+            thin = kind in (AnchorKind.TOOL, AnchorKind.INSTRUCTION)
+            if thin and skip_instruction:
                 continue
-            region = Region.THIN if kind == AnchorKind.INSTRUCTION else Region.THICK
+            region = Region.THIN if thin else Region.THICK
             snapshots[depth] = SnapshotSpec(depth, kind, region)
         # The whole prompt, generation prompt included: the next turn's prompt starts with it
         # whenever the template renders the assistant reply right after it.

@@ -132,7 +132,8 @@ class Targets:
             worker, self.ledger, model_id=self.info.model_id,
             epoch=info.epoch if info is not None else "", worker_id=worker.base_url,
             shared_namespace=self.shared_namespace,
-            single_flight_wait_s=self.config.single_flight_wait_s, hybrid=self.info.hybrid)
+            single_flight_wait_s=self.config.single_flight_wait_s, hybrid=self.info.hybrid,
+            tool_gap=self.config.tool_anchor_gap)
         return Target(f"w{next(self._names)}", worker.base_url, worker, lifecycle,
                       healthy=info is not None, verified=info is not None,
                       error=None if info is not None else "not reached yet")

@@ -5,7 +5,8 @@ with) is an instruction anchor in the tenant's namespace and, when an admin shar
 in the shared namespace. `ToolsetAnchors` warms both (each warm-up a request through the
 anchor life cycle, `lifecycle.py`), pins and unpins them on the worker, re-warms the pinned
 ones at proxy start and after a worker restart, and keeps a tenant under its anchor-bytes
-quota by evicting its least recently hit anchors, never a pinned toolset's.
+quota by evicting its least recently hit anchors, never a pinned toolset's (nor the tool
+anchors it chains from).
 """
 
 from __future__ import annotations
@@ -78,10 +79,18 @@ class ToolsetAnchors:
         used = lc.ledger.anchor_bytes(caller.tenant, lc.worker_id, lc.epoch)
         if used <= limit:
             return
-        pinned = {key for ts in lc.ledger.toolsets(caller.tenant, pinned=True)
-                  for _, _, key in self.keys(ts)}
         rows = lc.ledger.anchors(worker=lc.worker_id, epoch=lc.epoch, tenant=caller.tenant,
                                  status=AnchorStatus.COMMITTED)
+        # a pinned toolset's anchor and its ancestors (its tool anchors): the pin needs the
+        # whole chain
+        parent = {r.key: r.parent for r in rows}
+        pinned: set[bytes] = set()
+        for ts in lc.ledger.toolsets(caller.tenant, pinned=True):
+            for _, _, key in self.keys(ts):
+                cur: bytes | None = key
+                while cur is not None and cur not in pinned:
+                    pinned.add(cur)
+                    cur = parent.get(cur)
         rows.sort(key=lambda r: (r.last_hit or r.created_at, -r.depth))
         for row in rows:
             if used <= limit:

@@ -31,7 +31,7 @@ class WorkerConfig:
     anchors: bool = True  # keep an anchor store (the proxy decides per request whether to use it)
     anchor_slots: int = 256
     anchor_capacity_bytes: int = 4 << 30
-    pinned_slots: int = 16
+    pinned_slots: int = 64  # the thin region: toolsets' instruction and tool anchors
     fault_injection: bool = False  # expose POST /debug/fault (tests inject worker faults)
     prefill_chunk_tokens: int = 1024  # longest prefill forward; an abort waits at most one
 

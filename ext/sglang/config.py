@@ -23,7 +23,7 @@ DUMP_ENV = "ANCHORCACHE_SGLANG_SLAB_DUMP_DIR"
 class SGLangAnchorConfig:
     anchor_slots: int = 256
     anchor_capacity_bytes: int = 4 << 30  # host slabs
-    pinned_slots: int = 16
+    pinned_slots: int = 64  # the thin region: toolsets' instruction and tool anchors
     # pinned anchors' prefixes stay locked in the tree; at most this share of the pool,
     # which the contract keeps out of every request's limit (0: pins stay host-only)
     pin_budget_fraction: float = 0.1

@@ -37,6 +37,7 @@ from .normalize import leading_system_count, newest_start, normalize_messages, n
 from .parsers import OutputParser
 from .prefix_cache import CachedPrefix, PrefixCache
 from .specials import SpecialGuard
+from .tool_cuts import ToolCutMemo, tool_cuts
 from .types import Cut, CutKind, SplitResult
 
 
@@ -61,6 +62,7 @@ class Adapter(ABC):
     def __init__(self, tokenizer: Any, *, canonical_tools: bool = False) -> None:
         self.tokenizer = tokenizer
         self.canonical_tools = canonical_tools
+        self.tool_cut_memo = ToolCutMemo()
 
     def _tools(self, tools: list[dict] | None, canonical: bool | None) -> list[dict] | None:
         return normalize_tools(tools, canonical=self.canonical_tools if canonical is None
@@ -158,15 +160,27 @@ class TextAdapter(Adapter):
               template_kwargs: dict | None = None, canonical_tools: bool | None = None,
               use_cache: bool = True) -> SplitResult:
         msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
-        pieces = self.render_pieces(self.guard.defuse(msgs), self.guard.defuse(tls),
-                                    dict(template_kwargs or {}))
+        safe_msgs, safe_tls = self.guard.defuse(msgs), self.guard.defuse(tls)
+        kwargs = dict(template_kwargs or {})
+        pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
         chunks, consumed = self._chunks(pieces)
         if self.chunking_ok:
             ids, ends = self._encode_chunks(chunks, use_cache, self._wanted(msgs, consumed))
         else:
             ids, ends = self._encode_whole_verified(chunks)
-        return SplitResult(self.name, tuple(ids), self._classify(msgs, tls, consumed, ends),
-                           stable_tail=self.stable_tail)
+        cuts = self._classify(msgs, tls, consumed, ends)
+        instruction = next((c.position for c in cuts if c.kind is CutKind.INSTRUCTION), None)
+        found: tuple[int, ...] = ()
+        if instruction is not None and safe_tls and len(safe_tls) > 1:
+            text = "".join(chunks[: ends.index(instruction) + 1])
+
+            def render_with(k: int) -> str:
+                return "".join(p.text for p in self.render_pieces(safe_msgs, safe_tls[:k], kwargs))
+
+            found = self.tool_cut_memo.get_or_compute(text, lambda: tool_cuts(
+                text, ids[:instruction], len(safe_tls), render_with, self.guard.encode_batch))
+        return SplitResult(self.name, tuple(ids), cuts, stable_tail=self.stable_tail,
+                           tool_cuts=found)
 
     def _safe_boundary(self, before: str, after: str) -> bool:
         if self._special_rx is None or not self._special_rx.match(after):

@@ -43,6 +43,9 @@ class SplitResult:
     # follow, so the MESSAGES cut stays a prefix of the next turn (the adapter's
     # `stable_tail`; False where unknown)
     stable_tail: bool = False
+    # where each tool's schema ends inside the instruction prefix (splitter/tool_cuts.py):
+    # strictly increasing, each before the instruction cut; () without one
+    tool_cuts: tuple[int, ...] = ()
 
     def _position(self, kind: CutKind) -> int | None:
         for cut in self.cuts:
@@ -68,6 +71,7 @@ class SplitResult:
             "num_tokens": len(self.input_ids),
             "input_ids": list(self.input_ids),
             "cuts": [{"kind": c.kind.value, "position": c.position} for c in self.cuts],
+            "tool_cuts": list(self.tool_cuts),
         }
 
 

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from anchorcache.proxy.planner import Planner
 from tests.data import conversations, turn_requests
 from tests.servers import proxy_process, worker_process
 
@@ -38,6 +39,21 @@ def same(stack, messages, tools, **kw):
     return on
 
 
+def split_of(messages, tools):
+    """The request as the proxy splits it for the stack's model."""
+    from anchorcache.proxy.splitter import get_adapter
+    from anchorcache.proxy.splitter.tokenizers import load_tokenizer
+
+    return get_adapter("auto", load_tokenizer(tiny_model(ARCH))).split(messages, tools)
+
+
+def planned_depths(messages, tools) -> list[int]:
+    """The tool and instruction anchor depths the proxy plans for a new toolset (its
+    default tool anchor gap)."""
+    split = split_of(messages, tools)
+    return [*Planner("m", "e")._tool_cuts(split), split.instruction_cut]
+
+
 def cached(reply):
     return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -56,8 +72,8 @@ def test_edit_one_token_early_in_the_history(stack, conv):
     reply = same(stack, edited, conv["tools"])
     first_user_at = reply["usage"]["prompt_tokens"]  # upper bound; the tools come first
     assert cached(reply) < first_user_at
-    hits = reply["usage"]["timings"]["anchor_hits"]
-    assert [h["kind"] for h in hits] in ([], ["instruction"])
+    hits = reply["usage"]["timings"]["anchor_hits"]  # at most the toolset's own chain
+    assert {h["kind"] for h in hits} <= {"tool", "instruction"}
 
 
 def test_change_one_tool(stack, conv):
@@ -65,6 +81,31 @@ def test_change_one_tool(stack, conv):
     tools = copy.deepcopy(conv["tools"])
     tools[0]["function"]["description"] += " (v2)"
     assert cached(same(stack, reqs[-1], tools)) == 0
+
+
+def test_a_toolset_sharing_the_first_tools_restores_their_tool_anchors(stack, conv):
+    """Two toolsets that start with the same 12 tools: the second one's first request
+    restores the first one's tool anchors up to where they part, recurrent state included,
+    and answers as a cold prefill does."""
+    msgs = turn_requests(conv, 1)[0]
+    first = copy.deepcopy(conv["tools"])
+    first[-1]["function"]["description"] += " (a toolset no other test sends)"
+    second = copy.deepcopy(conv["tools"][:12]) + [{"type": "function", "function": {
+        "name": "zz_extra", "description": "Only the second toolset has it.",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    a, b = split_of(msgs, first), split_of(msgs, second)
+    shared = next(i for i, (x, y) in enumerate(zip(a.input_ids, b.input_ids, strict=False))
+                  if x != y)
+    want = [d for d in planned_depths(msgs, first) if d <= shared]
+    assert len(want) >= 2 and b.instruction_cut is not None and shared < b.instruction_cut
+    same(stack, msgs, first)
+    reply = same(stack, msgs, second)
+    hits = reply["usage"]["timings"]["anchor_hits"]
+    assert [(h["kind"], h["depth"]) for h in hits] == [("tool", d) for d in want]
+    assert cached(reply) == want[-1]
+    # its own tool anchors and instruction anchor chain on: the same request again restores
+    # past its instruction cut
+    assert cached(same(stack, msgs, second)) >= b.instruction_cut
 
 
 def test_change_the_system_prompt(stack, conv):
@@ -126,18 +167,19 @@ def test_snapshot_failure_still_serves(stack, conv):
             {"role": "user", "content": "hello"}]
     before = stack.stats()
     httpx.post(stack.worker.url + "/debug/fault", json={"where": "snapshot"}).raise_for_status()
-    reply = same(stack, msgs, conv["tools"])  # the first snapshot (instruction) fails
+    reply = same(stack, msgs, conv["tools"])  # the first snapshot (a tool anchor) fails
     assert cached(reply) == 0
     after = stack.stats()
     assert after["staged"] == 0 and after["reserved_slots"] == 0
     assert after["aborts"] == before["aborts"] + 1
     follow = same(stack, [*msgs, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
                   conv["tools"])
-    # the later snapshots of the failed request (end of its messages, end of its prompt)
-    # were saved without the failed instruction anchor as their root
+    # the later snapshots of the failed request (its other tool anchors, instruction anchor,
+    # end of its messages and prompt) were saved without the failed one as their root
     assert cached(follow) > 0
-    kinds = [h["kind"] for h in follow["usage"]["timings"]["anchor_hits"]]
-    assert kinds and "instruction" not in kinds
+    hits = follow["usage"]["timings"]["anchor_hits"]
+    failed = min(planned_depths(msgs, conv["tools"]))
+    assert hits and failed not in [h["depth"] for h in hits]
 
 
 def test_client_disconnect_leaks_nothing(stack, conv):

@@ -216,3 +216,39 @@ def test_a_hybrid_model_is_not_cut_where_only_a_fallback_would_be():
     # without a messages cut it stays
     alone = SplitResult("test", tuple(ids), split(ids, 30, 70).cuts, stable_tail=True)
     assert [s.depth for s in hybrid.plan(alone, NS).request.snapshot] == [30, 70, 100]
+
+
+def tooled(ids, tools, instruction, conversation=None):
+    s = split(ids, instruction=instruction, conversation=conversation)
+    return SplitResult(s.adapter, s.input_ids, s.cuts, tool_cuts=tuple(tools))
+
+
+def test_tool_anchors_are_spaced_and_thin_and_chunk_too():
+    p = Planner(MODEL, "e1", tool_gap=100)
+    ids = ids_of(1200)
+    s = tooled(ids, [60, 150, 260, 300, 420, 800, 950], instruction=1000, conversation=1100)
+    plan = p.plan(s, NS)
+    tools = [(x.depth, x.region.value) for x in plan.request.snapshot if x.kind == AnchorKind.TOOL]
+    # 60 is under the gap from the start, 300 from 260, 950 from the instruction cut
+    assert tools == [(150, "thin"), (260, "thin"), (420, "thin"), (800, "thin")]
+    assert plan.request.chunk_at == (150, 260, 420, 800, 1000, 1100)
+    assert p.chunk_only(s).request.chunk_at == plan.request.chunk_at  # anchors off: same chunks
+    assert Planner(MODEL, "e1", tool_gap=0).plan(s, NS).request.chunk_at == (1000, 1100)
+    skipped = p.plan(s, NS, skip_instruction=True).request.snapshot
+    assert {x.kind for x in skipped} == {AnchorKind.CONVERSATION}
+
+
+def test_a_toolset_sharing_the_first_tools_restores_their_tool_anchors():
+    p = Planner(MODEL, "e1", tool_gap=100)
+    ids = ids_of(1200)
+    commit_all(p, p.plan(tooled(ids, [150, 260, 420, 800], 1000, 1100), NS), ids)
+    other = ids[:420] + ids_of(800, seed=9)  # the same first tools, then others
+    plan = p.plan(tooled(other, [150, 260, 420, 700, 900], 1000, 1100), NS)
+    assert [r.depth for r in plan.request.restore] == [150, 260, 420]
+    # what it writes next chains on: its own tool anchors past 420, its instruction anchor
+    assert [(x.depth, x.kind) for x in plan.request.snapshot if x.depth <= 1000] == [
+        (150, AnchorKind.TOOL), (260, AnchorKind.TOOL), (420, AnchorKind.TOOL),
+        (700, AnchorKind.TOOL), (900, AnchorKind.TOOL), (1000, AnchorKind.INSTRUCTION)]
+    # the same toolset again restores through the instruction anchor, tool links first
+    again = p.plan(tooled(ids[:1100] + [5], [150, 260, 420, 800], 1000, 1100), NS)
+    assert [r.depth for r in again.request.restore] == [150, 260, 420, 800, 1000, 1100]

@@ -216,3 +216,33 @@ def test_quotas_answer_429(closed):
     pinned = admin(closed, "POST", "/admin/tenants/quota/toolsets",
                    json={"messages": system("quota"), "tools": TOOLS, "pin": True})
     assert pinned.status_code == 429 and pinned.json()["error"]["code"] == "quota_exceeded"
+
+
+def test_the_byte_quota_never_evicts_a_pinned_toolsets_tool_anchors(closed):
+    """A toolset written by a request chains its instruction anchor on tool anchors; pinned,
+    the whole chain stays through the tenant's anchor-bytes quota (even one it alone
+    exceeds), which evicts the conversation anchors instead, and a new conversation still
+    restores the toolset."""
+    from tests.data import conversations
+
+    key = tenant(closed, "bytes")
+    tools = conversations("base")[0]["tools"][:8]
+    assert chat(closed, key, system("bytes") + user("first"), tools).status_code == 200
+    rows = admin(closed, "GET", "/admin/anchors", params={"tenant": "bytes"}).json()["data"]
+    chain = [r for r in rows if r["kind"] in ("tool", "instruction")]
+    assert [r["kind"] for r in sorted(chain, key=lambda r: r["depth"])][-1] == "instruction"
+    assert len(chain) >= 3  # tool anchors under the instruction anchor
+    (toolset,) = admin(closed, "GET", "/admin/toolsets", params={"tenant": "bytes"}).json()["data"]
+    assert admin(closed, "POST", "/admin/pin", json={"toolset": toolset["toolset"]}).json()["pinned"]
+    limit = sum(r["nbytes"] for r in chain) - 1  # even the chain alone is over it
+    assert admin(closed, "POST", "/admin/tenants/bytes/quotas",
+                 json={"max_anchor_bytes": limit}).status_code == 200
+    for i in range(3):  # conversation anchors past the quota
+        assert chat(closed, key, system("bytes") + user(f"question {i}"), tools).status_code == 200
+    after = admin(closed, "GET", "/admin/anchors", params={"tenant": "bytes"}).json()["data"]
+    assert {r["key"] for r in chain} <= {r["key"] for r in after}  # committed, every link
+    assert any(r["kind"] == "conversation" for r in admin(
+        closed, "GET", "/admin/anchors", params={"tenant": "bytes", "status": "evicted"}
+    ).json()["data"])  # the quota did evict
+    depth = max(r["depth"] for r in chain)
+    assert cached(chat(closed, key, system("bytes") + user("a new one"), tools)) == depth

@@ -16,7 +16,8 @@ reference kernels (ext/sglang/cpu_kernels.py, `no_buffer` Mamba strategy), our a
   state restore (fault injection) is caught by that check.
 - States SGLang evicts or flushes are never restored from the device: restores come from
   host slabs (interleaved requests, flushes and slot churn).
-- Through the proxy, a BFCL replay with anchors on equals anchors off.
+- Through the proxy, a BFCL replay with anchors on equals anchors off; a toolset that
+  starts with another one's first tools restores their tool anchors.
 - With `--tp 2` (SGLang's CPU tensor parallelism, the GDN heads and state split over two
   ranks) a restore is exact too, and a state corrupted on one rank only is caught.
 - The embedded worker writes the same slabs (KV and state, docs/ext.md) for the same
@@ -404,6 +405,43 @@ def replay_on_equals_off(url: str, conv: dict) -> None:
 
 def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(hybrid):
     replay_on_equals_off(hybrid[0].url, conversations("base")[2])
+
+
+def test_a_toolset_sharing_the_first_tools_restores_their_tool_anchors(hybrid):
+    """The benchmark's turn-1 case: BFCL conversations 0 and 4 share their first 16 tools
+    only. A toolset's first request through the proxy also writes tool anchors (each with
+    its recurrent state; a prefill chunk ends at each); a second toolset made of the first
+    16 tools and another restores them up to where the two part, after a flush, and
+    answers as its cold run does."""
+    from anchorcache.proxy.planner import Planner
+    from anchorcache.proxy.splitter import get_adapter
+    from anchorcache.proxy.splitter.tokenizers import load_tokenizer
+
+    worker, model = hybrid
+    conv = conversations("base")[0]
+    msgs, first = turn_requests(conv, 1)[0], conv["tools"]
+    second = first[:16] + [t for t in conversations("base")[1]["tools"]
+                           if t["function"]["name"] not in {f["function"]["name"] for f in first}]
+    adapter = get_adapter("auto", load_tokenizer(str(model)))
+    a, b = adapter.split(msgs, first), adapter.split(msgs, second)
+    shared = next(i for i, (x, y) in enumerate(zip(a.input_ids, b.input_ids, strict=False)) if x != y)
+    want = [d for d in Planner("m", "e")._tool_cuts(a) if d <= shared]  # the default gap
+    assert len(want) >= 3 and shared < b.instruction_cut
+    with proxy_process(worker.url, "--anchors") as on, \
+            proxy_process(worker.url, "--no-anchors") as off:
+        def ask(proxy, tools):
+            flush_device(worker.url)
+            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="", max_retries=0,
+                                   timeout=600)
+            return client.chat.completions.create(
+                model="default", messages=msgs, tools=tools, temperature=0, max_tokens=8,
+                logprobs=True)
+
+        ask(on, first)
+        cold, warm = ask(off, second), ask(on, second)
+    same_up_to_a_tie(warm.choices[0], cold.choices[0])
+    assert warm.usage.prompt_tokens_details.cached_tokens == want[-1]
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def same_up_to_a_tie(a, b, tol=2e-3) -> None:

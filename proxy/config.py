@@ -29,7 +29,7 @@ class ProxyConfig:
     canonical_tools: bool = False
     # tool anchors inside the instruction prefix at least this many tokens apart (0: none),
     # so toolsets that share their first tools share that prefix (proxy/planner.py)
-    tool_anchor_gap: int = 256
+    tool_anchor_gap: int = 512
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 1024
     worker_timeout_s: float = 600.0

@@ -89,7 +89,7 @@ class AnchorLifecycle:
     def __init__(self, worker: WorkerClient, ledger: Ledger, *, model_id: str, epoch: str,
                  worker_id: str, shared_namespace: bytes,
                  single_flight_wait_s: float = 60.0, hybrid: bool = False,
-                 tool_gap: int = 256) -> None:
+                 tool_gap: int = 512) -> None:
         self.worker = worker
         self.ledger = ledger
         self._planner = Planner(model_id, epoch, hybrid=hybrid, tool_gap=tool_gap)

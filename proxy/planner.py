@@ -71,7 +71,7 @@ class Settled:
 
 class Planner:
     def __init__(self, model_id: str, epoch: str, index: AnchorIndex | None = None, *,
-                 hybrid: bool = False, tool_gap: int = 256) -> None:
+                 hybrid: bool = False, tool_gap: int = 512) -> None:
         self.model_id = model_id
         self.epoch = epoch
         self.index = index if index is not None else AnchorIndex()

@@ -226,7 +226,7 @@ def test_the_byte_quota_never_evicts_a_pinned_toolsets_tool_anchors(closed):
     from tests.data import conversations
 
     key = tenant(closed, "bytes")
-    tools = conversations("base")[0]["tools"][:8]
+    tools = conversations("base")[0]["tools"][:16]
     assert chat(closed, key, system("bytes") + user("first"), tools).status_code == 200
     rows = admin(closed, "GET", "/admin/anchors", params={"tenant": "bytes"}).json()["data"]
     chain = [r for r in rows if r["kind"] in ("tool", "instruction")]

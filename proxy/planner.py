@@ -106,7 +106,7 @@ class Planner:
         n = len(split.input_ids)
         skip_conversation = self.hybrid and split.stable_tail and any(
             c.kind == CutKind.MESSAGES and c.position < n for c in split.cuts)
-        out = [(pos, AnchorKind.TOOL) for pos in self._tool_cuts(split) if 0 < pos < n]
+        out = [(pos, AnchorKind.TOOL) for pos in self._tool_cuts(split)]  # inside the prompt
         for cut in split.cuts:
             if not 0 < cut.position < n:
                 continue

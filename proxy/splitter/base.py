@@ -31,6 +31,8 @@ from __future__ import annotations
 import hashlib
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
 from .normalize import leading_system_count, newest_start, normalize_messages, normalize_tools
@@ -63,6 +65,21 @@ class Adapter(ABC):
         self.tokenizer = tokenizer
         self.canonical_tools = canonical_tools
         self.tool_cut_memo = ToolCutMemo()
+
+    def _with_tool_cuts(self, split: SplitResult, tools: list[dict] | None,
+                        instruction_text: Callable[[int], str],
+                        render_with: Callable[[int], str],
+                        encode_batch: Callable[[list[str]], list[list[int]]]) -> SplitResult:
+        """`split` with its tool cuts (tool_cuts.py), memoized by the instruction prefix's
+        text, `instruction_text(instruction cut)`; `render_with(k)`: the request's text with
+        its first `k` tools."""
+        pos = split.instruction_cut
+        if pos is None or not tools or len(tools) < 2:
+            return split
+        text = instruction_text(pos)
+        found = self.tool_cut_memo.get_or_compute(text, lambda: tool_cuts(
+            text, split.input_ids[:pos], len(tools), render_with, encode_batch))
+        return replace(split, tool_cuts=found)
 
     def _tools(self, tools: list[dict] | None, canonical: bool | None) -> list[dict] | None:
         return normalize_tools(tools, canonical=self.canonical_tools if canonical is None
@@ -168,19 +185,12 @@ class TextAdapter(Adapter):
             ids, ends = self._encode_chunks(chunks, use_cache, self._wanted(msgs, consumed))
         else:
             ids, ends = self._encode_whole_verified(chunks)
-        cuts = self._classify(msgs, tls, consumed, ends)
-        instruction = next((c.position for c in cuts if c.kind is CutKind.INSTRUCTION), None)
-        found: tuple[int, ...] = ()
-        if instruction is not None and safe_tls and len(safe_tls) > 1:
-            text = "".join(chunks[: ends.index(instruction) + 1])
-
-            def render_with(k: int) -> str:
-                return "".join(p.text for p in self.render_pieces(safe_msgs, safe_tls[:k], kwargs))
-
-            found = self.tool_cut_memo.get_or_compute(text, lambda: tool_cuts(
-                text, ids[:instruction], len(safe_tls), render_with, self.guard.encode_batch))
-        return SplitResult(self.name, tuple(ids), cuts, stable_tail=self.stable_tail,
-                           tool_cuts=found)
+        split = SplitResult(self.name, tuple(ids), self._classify(msgs, tls, consumed, ends),
+                            stable_tail=self.stable_tail)
+        return self._with_tool_cuts(
+            split, safe_tls, lambda pos: "".join(chunks[: ends.index(pos) + 1]),
+            lambda k: "".join(p.text for p in self.render_pieces(safe_msgs, safe_tls[:k], kwargs)),
+            self.guard.encode_batch)
 
     def _safe_boundary(self, before: str, after: str) -> bool:
         if self._special_rx is None or not self._special_rx.match(after):

@@ -42,7 +42,6 @@ from .normalize import (
 )
 from .parsers import OutputParser, TagParser
 from .specials import SpecialGuard
-from .tool_cuts import tool_cuts
 from .types import Cut, CutKind, SplitError, SplitResult
 
 _PROBE = "\ue000\ue001probe"
@@ -130,17 +129,10 @@ class GenericAdapter(Adapter):
                     self._remember(key.digest(), pos, ids)
             if pos is not None and (not cuts or pos > cuts[-1].position):
                 cuts.append(Cut(kind, pos))
-        found: tuple[int, ...] = ()
-        instruction = next((c.position for c in cuts if c.kind is CutKind.INSTRUCTION), None)
-        if instruction is not None and tls and len(tls) > 1:
-            prefix = text[: ends[instruction - 1]]
-
-            def render_with(k: int) -> str:
-                return self._render(msgs, tls[:k], kwargs, True)
-
-            found = self.tool_cut_memo.get_or_compute(prefix, lambda: tool_cuts(
-                prefix, ids[:instruction], len(tls), render_with, self.guard.encode_batch))
-        return SplitResult(self.name, tuple(ids), tuple(cuts), tool_cuts=found)
+        return self._with_tool_cuts(
+            SplitResult(self.name, tuple(ids), tuple(cuts)), tls,
+            lambda pos: text[: ends[pos - 1]],
+            lambda k: self._render(msgs, (tls or [])[:k], kwargs, True), self.guard.encode_batch)
 
     @staticmethod
     def _ids_digest(ids: list[int]) -> bytes:

@@ -84,7 +84,6 @@ def tool_cuts(instruction_text: str, instruction_ids: Sequence[int], num_tools: 
     for piece in pieces:
         ids.extend(piece)
         positions.append(len(ids))
-    if not positions or positions[-1] >= len(instruction_ids) \
-            or list(instruction_ids[:len(ids)]) != ids:
+    if positions[-1] >= len(instruction_ids) or list(instruction_ids[:len(ids)]) != ids:
         return ()
     return tuple(positions)

@@ -17,6 +17,7 @@ starts its own worker and proxies).
 from __future__ import annotations
 
 import json
+import lzma
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,10 +38,13 @@ class BenchError(Exception):
 
 
 def load_conversations(path: str | Path) -> list[Conversation]:
-    """Read and check a conversations file; raises BenchError with what is wrong."""
+    """Read and check a conversations file (JSON, or JSON compressed with xz: `.xz`);
+    raises BenchError with what is wrong."""
+    path = Path(path)
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+        raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+        data = json.loads(raw)
+    except (OSError, ValueError, lzma.LZMAError) as e:
         raise BenchError(f"cannot read conversations from {path}: {e}") from None
     if not isinstance(data, list) or not data:
         raise BenchError(f"{path}: expected a non-empty JSON list of conversations")

@@ -128,7 +128,7 @@ attn = os.environ.get("ATTN") or ""
 
 from anchorcache.ext.embedded.model_store import prepare_default_model  # noqa: E402
 from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir  # noqa: E402
-from tests.data import conversations, turn_requests  # noqa: E402
+from anchorcache.testing.data import conversations, turn_requests  # noqa: E402
 
 models = {"tiny_qwen3": str(build_tiny_model("qwen3", tiny_model_dir("qwen3"), seed=0)),
           "smollm2": str(prepare_default_model())}

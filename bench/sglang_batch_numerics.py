@@ -35,6 +35,8 @@ from anchorcache.ext.embedded.tiny_models import (  # noqa: E402
     qwen3_tokenizer_dir,
     tiny_model_dir,
 )
+from anchorcache.testing.data import two_turn_prompts  # noqa: E402
+from anchorcache.testing.servers import sglang_worker_process  # noqa: E402
 from anchorcache.wire import (  # noqa: E402
     AnchorKind,
     AnchorPlan,
@@ -44,8 +46,6 @@ from anchorcache.wire import (  # noqa: E402
     SamplingParams,
     SnapshotSpec,
 )
-from tests.data import two_turn_prompts  # noqa: E402
-from tests.servers import sglang_worker_process  # noqa: E402
 
 NS = bytes(range(48, 64))
 

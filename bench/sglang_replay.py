@@ -51,7 +51,7 @@ from replay_bench import model_or_tiny, spawn  # noqa: E402  (same folder: bench
 from anchorcache import bench  # noqa: E402
 from anchorcache.proxy.splitter import get_adapter  # noqa: E402
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer  # noqa: E402
-from tests.data import conversations, turn_requests  # noqa: E402
+from anchorcache.testing.data import conversations, turn_requests  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 

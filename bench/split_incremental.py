@@ -20,8 +20,8 @@ from pathlib import Path
 
 from anchorcache.proxy.splitter import get_adapter, normalize_messages, normalize_tools
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
+from anchorcache.testing.data import conversations
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "bfcl_multi_turn_long_context.conversations.json"
 BUCKETS = [(0, 10_000), (10_000, 15_000), (15_000, 25_000), (25_000, 10**9)]
 
 
@@ -46,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     tok = load_tokenizer(args.adapter)
     adapter = get_adapter("auto", tok)
-    everything = sorted(json.loads(DATA.read_text()), key=lambda c: len(json.dumps(c)))
+    everything = sorted(conversations("long_context"), key=lambda c: len(json.dumps(c)))
     n = min(args.conversations, len(everything))
     convs = [everything[i * len(everything) // n] for i in range(n)]  # spread over sizes
     rows = []

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from anchorcache.cli import free_port
-from tests.data import conversations
-from tests.servers import Server
+from anchorcache.testing.data import conversations
+from anchorcache.testing.servers import Server
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

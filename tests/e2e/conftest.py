@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.servers import Server, proxy_process, worker_process
+from anchorcache.testing.servers import Server, proxy_process, worker_process
 
 
 def tiny_model(arch: str) -> str:

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from anchorcache.proxy.planner import Planner
-from tests.data import conversations, turn_requests
-from tests.servers import proxy_process, worker_process
+from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.servers import proxy_process, worker_process
 
 from .conftest import Stack, tiny_model
 

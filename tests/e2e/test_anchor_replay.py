@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.data import conversations, turn_requests
+from anchorcache.testing.data import conversations, turn_requests
 
 from .conftest import tiny_model
 

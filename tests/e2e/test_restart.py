@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from anchorcache.cli import free_port
-from tests.data import conversations, turn_requests
-from tests.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
+from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
 
 pytestmark = pytest.mark.slow
 

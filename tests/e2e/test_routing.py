@@ -18,9 +18,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tests.data import conversations, turn_requests
+from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
 from tests.e2e.conftest import tiny_model
-from tests.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
 
 pytestmark = pytest.mark.slow
 

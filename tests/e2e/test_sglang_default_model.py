@@ -13,10 +13,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.data import conversations, turn_requests
+from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.servers import proxy_process, sglang_worker_process
 from tests.proxy.test_stop_anchors import stop_then_next_turn
 from tests.proxy.test_structured_api import TRIP, agent_cases, validate_calls
-from tests.servers import proxy_process, sglang_worker_process
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from anchorcache.cli import free_port
-from tests.data import conversations, turn_requests
-from tests.servers import SGLANG_TEST_ARGS, proxy_process
+from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.servers import SGLANG_TEST_ARGS, proxy_process
 
 pytestmark = pytest.mark.slow
 

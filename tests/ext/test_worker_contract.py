@@ -18,6 +18,7 @@ import pytest
 
 from anchorcache import wire
 from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+from anchorcache.testing.servers import worker_process
 from anchorcache.wire import (
     AnchorKind,
     AnchorPlan,
@@ -28,7 +29,6 @@ from anchorcache.wire import (
     SnapshotSpec,
     anchor_keys,
 )
-from tests.servers import worker_process
 
 pytestmark = pytest.mark.slow
 

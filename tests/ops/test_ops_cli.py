@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from anchorcache.cli import app, free_port
-from tests.servers import ADMIN_TOKEN, Server, proxy_process
+from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process
 
 pytestmark = pytest.mark.slow
 

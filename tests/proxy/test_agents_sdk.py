@@ -16,7 +16,7 @@ from anchorcache.cli import free_port, wait_ready
 pytestmark = pytest.mark.slow
 
 
-def test_agent_tool_loop_runs_to_completion(default_model_dir):
+def test_agent_tool_loop_runs_to_completion(default_model_dir, tmp_path):
     from agents import (
         Agent,
         ModelSettings,
@@ -48,7 +48,7 @@ def test_agent_tool_loop_runs_to_completion(default_model_dir):
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", "serve", "--port", str(port),
-                             "--threads", "2", "--log-level", "warning"],
+                             "--threads", "2", "--log-level", "warning", "--state-dir", str(tmp_path)],
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout_s=300)

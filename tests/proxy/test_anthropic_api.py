@@ -11,7 +11,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.servers import proxy_process, tenant_key
+from anchorcache.testing.servers import proxy_process, tenant_key
 
 pytestmark = pytest.mark.slow
 

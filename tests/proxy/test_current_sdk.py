@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import ADMIN_TOKEN, Server, proxy_process
+from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process
 
 pytestmark = pytest.mark.slow
 

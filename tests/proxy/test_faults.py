@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import proxy_process, worker_process
+from anchorcache.testing.servers import proxy_process, worker_process
 
 pytestmark = pytest.mark.slow
 

@@ -21,9 +21,9 @@ from anchorcache.proxy.anchor_index import AnchorRecord
 from anchorcache.proxy.metrics import OTHER, ProxyMetrics, TenantLabels
 from anchorcache.proxy.planner import Plan
 from anchorcache.proxy.tenants import ANONYMOUS as DEFAULT_TENANT
+from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process
 from anchorcache.wire import AnchorKind, AnchorPlan, parse_generate_meta
-from tests.data import conversations, turn_requests
-from tests.servers import ADMIN_TOKEN, Server, proxy_process
 
 CHAT = "/v1/chat/completions"
 

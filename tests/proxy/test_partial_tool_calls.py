@@ -13,8 +13,8 @@ import anthropic
 import pytest
 
 from anchorcache.proxy.splitter.partial_json import close_json
+from anchorcache.testing.servers import Server, tenant_key
 from tests.proxy.splitter.test_split_parsers import is_prefix
-from tests.servers import Server, tenant_key
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from anchorcache.proxy.tenants import ANONYMOUS
+from anchorcache.testing.servers import Server, proxy_process
 from tests.proxy.test_metrics import delta, scrape, value
-from tests.servers import Server, proxy_process
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 
 from anchorcache.proxy.structured import normalize_schema
-from tests.data import conversations, turn_requests
-from tests.servers import Server, proxy_process
+from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.servers import Server, proxy_process
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
+from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
 
 pytestmark = pytest.mark.slow
 
@@ -223,7 +223,7 @@ def test_the_byte_quota_never_evicts_a_pinned_toolsets_tool_anchors(closed):
     the whole chain stays through the tenant's anchor-bytes quota (even one it alone
     exceeds), which evicts the conversation anchors instead, and a new conversation still
     restores the toolset."""
-    from tests.data import conversations
+    from anchorcache.testing.data import conversations
 
     key = tenant(closed, "bytes")
     tools = conversations("base")[0]["tools"][:16]

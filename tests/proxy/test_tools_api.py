@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.data import conversations, turn_requests
+from anchorcache.testing.data import conversations, turn_requests
 
 pytestmark = pytest.mark.slow
 

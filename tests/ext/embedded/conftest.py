@@ -4,19 +4,17 @@ real Qwen3 tokenizer, and real BFCL agent prompts rendered with its chat templat
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-DATA_DIR = Path(__file__).resolve().parents[3].parent / "shared" / "data"
-BFCL_FILE = DATA_DIR / "bfcl_multi_turn_base.conversations.json"
+from anchorcache.testing.data import conversations
 
 
 @pytest.fixture(scope="session")
 def bfcl_conversations() -> list[dict[str, Any]]:
-    return json.loads(BFCL_FILE.read_text())
+    return conversations("base")
 
 
 def _render(tokenizer: Any, conversation: dict[str, Any], num_messages: int,

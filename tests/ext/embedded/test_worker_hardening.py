@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+from anchorcache.testing.servers import worker_process
 from anchorcache.wire import (
     AnchorKind,
     AnchorPlan,
@@ -20,7 +21,6 @@ from anchorcache.wire import (
     SamplingParams,
     SnapshotSpec,
 )
-from tests.servers import worker_process
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from anchorcache.testing.data import conversations, turn_requests, two_turn_prompts
+from anchorcache.testing.servers import Server, proxy_process, sglang_worker_process
 from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region
-from tests.data import conversations, turn_requests, two_turn_prompts
 from tests.e2e.test_routing import ADMIN, admin, ask
 from tests.ext.sglang.test_sglang_worker import NS, flush_device, generate, post, save, verify
-from tests.servers import Server, proxy_process, sglang_worker_process
 
 pytestmark = pytest.mark.slow
 

@@ -38,11 +38,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from anchorcache.testing.data import conversations, turn_requests, two_turn_prompts
+from anchorcache.testing.servers import proxy_process, sglang_worker_process
 from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region, SnapshotSpec
-from tests.data import conversations, turn_requests, two_turn_prompts
 from tests.ext.sglang import test_sglang_worker as worker_helpers
 from tests.ext.sglang.test_sglang_worker import flush_device, post
-from tests.servers import proxy_process, sglang_worker_process
 
 pytestmark = pytest.mark.slow
 

@@ -31,8 +31,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from anchorcache.testing.data import conversations, two_turn_prompts
+from anchorcache.testing.servers import sglang_worker_process
 from anchorcache.wire import AnchorKind, AnchorPlan, Region, SnapshotSpec
-from tests.data import conversations, two_turn_prompts
 from tests.ext.sglang.test_sglang_hybrid_cpu import (
     NEW,
     NS,
@@ -43,7 +44,6 @@ from tests.ext.sglang.test_sglang_hybrid_cpu import (
     save,
 )
 from tests.ext.sglang.test_sglang_worker import flush_device, post
-from tests.servers import sglang_worker_process
 
 pytestmark = pytest.mark.slow
 

@@ -14,6 +14,7 @@ import threading
 import httpx
 import pytest
 
+from anchorcache.testing.data import two_turn_prompts
 from anchorcache.wire import (
     AnchorKind,
     AnchorPlan,
@@ -24,7 +25,6 @@ from anchorcache.wire import (
     SnapshotSpec,
     anchor_keys,
 )
-from tests.data import two_turn_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 @pytest.fixture(scope="module")
 def conversations(qwen3_tokenizer):
     """Per conversation: (tool anchor depth, conversation anchor depth, turn-1 prompt ids,
-    turn-2 prompt ids); see `tests.data.two_turn_prompts`."""
+    turn-2 prompt ids); see `anchorcache.testing.data.two_turn_prompts`."""
     return two_turn_prompts(qwen3_tokenizer, 8)
 
 
@@ -391,7 +391,7 @@ def test_a_queued_restore_never_stalls_admission(sglang):
     locked its prefix while queued would leave H 60% of the pool for good (the scheduler
     spinning, nobody served); restored at admission, everything completes and Q's output is
     its cold output."""
-    from tests.servers import SGLANG_TEST_ARGS
+    from anchorcache.testing.servers import SGLANG_TEST_ARGS
 
     url = sglang.url
     pool = int(SGLANG_TEST_ARGS[SGLANG_TEST_ARGS.index("--max-total-tokens") + 1])

@@ -22,10 +22,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from anchorcache.testing.data import two_turn_prompts
+from anchorcache.testing.servers import Server, sglang_worker_process
 from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region
-from tests.data import two_turn_prompts
 from tests.ext.sglang.test_sglang_worker import flush_device, generate, post, save, verify
-from tests.servers import Server, sglang_worker_process
 
 pytestmark = pytest.mark.slow
 

@@ -4,14 +4,11 @@ second request on, a conversation cut; incremental splitting equals whole splitt
 from __future__ import annotations
 
 import itertools
-import json
-from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
-FILES = ["bfcl_multi_turn_base.conversations.json",
-         "bfcl_multi_turn_long_context.conversations.json"]
+from anchorcache.testing.data import DATASETS
+from anchorcache.testing.data import conversations as load
 
 
 def requests_of(messages: list[dict]) -> list[list[dict]]:
@@ -20,9 +17,9 @@ def requests_of(messages: list[dict]) -> list[list[dict]]:
             if messages[end]["role"] == "assistant" and messages[end - 1]["role"] != "assistant"]
 
 
-@pytest.fixture(scope="module", params=FILES)
+@pytest.fixture(scope="module", params=DATASETS)
 def conversations(request):
-    return json.loads((DATA / request.param).read_text())
+    return load(request.param)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "chatml"])

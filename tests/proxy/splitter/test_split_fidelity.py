@@ -29,7 +29,7 @@ import pytest
 
 from anchorcache.proxy.splitter.hermes import lower_tools
 from anchorcache.proxy.splitter.normalize import normalize_messages
-from tests.data import conversations, turn_requests
+from anchorcache.testing.data import conversations, turn_requests
 
 DATASETS = ("base", "long_context")
 

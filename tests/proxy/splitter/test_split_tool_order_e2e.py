@@ -12,7 +12,7 @@ import pytest
 
 from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
-from tests.servers import proxy_process
+from anchorcache.testing.servers import proxy_process
 
 pytestmark = pytest.mark.slow
 

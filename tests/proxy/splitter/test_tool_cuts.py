@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from anchorcache.proxy.splitter.tool_cuts import ToolCutMemo, tool_cuts
-from tests.data import conversations, turn_requests
+from anchorcache.testing.data import conversations, turn_requests
 
 TEXT_ADAPTERS = ("qwen3", "chatml", "llama3", "generic-qwen3")
 EXTRA = {"type": "function", "function": {

@@ -1,4 +1,10 @@
-"""The shared agent conversations (../shared/data beside the repository)."""
+"""The agent conversations the tests and benchmarks replay, kept in the repository.
+
+`data/bfcl_multi_turn_{base,long_context}.conversations.json.xz`: 200 conversations each
+(OpenAI form: `tools`, `messages` with tool calls and tool results), built from `bfcl-eval`
+2026.3.23 (Apache-2.0) by replaying its ground-truth calls against its executable backends;
+xz-compressed (190 KB for both). `anchorcache bench` reads the same format.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +14,28 @@ from typing import Any
 
 from anchorcache.bench import load_conversations, turn_requests
 
-__all__ = ["DATA_DIR", "conversations", "turn_requests", "two_turn_prompts"]
+__all__ = ["DATASETS", "DATA_DIR", "conversations", "dataset_path", "turn_requests",
+           "two_turn_prompts"]
 
-REPO = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO.parent / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DATASETS = ("base", "long_context")
+
+
+def dataset_path(name: str = "base") -> Path:
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; expected one of {DATASETS}")
+    return DATA_DIR / f"bfcl_multi_turn_{name}.conversations.json.xz"
 
 
 @functools.cache
+def _cached(name: str) -> tuple[dict[str, Any], ...]:
+    return tuple(load_conversations(dataset_path(name)))
+
+
 def conversations(name: str = "base") -> list[dict[str, Any]]:
-    return load_conversations(DATA_DIR / f"bfcl_multi_turn_{name}.conversations.json")
+    """The dataset's conversations, in its order (a new list; the conversations are shared:
+    do not mutate them)."""
+    return list(_cached(name))
 
 
 def two_turn_prompts(tokenizer: Any, n: int, *, num_tools: int = 2

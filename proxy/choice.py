@@ -36,6 +36,7 @@ class Outcome:
     """What one completion produced, filled in as `Completion.deltas` goes."""
 
     text: str = ""
+    reasoning: str = ""  # the reasoning text, apart from `text` (reasoning templates)
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: FinishReason = FinishReason.STOP
     stop_sequence: str | None = None  # which of `Generation.stop` ended the text

@@ -117,8 +117,12 @@ class ToolCallDelta:
 
 @dataclass(frozen=True)
 class OutputDelta:
+    """One streamed piece of a choice: text, a tool-call piece, or reasoning text (what a
+    reasoning template's think block or analysis channel holds, kept out of `content`)."""
+
     content: str | None = None
     tool_call: ToolCallDelta | None = None
+    reasoning: str | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ import typer
 
 from anchorcache.paths import default_state_dir
 from anchorcache.supervise import SuperviseConfig, Supervisor, WorkerExited
+from anchorcache.wire import WORKER_SECRET_ENV, check_secret
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="anchorcache: prefix-cache sidecar for LLM agent traffic.")
@@ -58,6 +60,10 @@ StateDir = Annotated[str, typer.Option(envvar="ANCHORCACHE_STATE_DIR",
                                             "keys, toolsets, anchors).")]
 AdminToken = Annotated[str | None, typer.Option(envvar="ANCHORCACHE_ADMIN_TOKEN", show_default=False,
                                                 help="Token of the /admin API (off if unset).")]
+WorkerSecret = Annotated[str | None, typer.Option(
+    envvar=WORKER_SECRET_ENV, show_default=False,
+    help="Secret the proxy and its workers share: a worker refuses every call but /health "
+         "without it (required for a worker listening beyond loopback; `serve` makes one).")]
 Anonymous = Annotated[bool | None, typer.Option("--anonymous/--no-anonymous",
                                                 envvar="ANCHORCACHE_ANONYMOUS", show_default=False,
                                                 help="Serve requests without an API key as the "
@@ -142,9 +148,27 @@ def _refuse_parallelism(sglang_args: list[str]) -> None:
         raise typer.BadParameter(refusal)
 
 
+def _worker_secret(secret: str | None, host: str) -> str | None:
+    """The worker's secret, checked: a usage error when short, or missing on a worker that
+    listens beyond loopback (anyone on that network could flush, pin or generate)."""
+    from anchorcache.proxy.config import is_loopback
+
+    try:
+        check_secret(secret, "worker secret")
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if secret is None and not is_loopback(host):
+        raise typer.BadParameter(f"a worker listening on {host} needs --worker-secret (or "
+                                 f"{WORKER_SECRET_ENV}), which its proxy is given too")
+    return secret
+
+
 def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, anchor_bytes: int,
-                   sglang_log_level: str, extra: list[str], fault_injection: bool = False) -> None:
-    """Replace this process with SGLang + our plugin (docs/sglang.md)."""
+                   sglang_log_level: str, extra: list[str], fault_injection: bool = False,
+                   secret: str | None = None) -> None:
+    """Replace this process with SGLang + our plugin (docs/sglang.md). The worker secret
+    goes to the launcher in the environment (never on a command line, which any local user
+    can read), and becomes SGLang's own API key: every route but its health and metrics."""
     from anchorcache.ext.embedded.model_store import resolve_model
     from anchorcache.ext.sglang import cpu
     from anchorcache.ext.sglang.config import SGLangAnchorConfig
@@ -155,6 +179,9 @@ def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, a
                                 fault_injection=fault_injection)
     gpu = cpu.has_gpu()
     env = {**os.environ, **config.to_env()}
+    env.pop(WORKER_SECRET_ENV, None)
+    if secret is not None:
+        env[WORKER_SECRET_ENV] = secret
     if not gpu:
         env = cpu.cpu_env(env, extra)  # with --tp N: each rank's cores
     cmd = cpu.sglang_command(sys.executable, model=str(resolve_model(model)), host=host, port=port,
@@ -175,15 +202,17 @@ def worker(
     anchor_slots: AnchorSlots = 256,
     anchor_bytes: AnchorBytes = 4 << 30,
     fault_injection: FaultInjection = False,
+    worker_secret: WorkerSecret = None,
     log_level: LogLevel = "info",
     sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
     """Run a worker behind the worker contract: the embedded transformers engine, or SGLang
     with the anchorcache plugin (`--backend sglang [-- SGLANG_ARGS...]`)."""
+    worker_secret = _worker_secret(worker_secret, host)
     if backend == "sglang":
         _require_sglang()
         _sglang_worker(host, port, model, anchor_slots, anchor_bytes, sglang_log_level,
-                       list(ctx.args), fault_injection)
+                       list(ctx.args), fault_injection, worker_secret)
         return
     if backend != "embedded":
         raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded, sglang)")
@@ -195,7 +224,8 @@ def worker(
 
     config = WorkerConfig(model=model, threads=threads, dtype=dtype, anchor_slots=anchor_slots,
                           anchor_capacity_bytes=anchor_bytes,
-                          pinned_slots=anchor_slots // 4, fault_injection=fault_injection)
+                          pinned_slots=anchor_slots // 4, fault_injection=fault_injection,
+                          secret=worker_secret)
     try:
         asyncio.run(_serve_forever(create_app(config), host, port,
                                    "anchorcache worker listening on http://{host}:{port}"))
@@ -237,6 +267,7 @@ def proxy(
     pin_budget_bytes: PinBudget = 1 << 30,
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
+    worker_secret: WorkerSecret = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Run the OpenAI-compatible proxy in front of running workers (one or more)."""
@@ -262,7 +293,8 @@ def proxy(
                                                    max_in_flight=max_in_flight),
                              pin_budget_bytes=pin_budget_bytes,
                              metrics_max_tenants=metrics_max_tenants,
-                             metrics_worker_timeout_s=metrics_worker_timeout_s)
+                             metrics_worker_timeout_s=metrics_worker_timeout_s,
+                             worker_secret=worker_secret)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     asyncio.run(_serve_forever(create_app(config), host, port,
@@ -312,6 +344,7 @@ def serve(
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     worker_health_timeout_s: WorkerHealthTimeout = 30.0,
     worker_stall_timeout_s: WorkerStallTimeout = 300.0,
+    worker_secret: WorkerSecret = None,
     log_level: LogLevel = "info",
     sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
@@ -348,9 +381,12 @@ def serve(
                              state_dir=state_dir, admin_token=admin_token or None,
                              anonymous=anonymous, strict_keys=strict_keys,
                              metrics_max_tenants=metrics_max_tenants,
-                             metrics_worker_timeout_s=metrics_worker_timeout_s)
+                             metrics_worker_timeout_s=metrics_worker_timeout_s,
+                             worker_secret=worker_secret or secrets.token_urlsafe(32))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    # the worker learns the secret from its environment (a command line is public)
+    os.environ[WORKER_SECRET_ENV] = config.worker_secret or ""
     watch = SuperviseConfig(health_timeout_s=worker_health_timeout_s or None,
                             stall_timeout_s=worker_stall_timeout_s or None)
     try:

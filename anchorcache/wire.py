@@ -8,6 +8,11 @@ namespace (a server-side tenant secret, never client-supplied), the model id and
 token of the prefix. Both sides compute it; the worker recomputes it over the input ids it
 actually received before restoring anything, so a planner bug cannot restore the wrong
 prefix. Keys of several depths of one prompt are computed in one pass.
+
+Engine cache keys: a worker's own prefix cache (SGLang's radix tree) is shared by every
+request it serves, so each request carries `cache_key = engine_cache_key(namespace)`, a
+digest of its caller's namespace, and the worker keys its cache by it (SGLang's
+`extra_key`): a request can only hit what requests of the same namespace left there.
 """
 
 from __future__ import annotations
@@ -67,6 +72,39 @@ def anchor_keys(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.n
 
 def anchor_key(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.ndarray) -> bytes:
     return anchor_keys(namespace, model_id, input_ids, [len(input_ids)])[len(input_ids)]
+
+
+CACHE_KEY_CHARS = 32
+
+
+def engine_cache_key(namespace: bytes) -> str:
+    """The key that isolates a namespace in a worker's own prefix cache (hex): a digest, so
+    the namespace itself (a tenant secret's hash) never leaves the proxy's side in clear."""
+    return hashlib.blake2b(namespace, digest_size=CACHE_KEY_CHARS // 2,
+                           person=b"ac.engine.key").hexdigest()
+
+
+def parse_cache_key(value: Any) -> str | None:
+    """An engine cache key on the wire: None, or `CACHE_KEY_CHARS` lowercase hex digits."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != CACHE_KEY_CHARS or \
+            value.strip("0123456789abcdef"):
+        raise WireError(f"'cache_key' must be {CACHE_KEY_CHARS} lowercase hex digits")
+    return value
+
+
+# The secret a proxy and its workers share (`--worker-secret`): every worker call but
+# `/health` carries it as `Authorization: Bearer SECRET`; a worker given one refuses the rest.
+WORKER_SECRET_ENV = "ANCHORCACHE_WORKER_SECRET"
+MIN_SECRET_CHARS = 16
+
+
+def check_secret(secret: str | None, what: str) -> str | None:
+    """`secret` if it is long enough (None passes); ValueError naming `what` otherwise."""
+    if secret is not None and len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"the {what} must be at least {MIN_SECRET_CHARS} characters")
+    return secret
 
 
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
@@ -182,11 +220,14 @@ class GenerateRequest:
     anchor: AnchorPlan | None = None
     return_logprob: bool = False  # SGLang's names: per-token logprobs of the output
     top_logprobs_num: int = 0  # and the k most likely alternatives at each position
+    cache_key: str | None = None  # `engine_cache_key` of the caller's namespace
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"input_ids": list(self.input_ids),
                                 "sampling_params": self.sampling.to_json(),
                                 "stream": self.stream}
+        if self.cache_key is not None:
+            body["cache_key"] = self.cache_key
         if self.return_logprob:
             body["return_logprob"] = True
             body["top_logprobs_num"] = self.top_logprobs_num
@@ -362,7 +403,7 @@ def parse_generate(obj: Any) -> GenerateRequest:
     return GenerateRequest(input_ids=ids, sampling=parse_sampling(obj.get("sampling_params")),
                            rid=rid, stream=bool(obj.get("stream", False)), anchor=plan,
                            return_logprob=bool(obj.get("return_logprob", False)),
-                           top_logprobs_num=top)
+                           top_logprobs_num=top, cache_key=parse_cache_key(obj.get("cache_key")))
 
 
 # ---- the reply half: parsed once at the proxy's edge (raises WireError) ------------------

@@ -12,6 +12,7 @@ each worker's adapter hands those to its framework in a few lines.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import uuid
 from abc import ABC, abstractmethod
@@ -120,9 +121,10 @@ class Backend(ABC):
         for a depth outside `[1, len(ids)]`."""
 
     @abstractmethod
-    async def pin(self, key: bytes) -> wire.KeyOpReply:
-        """Keep the committed anchor `key` from eviction (SGLang: also lock its prefix on the
-        device, within a budget; `device` says how)."""
+    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.KeyOpReply:
+        """Keep the committed anchor `key` from eviction (SGLang, with `device`: also lock its
+        prefix on the device, within a budget, under the engine cache key `cache_key`, where
+        requests that carry that key find it; the reply's `device` says how)."""
 
     @abstractmethod
     async def unpin(self, key: bytes) -> wire.KeyOpReply:
@@ -155,8 +157,9 @@ class Backend(ABC):
         """Answered even while the engine is busy or wedged: never waits for its loop.
         ContractError 503 while the worker is not ready."""
 
-    async def verify(self, key: bytes) -> wire.VerifyReply:
-        """Compare the device rows of the committed anchor `key` with its host slabs."""
+    async def verify(self, key: bytes, cache_key: str | None) -> wire.VerifyReply:
+        """Compare the device rows of the committed anchor `key` (as requests with the engine
+        cache key `cache_key` find them) with its host slabs."""
         raise ContractError(404, "this worker has no device rows to verify")
 
     async def fault(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -204,6 +207,17 @@ def key_arg(body: Any) -> bytes:
     return key
 
 
+def cache_key_arg(body: Any) -> str | None:
+    return wire.parse_cache_key(_obj(body).get("cache_key"))
+
+
+def _pin(backend: Backend, body: Any) -> Awaitable[wire.KeyOpReply]:
+    device = _obj(body).get("device", True)
+    if not isinstance(device, bool):
+        raise WireError("'device' must be a boolean")
+    return backend.pin(key_arg(body), cache_key_arg(body), device)
+
+
 def _rid(body: Any) -> str:
     rid = _obj(body).get("rid")
     if not isinstance(rid, str):
@@ -237,6 +251,24 @@ def error_json(message: str, status: int) -> bytes:
     kind = "invalid_request_error" if status < 500 else "server_error"
     code = "invalid_request" if status == 400 else "worker_error" if status == 500 else str(status)
     return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
+
+
+OPEN_PATHS = ("/health",)  # answered without the worker secret (probes, the proxy's health)
+
+
+def authorized(path: str, authorization: str | None, secret: str | None) -> bool:
+    """Whether a call to `path` with this `Authorization` header may be served: always
+    without a secret, else only with `Bearer SECRET` (compared in constant time) or on
+    `OPEN_PATHS`."""
+    if secret is None or path in OPEN_PATHS:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              secret.encode())
+
+
+UNAUTHORIZED = Reply(401, error_json("this worker needs its secret: send 'Authorization: Bearer "
+                                     "SECRET' (the proxy's --worker-secret)", 401))
 
 
 def _status(e: BaseException) -> int | None:
@@ -280,10 +312,11 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/anchor/lookup", _lookup),
     Route("GET", "/anchor/slots", lambda b, _: b.slots()),
     Route("GET", "/anchor/stats", lambda b, _: b.stats()),
-    Route("POST", "/anchor/pin", lambda b, body: b.pin(key_arg(body))),
+    Route("POST", "/anchor/pin", _pin),
     Route("POST", "/anchor/unpin", lambda b, body: b.unpin(key_arg(body))),
     Route("POST", "/anchor/evict", lambda b, body: b.evict(key_arg(body))),
-    Route("POST", "/anchor/verify", lambda b, body: b.verify(key_arg(body))),
+    Route("POST", "/anchor/verify",
+          lambda b, body: b.verify(key_arg(body), cache_key_arg(body))),
 )
 FAULT_ROUTE = Route("POST", "/debug/fault", lambda b, body: b.fault(_obj(body)))
 

@@ -112,9 +112,12 @@ def create_app(config: ProxyConfig, *,
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.worker_timeout_s, sock_connect=5)
+        # every worker call carries the shared secret (a worker given one refuses the rest)
+        secret = ({"Authorization": f"Bearer {config.worker_secret}"}
+                  if config.worker_secret is not None else None)
         ledger = Ledger.open(config.state_dir)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with aiohttp.ClientSession(timeout=timeout, headers=secret) as session:
                 reached, info = await _first_answer(session, config.worker_urls)
                 tokenizer = load_tokenizer(info.tokenizer_path)
                 adapter = get_adapter(config.adapter, tokenizer,

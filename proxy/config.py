@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from anchorcache.paths import default_state_dir
 from anchorcache.state.records import Quotas
+from anchorcache.wire import check_secret
 
 ROUTES = ("affinity", "least_load", "round_robin")  # how a request picks a worker (targets.py)
 
@@ -37,6 +38,8 @@ class ProxyConfig:
     metrics_worker_timeout_s: float = 1.0  # /metrics waits this long for the worker's stats
     state_dir: str = str(default_state_dir())  # the ledger's directory
     admin_token: str | None = None  # None: the admin API is off
+    # the secret the workers require (`Authorization: Bearer` on every call but /health)
+    worker_secret: str | None = None
     anonymous: bool | None = None  # None: on when listening on loopback, off otherwise
     # An unknown API key is a 401 even while no tenant exists. Off: with anonymous access on
     # and no tenant yet, any key (`EMPTY`, `sk-no-key`) runs as the anonymous tenant.
@@ -73,8 +76,8 @@ class ProxyConfig:
             raise ValueError("metrics_max_tenants must be positive")
         if not 0 < self.metrics_worker_timeout_s <= 60:
             raise ValueError("metrics_worker_timeout_s must be in (0, 60]")
-        if self.admin_token is not None and len(self.admin_token) < 16:
-            raise ValueError("the admin token must be at least 16 characters")
+        check_secret(self.admin_token, "admin token")
+        check_secret(self.worker_secret, "worker secret")
         if self.tool_anchor_gap < 0:
             raise ValueError("tool_anchor_gap must be >= 0")
         if self.pin_budget_bytes < 0:

@@ -47,6 +47,7 @@ from anchorcache.wire import (
     GenerateRequest,
     SamplingParams,
     anchor_keys,
+    engine_cache_key,
 )
 
 from .anchor_index import AnchorRecord
@@ -330,7 +331,8 @@ class AnchorLifecycle:
         self.ledger.open_reservation(rid, tenant, self.worker_id, self.epoch)
         self._in_flight.add(rid)
         req = GenerateRequest(input_ids=ids, sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
-                              rid=rid, stream=True, anchor=plan.request)
+                              rid=rid, stream=True, anchor=plan.request,
+                              cache_key=engine_cache_key(namespace))
         meta = None
         try:
             async for chunk in self.worker.generate(req):

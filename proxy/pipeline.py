@@ -30,7 +30,13 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from anchorcache.wire import AnchorKind, GenerateMeta, GenerateRequest, SamplingParams
+from anchorcache.wire import (
+    AnchorKind,
+    GenerateMeta,
+    GenerateRequest,
+    SamplingParams,
+    engine_cache_key,
+)
 
 from .choice import (
     CALL_MARKERS,
@@ -321,6 +327,7 @@ class Completion:
             plan = flight.plan if flight is not None else target.lifecycle.chunk_only(self.split)
             req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
                                   stream=True, anchor=plan.request,
+                                  cache_key=engine_cache_key(self.caller.namespace),
                                   return_logprob=gen.logprobs, top_logprobs_num=gen.top_logprobs)
             # held open until the anchors are kept: a dropped stream aborts the worker request
             chunks = cast(AsyncGenerator[Chunk, None], target.worker.generate(req))

@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from anchorcache.state.records import AnchorStatus, Toolset
+from anchorcache.wire import engine_cache_key
 
 from .anchor_index import AnchorRecord
 from .errors import ApiError
@@ -44,7 +45,11 @@ class ToolsetAnchors:
         first: AnchorRecord | None = None
         for tenant, ns, key in self.keys(ts):
             rec = await self.lifecycle.warm(tenant, ns, ts.input_ids)
-            if ts.pinned and not await self.lifecycle.worker.pin(key):
+            # the tenant's own copy may stay on the device, where its requests find it (the
+            # worker's cache is keyed by namespace); no request runs in the shared namespace,
+            # so the shared copy is pinned in the host tier only
+            cache_key = engine_cache_key(ns) if tenant != SHARED_TENANT else None
+            if ts.pinned and not await self.lifecycle.worker.pin(key, cache_key):
                 raise ApiError("worker_error", "the worker refused to pin the toolset anchor")
             first = first or rec
         assert first is not None

@@ -225,11 +225,15 @@ class WorkerClient:
         """The worker's slot-table counters, passed on as they are (for display)."""
         return dict(await self._call("GET", "/anchor/stats"))
 
-    async def _key_op(self, path: str, field: str, key: bytes) -> bool:
-        return bool((await self._call("POST", path, {"key": key.hex()})).get(field))
+    async def _key_op(self, path: str, field: str, key: bytes, **extra: Any) -> bool:
+        return bool((await self._call("POST", path, {"key": key.hex(), **extra})).get(field))
 
-    async def pin(self, key: bytes) -> bool:
-        return await self._key_op("/anchor/pin", "pinned", key)
+    async def pin(self, key: bytes, cache_key: str | None) -> bool:
+        """Pin anchor `key`; with a `cache_key` (the engine cache key of the namespace whose
+        requests it serves) the worker may also keep its prefix on the device for them,
+        without one it is pinned in the host tier only."""
+        return await self._key_op("/anchor/pin", "pinned", key, cache_key=cache_key,
+                                  device=cache_key is not None)
 
     async def unpin(self, key: bytes) -> bool:
         return await self._key_op("/anchor/unpin", "unpinned", key)

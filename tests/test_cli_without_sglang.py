@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -32,4 +33,19 @@ def test_a_short_admin_token_is_a_usage_error(command, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "at least 16 characters" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("secret, says", [(None, "needs --worker-secret"),
+                                          ("short", "at least 16 characters")])
+def test_a_worker_beyond_loopback_needs_a_worker_secret(secret, says, tmp_path):
+    """Anyone on the network could flush, pin or generate: refused before the model loads."""
+    env = {k: v for k, v in os.environ.items() if k != "ANCHORCACHE_WORKER_SECRET"}
+    if secret is not None:
+        env["ANCHORCACHE_WORKER_SECRET"] = secret
+    done = subprocess.run([sys.executable, "-m", "anchorcache.cli", "worker", "--host",
+                           "0.0.0.0", "--model", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
     assert "Traceback" not in done.stderr + done.stdout

@@ -36,6 +36,14 @@ def test_serve_answers_and_stops_both_processes_on_sigterm(default_model_dir, tm
         assert "Paris" in reply.choices[0].message.content
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children  # the embedded worker
+        # serve made a worker secret the proxy sends: without it the worker serves no one
+        (worker_port,) = {c.laddr.port for child in children for c in child.net_connections()
+                          if c.status == psutil.CONN_LISTEN}
+        worker_url = f"http://127.0.0.1:{worker_port}"
+        for path in ("/anchor/slots", "/model_info"):
+            assert httpx.get(worker_url + path, timeout=30).status_code == 401
+        assert httpx.post(worker_url + "/anchor/flush", timeout=30).status_code == 401
+        assert httpx.get(worker_url + "/health", timeout=30).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         _gone, alive = psutil.wait_procs(children, timeout=30)

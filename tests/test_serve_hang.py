@@ -27,6 +27,10 @@ pytestmark = pytest.mark.slow
 
 LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+# the worker secret serve shares with its worker (serve makes one unless given one): the
+# tests call the worker directly with it
+SECRET = "serve-hang-worker-secret-0123"
+WORKER_AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 
 @dataclass
@@ -53,7 +57,8 @@ def _serve(*args: str, env: dict[str, str] | None = None, timeout_s: float = 300
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", "serve", "--port", str(port),
                              "--log-level", "warning", *args],
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                 "ANCHORCACHE_WORKER_SECRET": SECRET, **(env or {})})
     serve = Serve(f"http://127.0.0.1:{port}", proc)
     try:
         wait_ready(serve.url + "/health", proc, timeout_s=timeout_s)
@@ -178,7 +183,7 @@ def test_a_wedged_engine_is_restarted_and_its_requests_end_cleanly(embedded_serv
     before = serve.health().json()
     _, worker_url = serve.worker()
     armed = httpx.post(worker_url + "/debug/fault", json={"where": "decode", "hang": True},
-                       timeout=30)
+                       headers=WORKER_AUTH, timeout=30)
     assert armed.json() == {"armed": "decode", "hang": True}
     streamed = _start(serve, stream=True)  # wedges the engine after its first token
     _until(_worker_holds(worker_url, 1, 0), 300, "the worker runs the streamed request")
@@ -234,7 +239,14 @@ def test_a_stopped_sglang_scheduler_is_restarted(tmp_path):
                 "--worker-stall-timeout-s", "20", "--", "--max-total-tokens", "10000",
                 env={"ANCHORCACHE_STATE_DIR": str(tmp_path)}, timeout_s=900) as serve:
         before = serve.health().json()
-        worker, _ = serve.worker()
+        worker, worker_url = serve.worker()
+        # the worker secret is SGLang's API key: our routes and SGLang's own need it
+        for path in ("/anchor/slots", "/get_model_info", "/v1/models"):
+            assert httpx.get(worker_url + path, timeout=30).status_code == 401, path
+            assert httpx.get(worker_url + path, headers=WORKER_AUTH, timeout=30).status_code \
+                == 200, path
+        assert httpx.post(worker_url + "/anchor/flush", timeout=30).status_code == 401
+        assert httpx.get(worker_url + "/health", timeout=30).status_code == 200
         stopped = _scheduler(worker)
         stopped.suspend()
         held = [_start(serve, stream=True, max_tokens=64),

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from anchorcache.wire import ModelInfo
+from anchorcache.wire import ModelInfo, check_secret
 
 from . import server
 from .backend import EmbeddedBackend
@@ -34,6 +34,7 @@ class WorkerConfig:
     pinned_slots: int = 64  # the thin region: toolsets' instruction and tool anchors
     fault_injection: bool = False  # expose POST /debug/fault (tests inject worker faults)
     prefill_chunk_tokens: int = 1024  # longest prefill forward; an abort waits at most one
+    secret: str | None = None  # the worker secret every call but /health must carry
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -44,6 +45,7 @@ class WorkerConfig:
             raise ValueError("anchor_capacity_bytes must be positive")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be positive")
+        check_secret(self.secret, "worker secret")
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
@@ -104,7 +106,8 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, ModelInfo]:
 def create_app(config: WorkerConfig, *, engine: Engine | None = None,
                info: ModelInfo | None = None) -> web.Application:
     """The worker app. Pass a loaded `engine`/`info` to share one model between apps (tests)."""
-    app = web.Application(middlewares=[server.error_middleware], client_max_size=256 << 20)
+    app = web.Application(middlewares=[server.auth_middleware(config.secret),
+                                       server.error_middleware], client_max_size=256 << 20)
     app[server.EPOCH] = secrets.token_hex(8)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -129,8 +129,9 @@ class EmbeddedBackend(Backend):
         return await self._on_engine(lambda store: store.lookup(namespace, list(ids),
                                                                 list(depths), self._epoch))
 
-    async def pin(self, key: bytes) -> KeyOpReply:
-        # no device tier: nothing is locked beyond the host slot table
+    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> KeyOpReply:
+        # no device tier (and no engine cache to key): nothing is locked beyond the host
+        # slot table
         return KeyOpReply("pinned", await self._on_engine(lambda store: store.table.pin(key)),
                           self._epoch, "none")
 

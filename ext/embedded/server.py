@@ -41,6 +41,17 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return _response(contract.error_reply(e))
 
 
+def auth_middleware(secret: str | None) -> Any:
+    """Refuse every call but `/health` that does not carry the worker secret (401)."""
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not contract.authorized(request.path, request.headers.get("Authorization"), secret):
+            return _response(contract.UNAUTHORIZED)
+        return await handler(request)
+
+    return auth
+
+
 def _route(route: contract.Route) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def handler(request: web.Request) -> web.Response:
         return _response(await contract.handle(request.app[BACKEND], route, await request.read()))

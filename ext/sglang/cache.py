@@ -71,6 +71,7 @@ from anchorcache.wire import (
     WireError,
     anchor_keys,
     parse_anchor_plan,
+    parse_cache_key,
 )
 
 from . import cpu, hybrid, swa, tp
@@ -158,7 +159,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         # on a hybrid model each pin also holds a Mamba slot: at most a quarter of them
         self._pin_states = (len(self.req_to_token_pool.mamba_allocator.free_slots) // 4
                             if self._states is not None else None)
-        self._repin: set[bytes] = set()  # pins a device flush dropped, placed again lazily
+        self._repin: dict[bytes, str | None] = {}  # pins a device flush dropped, placed again lazily
         self._fault: str | None = None  # one armed fault (`--fault-injection` only)
         self._zmq: zmq.Context[Any] = zmq.Context.instance()
         self._reply: dict[str, zmq.Socket[Any]] = {}
@@ -372,12 +373,15 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         return replace(reply, scheduler_calls=calls).to_json()
 
     def _op_pin(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Pin in the host tier (never evicted from the slot table) and lock the anchor's
-        prefix in SGLang's tree, placing it there first if it is not on the device."""
-        key = _key(body)
+        """Pin in the host tier (never evicted from the slot table) and, with `device`, lock
+        the anchor's prefix in SGLang's tree under `cache_key` (SGLang's `extra_key`: where
+        the requests carrying that key find it), placing it there first if it is not on
+        the device."""
+        key, extra_key = _key(body), parse_cache_key(body.get("cache_key"))
         pinned = self.anchors.table.pin(key)
+        on_device = pinned and body.get("device", True)
         return KeyOpReply("pinned", pinned, self.epoch,
-                          self._pin_device(key) if pinned else "none").to_json()
+                          self._pin_device(key, extra_key) if on_device else "none").to_json()
 
     def _op_unpin(self, body: dict[str, Any]) -> dict[str, Any]:
         key = _key(body)
@@ -401,12 +405,12 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         anchor's prefix with the anchor's host slabs: after a restore they must be equal.
         `device_tokens` is how much of the prefix the tree still holds (only that is compared);
         `mismatch` the first differing token position, or None."""
-        key = _key(body)
+        key, extra_key = _key(body), parse_cache_key(body.get("cache_key"))
         found = self.anchors.prefix_of(key)
         if found is None:
             raise WireError(f"no committed anchor {key.hex()} with its tokens in this worker")
         chain, ids = found
-        match = self.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids))))
+        match = self.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), extra_key)))
         n = int(match.device_prefix_len)
         rows = self.path_device_indices(match.last_device_node)[:n].to(torch.int64)
         device = ops.snapshot_kv(self._k, self._v, rows.contiguous(), layout="thd")
@@ -472,7 +476,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         if not check.chain or depth == 0:
             p.placed, p.missed = True, "under_one_page" if check.chain else None
         else:
-            started = self._place(check.chain, p.ids[:depth], room)
+            started = self._place(check.chain, p.ids[:depth], req.extra_key, room)
             if started == "no_room":
                 verdict = "no_room"
             elif isinstance(started, str):
@@ -729,7 +733,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
                     p.landing.copy.exception()
                 p.landing = None
             self._placing_rows = self._placing_states = self._placing_windows = 0
-            self._repin |= set(self._pins)
+            self._repin.update((key, pin.extra_key) for key, pin in self._pins.items())
             self._pins.clear()
             self._pinned_tokens = 0
         super().reset()

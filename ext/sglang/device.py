@@ -46,10 +46,12 @@ RESTORE_SLOW_S = 1.0  # the `restore_slow` fault's delay of one restore copy (te
 
 @dataclass
 class DevicePin:
-    """A pinned anchor's prefix, held in SGLang's tree by a lock reference."""
+    """A pinned anchor's prefix, held in SGLang's tree by a lock reference, under the
+    engine cache key (SGLang's `extra_key`) of the namespace whose requests it serves."""
 
     lock: Any
     tokens: int
+    extra_key: str | None
 
 
 @dataclass
@@ -79,7 +81,7 @@ class DeviceTree:
     _pinned_tokens: int
     _pin_budget: int
     _pin_states: int | None  # a hybrid model's bound on pins (each holds a Mamba slot)
-    _repin: set[bytes]
+    _repin: dict[bytes, str | None]  # pins a device flush dropped → their extra_key
     _fault: str | None
     _states: list[torch.Tensor] | None  # a hybrid model's state tensors (hybrid.state_views)
     _window: swa.WindowPool | None  # SGLang's sliding-window pool (ext/sglang/swa.py)
@@ -102,9 +104,11 @@ class DeviceTree:
     path_device_indices: Any
 
     # ---- device pins --------------------------------------------------------------------
-    def _pin_device(self, key: bytes) -> str:
-        """Lock the committed anchor `key`'s prefix in the tree; how it went: `locked`,
-        or why not (`over_budget`, `no_device_space`, `no_tokens`)."""
+    def _pin_device(self, key: bytes, extra_key: str | None) -> str:
+        """Lock the committed anchor `key`'s prefix in the tree, under `extra_key` (where
+        requests of that cache key find it); how it went: `locked`, or why not
+        (`over_budget`, `no_device_space`, `no_tokens`). An anchor is pinned on the device
+        under one key: pinned again under another, it stays where it is."""
         if key in self._pins:
             return "locked"
         found = self.anchors.prefix_of(key)
@@ -117,40 +121,41 @@ class DeviceTree:
         if self._pinned_tokens + len(ids) > self._pin_budget or (
                 self._pin_states is not None and len(self._pins) >= self._pin_states):
             return "over_budget"
-        placed = self._to_device(chain, ids)
+        placed = self._to_device(chain, ids, extra_key)
         if placed is None:
             return "no_device_space"
-        self._pins[key] = DevicePin(placed[0], len(ids))
+        self._pins[key] = DevicePin(placed[0], len(ids), extra_key)
         self._pinned_tokens += len(ids)
         return "locked"
 
     def _unpin_device(self, key: bytes) -> None:
-        self._repin.discard(key)
+        self._repin.pop(key, None)
         pin = self._pins.pop(key, None)
         if pin is not None:
             self.unlock(pin.lock)
             self._pinned_tokens -= pin.tokens
 
     def _pin_again(self) -> None:
-        keys, self._repin = self._repin, set()
+        keys, self._repin = self._repin, {}
         pinned = {e.key for e in self.anchors.table.entries() if e.pinned}
-        for key in keys & pinned:
-            self._pin_device(key)
+        for key, extra_key in keys.items():
+            if key in pinned:
+                self._pin_device(key, extra_key)
 
     def _paged(self, depth: int) -> int:
         """The page-aligned part of a prefix of `depth` tokens."""
         return depth - depth % self.page_size
 
-    def _to_device(self, chain: tuple[Slab, ...], ids: tuple[int, ...]
+    def _to_device(self, chain: tuple[Slab, ...], ids: tuple[int, ...], extra_key: str | None
                    ) -> tuple[Any, int, int] | None:
         """Put the prefix `ids` (the rows of `chain`) into the tree and lock it, waiting for
         the copy (pins; a request's restore waits in the queue instead: `_place`, `_land`).
         (lock, tokens scattered, tokens found on the device), or None without room."""
         room = self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
-        placement = self._place(chain, ids, lambda: room)
+        placement = self._place(chain, ids, extra_key, lambda: room)
         return self._land(placement) if isinstance(placement, Placement) else None
 
-    def _place(self, chain: tuple[Slab, ...], ids: tuple[int, ...],
+    def _place(self, chain: tuple[Slab, ...], ids: tuple[int, ...], extra_key: str | None,
                room: Callable[[], int]) -> Placement | str:
         """Start putting the prefix `ids` (the rows of `chain`) into the tree: what SGLang
         still holds stays (locked until `_land`), the rest is written from the slabs into
@@ -161,14 +166,15 @@ class DeviceTree:
         after the head is locked), `no_device_space` when they cannot be had, `no_state`
         on a hybrid model when the chain has no state at exactly `len(ids)` (a state exists
         nowhere else). `ids` is whole pages; the chain may reach further (its rows past
-        `ids` stay put)."""
+        `ids` stay put). The prefix goes in under `extra_key`, the engine cache key of the
+        requests it is for: SGLang's match finds it for those only."""
         depth = len(ids)
         tip = chain[-1] if chain else None
         hybrid = self._states is not None
         if (hybrid or self._window is not None) and (
                 tip is None or tip.depth != depth or tip.state is None):
             return "no_state"
-        key = RadixKey(array("q", ids))
+        key = RadixKey(array("q", ids), extra_key)
         if hybrid:  # the KV the tree holds, with or without states (SGLang's match stops at
             n_full, node, _ = self.tree_core.match_full_device_prefix(key)  # the last one)
         else:

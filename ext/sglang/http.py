@@ -101,8 +101,10 @@ class SGLangBackend(Backend):
         return await self._call("lookup", {"namespace": namespace.hex(), "input_ids": list(ids),
                                            "depths": list(depths)}, wire.parse_lookup)
 
-    async def pin(self, key: bytes) -> wire.KeyOpReply:
-        return await self._call("pin", {"key": key.hex()}, lambda d: wire.parse_key_op(d, "pinned"))
+    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.KeyOpReply:
+        return await self._call("pin", {"key": key.hex(), "cache_key": cache_key,
+                                        "device": device},
+                                lambda d: wire.parse_key_op(d, "pinned"))
 
     async def unpin(self, key: bytes) -> wire.KeyOpReply:
         return await self._call("unpin", {"key": key.hex()},
@@ -128,8 +130,9 @@ class SGLangBackend(Backend):
     async def stats(self) -> wire.StatsReply:
         return await self._call("stats", {}, wire.parse_stats)
 
-    async def verify(self, key: bytes) -> wire.VerifyReply:
-        return await self._call("verify", {"key": key.hex()}, wire.parse_verify)
+    async def verify(self, key: bytes, cache_key: str | None) -> wire.VerifyReply:
+        return await self._call("verify", {"key": key.hex(), "cache_key": cache_key},
+                                wire.parse_verify)
 
     async def fault(self, body: dict[str, Any]) -> dict[str, Any]:
         return {**await self.worker.call("fault", body), "epoch": self.epoch}

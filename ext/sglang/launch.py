@@ -8,6 +8,10 @@ wiring: the contract routes go onto SGLang's FastAPI app, and SGLang's tokenizer
 factory is wrapped to learn the scheduler's RPC socket name. With `--dp-size N` each rank's
 scheduler gets its RPC socket in a folder of ours (ext/sglang/rpc.py, `RANK_RPC_DIR`, which
 every SGLang process inherits), and each rank's contract is served under `/dp/K`.
+
+The worker secret (`ANCHORCACHE_WORKER_SECRET`, never a command-line argument) becomes
+SGLang's own API key, whose middleware guards every route of the app, ours and SGLang's
+alike, but its health, readiness and metrics probes.
 """
 
 from __future__ import annotations
@@ -27,11 +31,18 @@ def main(argv: list[str]) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
+    from anchorcache.wire import WORKER_SECRET_ENV
+
     from .http import SGLangWorker, install
     from .rpc import RANK_RPC_DIR
 
     load_plugins()
     server_args = prepare_server_args(argv)
+    secret = os.environ.pop(WORKER_SECRET_ENV, None)
+    if secret:
+        if server_args.api_key not in (None, secret):
+            raise SystemExit("error: give the worker secret or SGLang's --api-key, not both")
+        server_args.api_key = secret
     dp_size = int(getattr(server_args, "dp_size", 1) or 1)
     if dp_size > 1:
         os.environ[RANK_RPC_DIR] = tempfile.mkdtemp(prefix="anchorcache-dp-")

@@ -121,6 +121,9 @@ class Run:
                                 sampling_params=sampling, stream=True,
                                 return_logprob=req.return_logprob,
                                 top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+                                # SGLang's tree is keyed by it: a request matches only what
+                                # requests of its namespace left there (anchorcache.wire)
+                                extra_key=req.cache_key,
                                 # data parallelism: the rank this worker addresses (SGLang's own
                                 # field; its DP controller sends the request there)
                                 routed_dp_rank=self.worker.dp_rank)

@@ -16,6 +16,7 @@ import pytest
 
 from anchorcache.cli import free_port
 from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.isolation import check_tenants_stay_apart
 from anchorcache.testing.servers import SGLANG_TEST_ARGS, proxy_process
 
 pytestmark = pytest.mark.slow
@@ -201,3 +202,10 @@ def test_n_choices_with_logprobs_through_the_proxy(sglang_stack):
         assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
                    for e in entries)
         assert "".join(e.token for e in entries) == (c.message.content or "")
+
+
+def test_tenants_never_see_each_others_prompts_in_sglangs_cache(sglang):
+    """SGLang's own radix tree is keyed by each request's namespace (its `extra_key`): the
+    same long prompt from another tenant is a miss, through both APIs (dense, page size 1)."""
+    with proxy_process(sglang.url) as proxy:
+        check_tenants_stay_apart(proxy, sglang.url)

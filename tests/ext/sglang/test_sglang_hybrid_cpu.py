@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from anchorcache.testing.data import conversations, turn_requests, two_turn_prompts
+from anchorcache.testing.isolation import check_tenants_stay_apart
 from anchorcache.testing.servers import proxy_process, sglang_worker_process
 from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region, SnapshotSpec
 from tests.ext.sglang import test_sglang_worker as worker_helpers
@@ -481,3 +482,10 @@ def test_tensor_parallel_restores_each_ranks_state_exactly(prompts):
         generate(url, p2, chain)
         bad = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
         assert bad["mismatch"] is None and bad["state_equal"] is False
+
+
+def test_tenants_never_see_each_others_prompts_on_a_hybrid_model(hybrid):
+    """The hybrid tree (KV and Mamba states) keys the request's namespace too."""
+    worker, _ = hybrid
+    with proxy_process(worker.url) as proxy:
+        check_tenants_stay_apart(proxy, worker.url)

@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 from anchorcache.testing.data import two_turn_prompts
-from anchorcache.testing.servers import Server, sglang_worker_process
+from anchorcache.testing.isolation import check_tenants_stay_apart
+from anchorcache.testing.servers import Server, proxy_process, sglang_worker_process
 from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region
 from tests.ext.sglang.test_sglang_worker import flush_device, generate, post, save, verify
 
@@ -162,3 +163,10 @@ def test_an_anchor_under_one_page_is_a_miss_not_a_restore(sglang_tp, conversatio
     out = generate(url, p1, AnchorPlan(NS, restore=(AnchorRef(keys[short], short),)))
     assert out["meta_info"]["cached_tokens"] == 0
     assert out["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "under_one_page"
+
+
+def test_tenants_never_see_each_others_prompts_on_tp_and_paged(sglang_tp):
+    """`--tp 2 --page-size 16`: every rank's tree keys the request's namespace; another
+    tenant's identical prompt is a miss through both APIs, a shared toolset still shared."""
+    with proxy_process(sglang_tp.url) as proxy:
+        check_tenants_stay_apart(proxy, sglang_tp.url)

@@ -238,8 +238,10 @@ def _lookup(backend: Backend, body: Any) -> Awaitable[wire.LookupReply]:
         namespace = bytes.fromhex(d.get("namespace", ""))
     except (TypeError, ValueError) as e:
         raise WireError(f"lookup needs namespace, input_ids and depths: {e}") from None
-    return backend.lookup(namespace, parse_ids(d.get("input_ids"), "input_ids"),
-                          parse_ids(d.get("depths"), "depths"))
+    ids, depths = parse_ids(d.get("input_ids"), "input_ids"), parse_ids(d.get("depths"), "depths")
+    if any(not 1 <= depth <= len(ids) for depth in depths):
+        raise WireError(f"every depth must be in [1, {len(ids)}] (the input ids' length)")
+    return backend.lookup(namespace, ids, depths)
 
 
 def _json(data: Any, status: int = 200) -> Reply:

@@ -8,6 +8,7 @@ Everything goes through the ledger and the anchor life cycle; `ops/` is its clie
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 from collections import Counter
 from typing import Any
@@ -25,8 +26,18 @@ from .targets import Target
 from .tenants import TENANTS, TenantContext, bearer
 from .toolsets import SHARED_TENANT
 
+log = logging.getLogger("anchorcache.proxy")
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 LEADING_ROLES = ("system", "developer")
+
+
+def is_admin(request: web.Request) -> bool:
+    """Whether `request` carries the admin token (the admin API is on)."""
+    token, given = request.app[STATE].config.admin_token, bearer(request)
+    if not token or given is None:
+        return False
+    return hmac.compare_digest(given.encode(), token.encode())
 
 
 @web.middleware
@@ -187,9 +198,31 @@ def _check_pin(state: ProxyState, ts: Toolset) -> None:
                            f"{state.config.pin_budget_bytes} bytes used)")
 
 
+async def _unshare(state: ProxyState, ts: Toolset) -> Toolset:
+    """Stop sharing `ts`: its copy in the shared namespace is evicted from every worker
+    (pinned or not), so no other tenant's chain can start there any more, unless another
+    toolset with the same instruction prefix is still shared."""
+    shared_keys = [key for target in state.targets.all
+                   for tenant, _, key in target.lifecycle.toolsets.keys(ts)
+                   if tenant == SHARED_TENANT]
+    ts = state.ledger.set_toolset(ts.toolset, shared=False)
+    if any(other.input_ids == ts.input_ids for other in state.ledger.toolsets() if other.shared):
+        return ts
+    for target in state.targets.all:
+        for key in set(shared_keys):
+            try:
+                await target.lifecycle.evict(key)
+            except ApiError as e:  # out of reach: its restart forgets the anchor anyway
+                log.warning("unsharing %s: evicting its shared copy on %s failed: %s",
+                            ts.toolset, target.name, e.message)
+    return ts
+
+
 async def _apply(state: ProxyState, ts: Toolset, pin: bool | None, shared: bool | None) -> Toolset:
     led, serving = state.ledger, state.targets.serving()
-    if shared is not None and shared != ts.shared:
+    if shared is False and ts.shared:
+        ts = await _unshare(state, ts)
+    elif shared is not None and shared != ts.shared:
         ts = led.set_toolset(ts.toolset, shared=shared)
     for t in serving:  # warm (shared copy too) before pinning: the pin needs the bytes
         await t.lifecycle.toolsets.ensure(ts)

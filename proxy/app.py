@@ -22,9 +22,10 @@ from .planner import tenant_namespace
 from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
 from .splitter.tokenizers import load_tokenizer
+from .splitter.tool_cuts import ToolCutLimits
 from .state import STATE, ProxyState
 from .targets import Targets
-from .tenants import TENANTS, Tenants, tenant_middleware
+from .tenants import TENANTS, Tenants, local_caller, tenant_middleware
 from .toolsets import SHARED_TENANT
 from .worker_client import WorkerClient, WorkerInfo
 
@@ -46,8 +47,18 @@ async def models(request: web.Request) -> web.Response:
          "max_context_tokens": state.info.max_context_tokens}]})
 
 
+def _public(worker: dict[str, Any]) -> dict[str, Any]:
+    """A worker's health as anyone may see it: no URL, no request ids (those are the
+    admin's: other tenants' requests, the worker network's addresses)."""
+    return {k: v for k, v in worker.items()
+            if k not in ("url", "running_requests", "queued_requests")}
+
+
 async def health(request: web.Request) -> web.Response:
-    """`ok` while any worker serves (each worker's state under `workers`), else 503."""
+    """`ok` while any worker serves (each worker's state under `workers`), else 503. The
+    workers' URLs and the ids of the requests they hold only for the admin token."""
+    full = admin.is_admin(request)
+    shown = (lambda w: w) if full else _public
     state = request.app[STATE]
     status = request.app[WORKER_STATUS]
     process = status().to_json() if status is not None else None
@@ -68,12 +79,21 @@ async def health(request: web.Request) -> web.Response:
             workers.append({"name": t.name, "url": t.id, **reply.to_json()})
             first = first or reply
     if first is None:
-        return json_response({"status": "degraded", "worker": None, "workers": workers, **extra,
+        return json_response({"status": "degraded", "worker": None,
+                              "workers": [shown(w) for w in workers], **extra,
                               "error": "; ".join(w.get("error", "") for w in workers)
                               or "no worker"}, 503)
     return json_response({"status": "ok", "model": state.info.model_id,
-                          "anchors": state.config.anchors, "worker": first.to_json(),
-                          "workers": workers, **extra})
+                          "anchors": state.config.anchors, "worker": shown(first.to_json()),
+                          "workers": [shown(w) for w in workers], **extra})
+
+
+async def metrics(request: web.Request) -> web.StreamResponse:
+    """`/metrics` names tenants: for the admin token, or a scraper on this machine."""
+    if not (admin.is_admin(request) or local_caller(request)):
+        raise ApiError("unauthorized", "/metrics is for callers on this machine or with "
+                       "'Authorization: Bearer ADMIN_TOKEN' (it names tenants)")
+    return await metrics_endpoint(request)
 
 
 async def refresh_worker_epoch(app: web.Application) -> None:
@@ -122,6 +142,11 @@ def create_app(config: ProxyConfig, *,
                 tokenizer = load_tokenizer(info.tokenizer_path)
                 adapter = get_adapter(config.adapter, tokenizer,
                                       canonical_tools=config.canonical_tools)
+                # tool cuts for tool anchors (and, anchors off, for chunking as they would:
+                # on and off compute alike), none for a prompt the context cannot hold
+                adapter.tool_cut_limits = ToolCutLimits(
+                    spacing_tokens=config.tool_anchor_gap,
+                    max_prompt_tokens=info.max_context_tokens)
                 splits = SplitPool(adapter, max_pending=config.max_pending_splits)
                 budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
                 shared = ledger.ensure_tenant(SHARED_TENANT)
@@ -156,5 +181,5 @@ def create_app(config: ProxyConfig, *,
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     admin.add_routes(app)
-    app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/metrics", metrics)
     return app

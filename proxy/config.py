@@ -89,15 +89,18 @@ class ProxyConfig:
         return self.worker_urls[0]
 
     @property
-    def anonymous_access(self) -> bool:
+    def anonymous_access(self) -> bool | str:
+        """Who may call without a key: everyone (True), nobody (False), or by default, when
+        listening on loopback, callers on this machine only ("local", proxy/tenants.py)."""
         if self.anonymous is not None:
             return self.anonymous
-        return is_loopback(self.host)
+        return "local" if is_loopback(self.host) else False
 
     @property
     def placeholder_keys(self) -> bool:
-        """Whether any key is the anonymous tenant until the first tenant is created."""
-        return self.anonymous_access and not self.strict_keys
+        """Whether any key is the anonymous tenant until the first tenant is created (for a
+        caller with anonymous access)."""
+        return self.anonymous_access is not False and not self.strict_keys
 
 
 def is_loopback(host: str) -> bool:

@@ -221,17 +221,31 @@ class AnchorLifecycle:
                 else:
                     self._flights[inst[1]] = asyncio.get_running_loop().create_future()
                     leads = inst[1]
-        self.ledger.open_reservation(rid, caller.tenant, self.worker_id, self.epoch)
-        self._in_flight.add(rid)
+        self._open(rid, caller.tenant, leads)
         return Flight(rid, caller, plan, split.input_ids, leads)
+
+    def _open(self, rid: str, tenant: str, leads: bytes | None) -> None:
+        """Open request `rid`'s reservation in the ledger. If that fails, the instruction
+        anchor it was to write for everyone (`leads`) is let go at once: the requests
+        waiting for it go on, and the next one writes it."""
+        try:
+            self.ledger.open_reservation(rid, tenant, self.worker_id, self.epoch)
+        except BaseException:
+            if leads is not None:
+                self._let_go(leads)
+            raise
+        self._in_flight.add(rid)
+
+    def _let_go(self, leads: bytes) -> None:
+        fut = self._flights.pop(leads, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def _release(self, flight: Flight) -> None:
         flight.closed = True
         self._in_flight.discard(flight.rid)
         if flight.leads is not None:
-            fut = self._flights.pop(flight.leads, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            self._let_go(flight.leads)
 
     def fail(self, flight: Flight, reason: str) -> None:
         """The request ended without success; the caller aborts it on the worker by rid."""
@@ -328,8 +342,7 @@ class AnchorLifecycle:
         if key not in self._flights:
             self._flights[key] = asyncio.get_running_loop().create_future()
             flight.leads = key
-        self.ledger.open_reservation(rid, tenant, self.worker_id, self.epoch)
-        self._in_flight.add(rid)
+        self._open(rid, tenant, flight.leads)
         req = GenerateRequest(input_ids=ids, sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
                               rid=rid, stream=True, anchor=plan.request,
                               cache_key=engine_cache_key(namespace))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -158,11 +159,14 @@ class Completion:
         The split runs on the split thread (split_pool.py), never on the event loop."""
         started = time.perf_counter()
         caller = tenant.caller(gen.cache_salt)
-        state.budget.check(rendered_chars(gen.messages), gen.max_tokens)
+        state.budget.check(rendered_chars(gen.messages, gen.tools), gen.max_tokens)
         messages, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
-        split = await state.splits.split(messages, tools, gen.template_kwargs or None)
+        # in the tenant's turn on the split threads, with memos of the caller's own
+        splitter = functools.partial(state.splits.split, tenant=caller.tenant,
+                                     scope=caller.namespace)
+        split = await splitter(messages, tools, gen.template_kwargs or None)
         if gen.cut_after:
-            split = await with_hint_cuts(state.splits.split, split, messages, tools,
+            split = await with_hint_cuts(splitter, split, messages, tools,
                                          gen.template_kwargs or None, gen.cut_after)
         return cls(state, gen, split, caller=caller, started=started)
 

@@ -147,12 +147,22 @@ def string(value: Any, param: str, *, max_chars: int, empty_ok: bool = False) ->
     return value
 
 
-def rendered_chars(messages: tuple[dict[str, Any], ...]) -> int:
-    """Characters every chat template renders for these messages, at least: the content of
-    system/developer/user/tool messages without surrounding whitespace (templates may trim;
-    earlier assistant turns may be rewritten). A lower bound for the early token budget."""
-    return sum(len(m["content"].strip()) for m in messages
+def rendered_chars(messages: tuple[dict[str, Any], ...],
+                   tools: tuple[dict[str, Any], ...] = ()) -> int:
+    """Characters every chat template renders for these messages and tools, at least: the
+    content of system/developer/user/tool messages without surrounding whitespace (templates
+    may trim; earlier assistant turns may be rewritten), and the tools' names and
+    descriptions without any whitespace (every adapter renders them, the template's way or
+    lowered to text, and may re-wrap them). A lower bound for the early token budget."""
+    text = sum(len(m["content"].strip()) for m in messages
                if m["role"] in ALWAYS_RENDERED_ROLES and isinstance(m.get("content"), str))
+    for tool in tools:
+        fn = tool.get("function")
+        if isinstance(fn, dict):
+            for field in ("name", "description"):
+                if isinstance(fn.get(field), str):
+                    text += len("".join(fn[field].split()))
+    return text
 
 
 # ---- OpenAI chat completions ---------------------------------------------------------------

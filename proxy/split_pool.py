@@ -9,17 +9,19 @@ other request waited for it (13–19 s) before it was refused as over the contex
    `rendered_chars / max_chars_per_token` is a lower bound of the prompt's tokens. For a
    tokenizer whose pipeline could drop characters (no byte-level model, an unknown
    normalizer) there is no bound and no early refusal; step 2 still applies.
-2. `SplitPool.split` runs the adapter's `split` on one dedicated thread. One, because the
-   adapter's prefix cache is single-threaded (proxy/splitter/prefix_cache.py) and requests
-   then tokenize in arrival order; the tokenizer releases the GIL while it encodes, so the
-   loop keeps serving. At most `max_pending` splits wait; more are refused with 503
-   `overloaded` rather than queued without bound.
+2. `SplitPool.split` runs the adapter's `split` on a few dedicated threads (the adapter's
+   memos are locked; the tokenizer releases the GIL while it encodes, so the loop keeps
+   serving), in turns per tenant (`SplitPool`): a tenant's long split delays its own
+   requests, not another tenant's. Waiting splits are bounded in all and per tenant; more
+   are refused with 503 `overloaded` rather than queued without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -78,44 +80,101 @@ class TokenBudget:
                            f"context of {self.context_tokens} tokens", param="messages")
 
 
+@dataclass
+class _Job:
+    messages: list[dict]
+    tools: list[dict] | None
+    template_kwargs: dict | None
+    scope: bytes
+    future: asyncio.Future[SplitResult]
+
+
 class SplitPool:
-    def __init__(self, adapter: Adapter, *, max_pending: int = 64) -> None:
+    """The adapter's splits on `threads` threads, fairly: each tenant's requests wait in a
+    queue of their own, and a free thread takes the next tenant's oldest request in turn, so
+    one tenant's long or many splits delay its own requests, not the others'. At most
+    `max_pending` requests wait in all and `max_pending_per_tenant` per tenant (more are
+    refused with 503 `overloaded`): one tenant's flood cannot fill the queue for everyone.
+    Each split is bounded by the request's size (tool cuts: tool_cuts.py)."""
+
+    def __init__(self, adapter: Adapter, *, max_pending: int = 64, threads: int = 2,
+                 max_pending_per_tenant: int | None = None) -> None:
         self.adapter = adapter
         self.max_pending = max_pending
-        self._pending = 0
-        self.runs = 0  # splits started on the thread
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anchorcache-split")
+        self.max_pending_per_tenant = max_pending_per_tenant or max(1, max_pending // 4)
+        self.threads = threads
+        self._queues: dict[str, deque[_Job]] = {}  # tenant → its waiting splits, oldest first
+        self._turns: deque[str] = deque()  # tenants with waiting splits, next first
+        self._waiting = 0
+        self._running = 0
+        self.runs = 0  # splits started on the threads
+        self._closed = False
+        self._executor = ThreadPoolExecutor(max_workers=threads,
+                                            thread_name_prefix="anchorcache-split")
 
     @property
     def pending(self) -> int:
-        return self._pending
+        return self._waiting + self._running
 
     async def split(self, messages: list[dict], tools: list[dict] | None,
-                    template_kwargs: dict | None) -> SplitResult:
-        """The adapter's split, on the split thread; a bad chat raises a 400 `ApiError`."""
-        if self._pending >= self.max_pending:
-            raise ApiError("overloaded", f"{self._pending} requests are waiting to be "
+                    template_kwargs: dict | None, *, tenant: str = "",
+                    scope: bytes = b"") -> SplitResult:
+        """The adapter's split, on a split thread, in `tenant`'s turn; `scope` keys the
+        adapter's memos (the caller's namespace). A bad chat raises a 400 `ApiError`."""
+        if self.pending >= self.max_pending:
+            raise ApiError("overloaded", f"{self.pending} requests are waiting to be "
                            "tokenized; try again shortly")
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, self._split, messages, tools,
-                                      template_kwargs)
-        self._pending += 1
-        future.add_done_callback(self._done)
+        queue = self._queues.get(tenant)
+        if queue is not None and len(queue) >= self.max_pending_per_tenant:
+            raise ApiError("overloaded", f"{len(queue)} of this tenant's requests are waiting "
+                           "to be tokenized; try again shortly")
+        future: asyncio.Future[SplitResult] = asyncio.get_running_loop().create_future()
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+            self._turns.append(tenant)
+        queue.append(_Job(messages, tools, template_kwargs, scope, future))
+        self._waiting += 1
+        self._dispatch()
         # a cancelled request does not cancel its split: the thread finishes it either way
         return await asyncio.shield(future)
 
-    def _done(self, future: asyncio.Future[SplitResult]) -> None:
-        self._pending -= 1
-        if not future.cancelled():
-            future.exception()  # retrieved: its request may be gone
+    def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._running < self.threads and self._turns:
+            tenant = self._turns.popleft()
+            queue = self._queues[tenant]
+            job = queue.popleft()
+            if queue:
+                self._turns.append(tenant)  # its next split waits for the others' turns
+            else:
+                del self._queues[tenant]
+            self._waiting -= 1
+            self._running += 1
+            done = loop.run_in_executor(self._executor, self._split, job)
+            done.add_done_callback(functools.partial(self._done, job=job))
 
-    def _split(self, messages: list[dict], tools: list[dict] | None,
-               template_kwargs: dict | None) -> SplitResult:
+    def _done(self, done: asyncio.Future[SplitResult], job: _Job) -> None:
+        self._running -= 1
+        if not job.future.done():
+            if done.cancelled():
+                job.future.cancel()
+            elif done.exception() is not None:
+                job.future.set_exception(done.exception())  # type: ignore[arg-type]
+            else:
+                job.future.set_result(done.result())
+        if not job.future.cancelled():
+            job.future.exception()  # retrieved: its request may be gone
+        if not self._closed:
+            self._dispatch()
+
+    def _split(self, job: _Job) -> SplitResult:
         self.runs += 1
         try:
-            return self.adapter.split(messages, tools, template_kwargs=template_kwargs)
+            return self.adapter.split(job.messages, job.tools,
+                                      template_kwargs=job.template_kwargs, scope=job.scope)
         except SplitError as e:
             raise ApiError("invalid_request", str(e), param=e.param) from None
 
     def close(self) -> None:
+        self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)

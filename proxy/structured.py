@@ -27,11 +27,13 @@ first rewritten to JSON Schema types.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any
 
+import cachetools
 import jsonschema
 import orjson
 
@@ -143,25 +145,32 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
     except (orjson.JSONEncodeError, TypeError):
         error = _schema_error_of(schema)
     else:
-        error = _schema_error(canonical)
+        error = _cached_schema_error(hashlib.blake2b(canonical, digest_size=16).digest(), schema)
     if error is not None:
         raise _bad(error, param)
     return schema
 
 
-@functools.lru_cache(maxsize=4096)
-def _schema_error(canonical: bytes) -> str | None:
+MAX_SCHEMA_ERROR_CHARS = 512
+
+
+@cachetools.cached(cachetools.LRUCache(maxsize=4096), key=lambda digest, _schema: digest,
+                   lock=threading.Lock())
+def _cached_schema_error(digest: bytes, schema: dict[str, Any]) -> str | None:
     """Checking against the metaschema is most of the proxy's time per request, and agents
-    send the same tools every turn: cached by the schema's canonical JSON."""
-    return _schema_error_of(orjson.loads(canonical))
+    send the same tools every turn: cached by a digest of the schema's canonical JSON (the
+    key; `schema` is only read on a miss), so the cache holds digests and short errors,
+    under 700 bytes an entry, never the schemas themselves."""
+    return _schema_error_of(schema)
 
 
 def _schema_error_of(schema: dict[str, Any]) -> str | None:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        return f"invalid JSON schema{f' at {where}' if where else ''}: {e.message}"
+        where = "/".join(str(p) for p in e.absolute_path)[:128]
+        message = e.message[:MAX_SCHEMA_ERROR_CHARS]
+        return f"invalid JSON schema{f' at {where}' if where else ''}: {message}"
     return None
 
 

@@ -2,10 +2,14 @@
 
 One middleware for every API route (`/v1/...`, OpenAI and Anthropic alike): it resolves the
 caller before any handler runs and puts a `TenantContext` on the request. No key gets the
-anonymous tenant only when anonymous access is on (by default when the proxy listens on
-loopback). Revoked keys get 401, and so do unknown keys once a tenant exists; before that,
-with anonymous access on, any key is the anonymous tenant too (placeholder keys: clients
-and SDKs that insist on one, `api_key="EMPTY"`), unless `--strict-keys`. Every anonymous
+anonymous tenant only when anonymous access is on for this caller: `--anonymous` for every
+caller; by default (the proxy listening on loopback) for local callers only, that is a peer
+on loopback whose request was not forwarded (no `Forwarded`, `X-Forwarded-For` or
+`X-Real-IP` header: a reverse proxy on the same machine that sets one passes on a remote
+client, which gets no anonymous access). Revoked keys get 401, and so do unknown keys once
+a tenant exists; before that, for a caller with anonymous access, any key is the anonymous
+tenant too (placeholder keys: clients and SDKs that insist on one, `api_key="EMPTY"`),
+unless `--strict-keys`. Every anonymous
 caller shares the anonymous tenant's anchors. Each tenant has its own secret salt in
 the ledger, so its anchor keys live in its own namespace; a client `cache_salt` can only
 narrow that further (`TenantContext.caller`). `/health`, `/metrics` and `/admin` are not
@@ -23,6 +27,7 @@ from aiohttp import web
 from anchorcache.state.ledger import Ledger
 from anchorcache.state.records import Quotas, Tenant
 
+from .config import is_loopback
 from .errors import ApiError
 from .lifecycle import SHARED_TENANT, Caller
 from .planner import tenant_namespace
@@ -32,6 +37,16 @@ TENANT_PREFIXES = ("/v1/",)
 MAX_CACHE_SALT = 256
 GET_A_KEY = ("an operator creates one with `anchorcache ops tenant-add NAME` (a tenant and "
              "its first key) or `anchorcache ops key-add TENANT`")
+
+
+FORWARDED_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
+
+
+def local_caller(request: web.Request) -> bool:
+    """Whether the caller is on this machine: a loopback peer, not forwarding for another."""
+    peer = request.remote
+    return peer is not None and is_loopback(peer) and \
+        not any(h in request.headers for h in FORWARDED_HEADERS)
 
 
 def bearer(request: web.Request) -> str | None:
@@ -62,14 +77,17 @@ TENANT = web.RequestKey("tenant", TenantContext)
 class Tenants:
     """Resolves keys to tenants and counts requests in flight per tenant.
 
-    `placeholder_keys`: an unknown key is the anonymous tenant while no tenant exists (only
-    with `anonymous` on)."""
+    `anonymous`: True for every caller, "local" for local callers only (`local_caller`),
+    False for none. `placeholder_keys`: an unknown key is the anonymous tenant while no
+    tenant exists (only for a caller with anonymous access)."""
 
-    def __init__(self, ledger: Ledger, *, anonymous: bool, default_quotas: Quotas,
+    def __init__(self, ledger: Ledger, *, anonymous: bool | str, default_quotas: Quotas,
                  placeholder_keys: bool = False) -> None:
+        if anonymous not in (True, False, "local"):
+            raise ValueError(f"anonymous must be True, False or 'local', not {anonymous!r}")
         self.ledger = ledger
         self.anonymous = anonymous
-        self.placeholder_keys = placeholder_keys and anonymous
+        self.placeholder_keys = placeholder_keys
         self.default_quotas = default_quotas
         self.in_flight: Counter[str] = Counter()
         self._tenants_exist = False  # once true, stays true: tenants are never deleted
@@ -83,20 +101,24 @@ class Tenants:
                                       for t in self.ledger.tenants())
         return self._tenants_exist
 
-    def resolve(self, api_key: str | None) -> Tenant:
+    def resolve(self, api_key: str | None, *, local: bool = False) -> Tenant:
+        """The tenant of `api_key`; `local`: whether the caller is on this machine."""
+        anonymous = self.anonymous is True or (self.anonymous == "local" and local)
         if api_key is None:
-            if not self.anonymous:
+            if not anonymous:
+                where = "on this proxy" if self.anonymous is False else \
+                    "for callers that are not on this machine"
                 raise ApiError("unauthorized", "no API key: send 'Authorization: Bearer KEY' "
-                               f"(anonymous access is off on this proxy); {GET_A_KEY}")
+                               f"(anonymous access is off {where}); {GET_A_KEY}")
             return self.ledger.ensure_tenant(ANONYMOUS, self.default_quotas)
         key = self.ledger.lookup_key(api_key)
         if key is None:
-            if self.placeholder_keys and not self.tenants_exist():
+            if anonymous and self.placeholder_keys and not self.tenants_exist():
                 return self.ledger.ensure_tenant(ANONYMOUS, self.default_quotas)
-            anonymous = " (or send no key, to run as the anonymous tenant)" \
-                if self.anonymous else ""
+            anonymous_hint = " (or send no key, to run as the anonymous tenant)" \
+                if anonymous else ""
             raise ApiError("invalid_api_key",
-                           f"incorrect API key provided: {GET_A_KEY}{anonymous}")
+                           f"incorrect API key provided: {GET_A_KEY}{anonymous_hint}")
         if key.revoked_at is not None:
             raise ApiError("invalid_api_key", "this API key has been revoked")
         tenant = self.ledger.tenant(key.tenant)
@@ -113,7 +135,7 @@ async def tenant_middleware(request: web.Request, handler: Any) -> web.StreamRes
     if not request.path.startswith(TENANT_PREFIXES) or request.method == "OPTIONS":
         return await handler(request)
     tenants = request.app[TENANTS]
-    tenant = tenants.resolve(bearer(request))
+    tenant = tenants.resolve(bearer(request), local=local_caller(request))
     limit = tenant.quotas.max_in_flight
     if limit is not None and tenants.in_flight[tenant.name] >= limit:
         raise ApiError("rate_limit_exceeded", f"tenant {tenant.name!r} already has {limit} "

@@ -39,7 +39,7 @@ from .normalize import leading_system_count, newest_start, normalize_messages, n
 from .parsers import OutputParser
 from .prefix_cache import CachedPrefix, PrefixCache
 from .specials import SpecialGuard
-from .tool_cuts import ToolCutMemo, tool_cuts
+from .tool_cuts import ToolCutLimits, ToolCutMemo, candidates, tool_cuts
 from .types import Cut, CutKind, SplitResult
 
 
@@ -65,20 +65,27 @@ class Adapter(ABC):
         self.tokenizer = tokenizer
         self.canonical_tools = canonical_tools
         self.tool_cut_memo = ToolCutMemo()
+        self.tool_cut_limits = ToolCutLimits()  # the proxy sets its own (gap, context)
 
     def _with_tool_cuts(self, split: SplitResult, tools: list[dict] | None,
                         instruction_text: Callable[[int], str],
                         render_with: Callable[[int], str],
-                        encode_batch: Callable[[list[str]], list[list[int]]]) -> SplitResult:
-        """`split` with its tool cuts (tool_cuts.py), memoized by the instruction prefix's
-        text, `instruction_text(instruction cut)`; `render_with(k)`: the request's text with
-        its first `k` tools."""
-        pos = split.instruction_cut
-        if pos is None or not tools or len(tools) < 2:
+                        encode_batch: Callable[[list[str]], list[list[int]]],
+                        scope: bytes) -> SplitResult:
+        """`split` with its tool cuts (tool_cuts.py, within `tool_cut_limits`), memoized by
+        the instruction prefix's text, `instruction_text(instruction cut)`, in `scope`;
+        `render_with(k)`: the request's leading messages' text with its first `k` tools."""
+        pos, limits = split.instruction_cut, self.tool_cut_limits
+        if pos is None or not tools or len(tools) < 2 or (
+                limits.max_prompt_tokens is not None
+                and len(split.input_ids) > limits.max_prompt_tokens):
+            return split
+        ks = candidates(tools, limits)
+        if not ks:
             return split
         text = instruction_text(pos)
         found = self.tool_cut_memo.get_or_compute(text, lambda: tool_cuts(
-            text, split.input_ids[:pos], len(tools), render_with, encode_batch))
+            text, split.input_ids[:pos], ks, render_with, encode_batch), scope)
         return replace(split, tool_cuts=found)
 
     def _tools(self, tools: list[dict] | None, canonical: bool | None) -> list[dict] | None:
@@ -99,8 +106,10 @@ class Adapter(ABC):
     @abstractmethod
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None,
-              canonical_tools: bool | None = None) -> SplitResult:
-        """Render with the generation prompt and return the ids and verified cuts."""
+              canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
+        """Render with the generation prompt and return the ids and verified cuts. `scope`
+        keys every memo the split reads or fills (the caller's tenant namespace), so a
+        split is never faster for what another scope sent."""
 
     @abstractmethod
     def output_parser(self, tools: list[dict] | None, *,
@@ -175,22 +184,24 @@ class TextAdapter(Adapter):
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None, canonical_tools: bool | None = None,
-              use_cache: bool = True) -> SplitResult:
+              scope: bytes = b"", use_cache: bool = True) -> SplitResult:
         msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
         safe_msgs, safe_tls = self.guard.defuse(msgs), self.guard.defuse(tls)
         kwargs = dict(template_kwargs or {})
         pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
         chunks, consumed = self._chunks(pieces)
         if self.chunking_ok:
-            ids, ends = self._encode_chunks(chunks, use_cache, self._wanted(msgs, consumed))
+            ids, ends = self._encode_chunks(chunks, use_cache, self._wanted(msgs, consumed),
+                                            scope)
         else:
             ids, ends = self._encode_whole_verified(chunks)
         split = SplitResult(self.name, tuple(ids), self._classify(msgs, tls, consumed, ends),
                             stable_tail=self.stable_tail)
+        head = safe_msgs[:leading_system_count(msgs) + 1]  # what renders before the tools end
         return self._with_tool_cuts(
             split, safe_tls, lambda pos: "".join(chunks[: ends.index(pos) + 1]),
-            lambda k: "".join(p.text for p in self.render_pieces(safe_msgs, safe_tls[:k], kwargs)),
-            self.guard.encode_batch)
+            lambda k: "".join(p.text for p in self.render_pieces(head, safe_tls[:k], kwargs)),
+            self.guard.encode_batch, scope)
 
     def _safe_boundary(self, before: str, after: str) -> bool:
         if self._special_rx is None or not self._special_rx.match(after):
@@ -234,9 +245,10 @@ class TextAdapter(Adapter):
         return {i for i, c in enumerate(consumed)
                 if c is not None and c in (lead, newest, len(msgs))}
 
-    def _encode_chunks(self, chunks: list[str], use_cache: bool,
-                       wanted: set[int]) -> tuple[list[int], list[int]]:
+    def _encode_chunks(self, chunks: list[str], use_cache: bool, wanted: set[int],
+                       scope: bytes = b"") -> tuple[list[int], list[int]]:
         h = hashlib.blake2b(digest_size=16, person=b"ac.split.v1")
+        h.update(len(scope).to_bytes(4, "little") + scope)  # the cache is per scope
         keys = []
         for chunk in chunks[:-1]:
             h.update(chunk.encode("utf-8", "surrogatepass"))

@@ -91,7 +91,7 @@ class GenericAdapter(Adapter):
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None,
-              canonical_tools: bool | None = None) -> SplitResult:
+              canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
         msgs = self.guard.defuse(normalize_messages(messages))
         tls = self.guard.defuse(self._tools(tools, canonical_tools))
         if not self.supports_tools:
@@ -114,6 +114,7 @@ class GenericAdapter(Adapter):
         if newest > lead:
             wanted.append((newest, CutKind.CONVERSATION))
         h = hashlib.blake2b(digest_size=16, person=b"ac.generic.v1")
+        h.update(len(scope).to_bytes(4, "little") + scope)  # verified cuts are per scope
         h.update(json.dumps([tls, kwargs], sort_keys=True, ensure_ascii=False).encode())
         done = 0
         for k, kind in wanted:
@@ -129,10 +130,12 @@ class GenericAdapter(Adapter):
                     self._remember(key.digest(), pos, ids)
             if pos is not None and (not cuts or pos > cuts[-1].position):
                 cuts.append(Cut(kind, pos))
+        head = msgs[:lead + 1]  # what renders before the tools end
         return self._with_tool_cuts(
             SplitResult(self.name, tuple(ids), tuple(cuts)), tls,
             lambda pos: text[: ends[pos - 1]],
-            lambda k: self._render(msgs, (tls or [])[:k], kwargs, True), self.guard.encode_batch)
+            lambda k: self._render(head, (tls or [])[:k], kwargs, True), self.guard.encode_batch,
+            scope)
 
     @staticmethod
     def _ids_digest(ids: list[int]) -> bytes:

@@ -148,7 +148,7 @@ class HarmonyAdapter(Adapter):
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None,
-              canonical_tools: bool | None = None) -> SplitResult:
+              canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
         import openai_harmony as h
 
         msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)

@@ -85,7 +85,7 @@ class MistralAdapter(Adapter):
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None,
-              canonical_tools: bool | None = None) -> SplitResult:
+              canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
         msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
         ids = self._encode(msgs, tls)
         return SplitResult(self.name, tuple(ids), self._cuts(msgs, tls, ids))

@@ -200,7 +200,13 @@ def test_bad_anchor_bodies_are_400(worker):
                        ("/generate", {"input_ids": []}),
                        ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}),
                        ("/stop_request", {"rid": "x", "output_tokens": -1}),
-                       ("/stop_request", {"rid": "x", "output_tokens": "3"})]:
+                       ("/stop_request", {"rid": "x", "output_tokens": "3"}),
+                       # a depth past the ids (found by a fuzz of the routes: it was a 500)
+                       ("/anchor/lookup", {"namespace": "00", "input_ids": [1, 2], "depths": [5]}),
+                       ("/anchor/lookup", {"namespace": "00", "input_ids": [1, 2], "depths": [0]}),
+                       ("/generate", {"input_ids": [1], "cache_key": "tenant-a"}),
+                       ("/anchor/pin", {"key": "00" * 16, "device": "yes"}),
+                       ("/anchor/pin", {"key": "00" * 16, "cache_key": 7})]:
         resp = httpx.post(worker.url + path, json=body, timeout=30)
         assert resp.status_code == 400, (path, resp.text)
         assert resp.json()["error"]["type"] == "invalid_request_error"

@@ -21,9 +21,12 @@ from hypothesis import strategies as st
 
 from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
+from anchorcache.testing.servers import ADMIN_TOKEN
 from tests.proxy.test_anthropic_schema import WEATHER, _body
 
 pytestmark = pytest.mark.slow
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -64,8 +67,9 @@ FUZZ = settings(max_examples=250, derandomize=True, database=None, deadline=None
 
 
 @pytest.fixture()
-async def client(aiohttp_client, worker):
-    return await aiohttp_client(create_app(ProxyConfig(worker_urls=(worker.url,))))
+async def client(aiohttp_client, worker, tmp_path):
+    return await aiohttp_client(create_app(ProxyConfig(
+        worker_urls=(worker.url,), state_dir=str(tmp_path), admin_token=ADMIN_TOKEN)))
 
 
 async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client):
@@ -100,5 +104,6 @@ async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client):
     ok = await client.post("/v1/messages", json={
         "model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status == 200
-    health = await (await client.get("/health")).json()
+    # (the workers' request ids are the admin's to see)
+    health = await (await client.get("/health", headers=ADMIN)).json()
     assert health["worker"]["running_requests"] == [] and health["worker"]["queued_requests"] == []

@@ -96,3 +96,26 @@ def test_rendered_chars_counts_only_text_every_template_keeps():
     msgs = ({"role": "system", "content": "  abc  "}, {"role": "user", "content": "de"},
             {"role": "assistant", "content": "xxxxxxxx"}, {"role": "tool", "content": "f"})
     assert rendered_chars(msgs) == 6
+
+
+def test_the_schema_check_memo_holds_no_schema():
+    """The metaschema check is memoized by a digest: distinct large schemas (1 MiB each)
+    leave a few hundred bytes each behind, not themselves."""
+    import gc
+    import tracemalloc
+
+    from anchorcache.proxy.structured import check_schema
+
+    def big(i: int) -> dict:
+        return {"type": "object", "description": f"schema {i} " + "x" * (1 << 20)}
+
+    check_schema(big(-1), "p")  # (the memo's own first allocations)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(8):
+        check_schema(big(i), "p")
+    gc.collect()
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert kept < 64 << 10, kept  # 8 schemas of 1 MiB: 8 MiB if they were kept

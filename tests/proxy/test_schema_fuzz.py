@@ -22,8 +22,11 @@ from hypothesis import strategies as st
 
 from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
+from anchorcache.testing.servers import ADMIN_TOKEN
 
 pytestmark = pytest.mark.slow
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 ROLES = ["system", "developer", "user", "assistant", "tool"]
 
@@ -161,7 +164,8 @@ FUZZ = settings(max_examples=1200, derandomize=True, database=None, deadline=Non
 
 @pytest.fixture()
 async def client(aiohttp_client, worker, tmp_path):
-    config = ProxyConfig(worker_urls=(worker.url,), default_max_tokens=1, state_dir=str(tmp_path))
+    config = ProxyConfig(worker_urls=(worker.url,), default_max_tokens=1, state_dir=str(tmp_path),
+                         admin_token=ADMIN_TOKEN)
     return await aiohttp_client(create_app(config))
 
 
@@ -192,7 +196,7 @@ async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client, worker):
     ok = await client.post("/v1/chat/completions", json={
         "model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status == 200
-    health = await client.get("/health")
+    health = await client.get("/health", headers=ADMIN)  # (request ids: the admin's)
     assert health.status == 200
     worker_health = (await health.json())["worker"]
     assert worker_health["running_requests"] == [] and worker_health["queued_requests"] == []

@@ -116,3 +116,42 @@ async def test_splits_beyond_the_queue_bound_are_refused_503(client, held_split)
     assert (await extra.json())["error"]["code"] == "overloaded"
     release.set()
     assert [(await t).status for t in first] == [200, 200]
+
+
+async def test_a_free_thread_takes_the_next_tenants_split_in_turn(monkeypatch):
+    """One split thread, tenant A's four requests queued before tenant B's one: B's split
+    runs third (A's first two were on their way), not last; and A cannot queue past its own
+    bound while B still can. A real adapter and tokenizer; the thread is held at first."""
+    from anchorcache.proxy.split_pool import SplitPool
+    from anchorcache.proxy.splitter import get_adapter
+
+    adapter = get_adapter("auto", load_tokenizer("qwen3"))
+    pool = SplitPool(adapter, max_pending=8, threads=1)  # 2 waiting per tenant at most
+    order: list[bytes] = []
+    gate = threading.Event()
+    real = adapter.split
+
+    def split(messages, tools, **kwargs):
+        gate.wait(30)
+        order.append(kwargs["scope"])
+        return real(messages, tools, **kwargs)
+
+    monkeypatch.setattr(adapter, "split", split)
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def submit(tenant: str) -> asyncio.Task:
+        return asyncio.create_task(pool.split(msgs, None, None, tenant=tenant,
+                                              scope=tenant.encode()))
+
+    a = [submit("a") for _ in range(3)]  # one running, two waiting: A's bound
+    await asyncio.sleep(0.05)
+    with pytest.raises(ApiError) as refused:
+        await pool.split(msgs, None, None, tenant="a", scope=b"a")
+    assert refused.value.kind == "overloaded"
+    b = submit("b")  # another tenant still gets in
+    await asyncio.sleep(0.05)
+    gate.set()
+    results = await asyncio.gather(*a, b)
+    assert len({r.input_ids for r in results}) == 1
+    assert order == [b"a", b"a", b"b", b"a"]  # first come, first served would be a, a, a, b
+    pool.close()

@@ -126,6 +126,19 @@ def test_tenants_never_share_unless_a_toolset_is_shared(closed):
     chat(closed, c, system("private") + user("Weather in Lima?"))
     assert cached(chat(closed, b, system("private") + user("Weather in Lima?"))) == 0
 
+    # unshared (pinned first, so the shared copy is pinned on the worker): the shared copy
+    # is gone from the worker, and B's next request with that toolset restores nothing
+    assert admin(closed, "POST", "/admin/pin", json={"toolset": ts["toolset"]}).status_code == 200
+    off = admin(closed, "POST", "/admin/share", json={"toolset": ts["toolset"], "shared": False})
+    assert off.status_code == 200 and off.json()["shared"] is False and off.json()["pinned"]
+    shared_rows = admin(closed, "GET", "/admin/anchors", params={"tenant": "@shared"}).json()
+    assert ts["anchor"]["depth"] not in {r["depth"] for r in shared_rows["data"]}
+    slots = admin(closed, "GET", "/admin/slots").json()["data"]
+    assert not [s for s in slots if s["tenant"] == "@shared"]
+    assert [s["pinned"] for s in slots if s["key"] == ts["toolset"]] == [True]  # A's own stays
+    again = chat(closed, b, system("shared") + user("Weather in Kyiv?"))
+    assert cached(again) == 0 and again.json()["usage"]["timings"]["anchor_hits"] == []
+
 
 def test_a_burst_of_one_new_toolset_writes_one_instruction_anchor(closed):
     key = tenant(closed, "burst")
@@ -246,3 +259,34 @@ def test_the_byte_quota_never_evicts_a_pinned_toolsets_tool_anchors(closed):
     ).json()["data"])  # the quota did evict
     depth = max(r["depth"] for r in chain)
     assert cached(chat(closed, key, system("bytes") + user("a new one"), tools)) == depth
+
+
+@pytest.mark.parametrize("header", ["X-Forwarded-For", "Forwarded", "X-Real-IP"])
+def test_anonymous_access_is_for_callers_on_this_machine_only(proxy, header):
+    """A proxy on loopback serves local callers without a key; behind a reverse proxy on the
+    same machine (which says whom it forwards for), a remote client gets a 401, with no key
+    or a placeholder one."""
+    value = "for=203.0.113.9" if header == "Forwarded" else "203.0.113.9"
+    assert chat(proxy, None, user("hi")).status_code == 200
+    for key in (None, "EMPTY"):
+        headers = {header: value, **({"Authorization": f"Bearer {key}"} if key else {})}
+        resp = httpx.post(proxy.url + "/v1/chat/completions", headers=headers, timeout=300,
+                          json={"model": "default", "messages": user("hi"), "max_tokens": 2})
+        assert resp.status_code == 401, resp.text
+        assert resp.json()["error"]["type"] == "authentication_error"
+
+
+def test_health_and_metrics_tell_the_public_nothing_about_other_tenants(proxy):
+    """`/health` shows anyone whether the proxy serves, not the workers' URLs nor the ids of
+    the requests they hold; `/metrics` (tenant names) is for this machine or the admin."""
+    public = httpx.get(proxy.url + "/health", timeout=60).json()
+    assert public["status"] == "ok"
+    for worker in [public["worker"], *public["workers"]]:
+        assert not {"url", "running_requests", "queued_requests"} & set(worker), worker
+    full = admin(proxy, "GET", "/health").json()
+    assert full["workers"][0]["url"] and "running_requests" in full["worker"]
+    remote = {"X-Forwarded-For": "203.0.113.9"}
+    assert httpx.get(proxy.url + "/metrics", headers=remote, timeout=60).status_code == 401
+    assert httpx.get(proxy.url + "/metrics", headers={**remote, **ADMIN},
+                     timeout=60).status_code == 200
+    assert httpx.get(proxy.url + "/metrics", timeout=60).status_code == 200  # a local scraper

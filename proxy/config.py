@@ -48,7 +48,8 @@ class ProxyConfig:
         max_pinned_toolsets=8, max_anchor_bytes=None, max_in_flight=64))
     pin_budget_bytes: int = 1 << 30  # all pinned toolsets' anchors together
     single_flight_wait_s: float = 60.0  # how long a request waits for another one's new toolset
-    max_pending_splits: int = 64  # requests waiting for the split thread; more get 503 overloaded
+    # requests waiting for the split threads (one tenant: half of them); more get 503 overloaded
+    max_pending_splits: int = 64
 
     def __post_init__(self) -> None:
         if not self.worker_urls:

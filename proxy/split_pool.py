@@ -101,7 +101,7 @@ class SplitPool:
                  max_pending_per_tenant: int | None = None) -> None:
         self.adapter = adapter
         self.max_pending = max_pending
-        self.max_pending_per_tenant = max_pending_per_tenant or max(1, max_pending // 4)
+        self.max_pending_per_tenant = max_pending_per_tenant or max(1, max_pending // 2)
         self.threads = threads
         self._queues: dict[str, deque[_Job]] = {}  # tenant → its waiting splits, oldest first
         self._turns: deque[str] = deque()  # tenants with waiting splits, next first

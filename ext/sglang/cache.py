@@ -82,7 +82,8 @@ from .rpc import PLAN_PARAM
 log = logging.getLogger("anchorcache.sglang")
 
 ENDED_KEPT = 1024  # ended runs whose report (or failure) the scheduler remembers
-FAULTS = ("restore_shift_row", "restore_state_flip", "restore_slow")  # `_op_fault`
+FAULTS = ("restore_shift_row", "restore_state_flip", "restore_slow", "restore_copy_fail",
+          "snapshot_copy_fail")  # `_op_fault`
 
 try:  # SGLang is an optional dependency of the package; this module runs inside it
     from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN
@@ -116,6 +117,7 @@ class _Pending:
     snapshot_s: float = 0.0  # spent writing the request's anchors (snapshot_ms)
     copies: list[Future[float]] = field(default_factory=list)  # its slabs' copies in flight
     cut: int | None = None  # stopped by the proxy: the response anchor's depth (`_op_cut`)
+    failed: bool = False  # a snapshot of it failed on this rank (its anchors go on every rank)
     own_from: int | None = None  # its rows past what it matched in the tree (first checkpoint)
 
 
@@ -586,7 +588,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
                 self._snapshot_response(req, p, up_to)
         except Exception:  # a failed snapshot costs its anchors, never the scheduler
             log.exception("snapshot of request %s failed", req.rid)
-            p.todo = []
+            p.todo, p.failed = [], True
         p.snapshot_s += time.perf_counter() - t
         self._timed("snapshot", t)
         if finished:
@@ -677,15 +679,20 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
             out = torch.empty((len(self._k), 2, depth - start, *k0.shape[1:]), dtype=k0.dtype,
                               pin_memory=self._copy_stream is not None)
             self._fence()  # (CUDA) after the forward that wrote the rows
-            p.copies.append(self._copier.submit(self._copy, rows, out, window, state))
+            fail = self._fault == "snapshot_copy_fail"
+            if fail:
+                self._fault = None
+            p.copies.append(self._copier.submit(self._copy, rows, out, window, state, fail))
             return out, state
 
         return capture
 
     def _copy(self, rows: torch.Tensor, out: torch.Tensor, window: torch.Tensor | None = None,
-              state: torch.Tensor | None = None) -> float:
+              state: torch.Tensor | None = None, fail: bool = False) -> float:
         """On the copy thread: rows → `out` (and a gathered `window` → `state`); the seconds
-        it took."""
+        it took. `fail`: the `snapshot_copy_fail` fault (a copy that raises)."""
+        if fail:
+            raise RuntimeError("injected fault: snapshot_copy_fail")
         t = time.perf_counter()
         with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None \
                 else nullcontext():
@@ -698,11 +705,12 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
 
     def _join(self, rid: str, p: _Pending) -> None:
         """Wait for request `rid`'s copies in flight (`copy_wait`: the scheduler's time, zero
-        when they are done); if one failed, every anchor the request wrote is dropped."""
-        if not p.copies:
-            return
+        when they are done); if a copy or a snapshot failed, on this rank or any other,
+        every anchor the request wrote is dropped, on every rank alike (each rank holds its
+        shard of every anchor: one rank's failure is the anchor's). Every rank joins a
+        request at the same points (its release, its end), so the ranks agree here."""
         t = time.perf_counter()
-        failed = False
+        failed = p.failed
         for fut in p.copies:
             try:
                 self._timed("copy", 0.0, 1e3 * fut.result())
@@ -710,8 +718,10 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
                 log.exception("a snapshot copy of request %s failed", rid)
                 failed = True
         p.copies = []
+        failed = not bool(tp.all_ranks(self._tp_group, torch.tensor([not failed]))[0])
         self._timed("copy_wait", t)
         if failed:
+            p.failed = True
             self.anchors.abort_request(rid)
             p.written = []
 

@@ -214,15 +214,17 @@ class DeviceTree:
                 state[at + 2] ^= 0x40
         copy = None
         if slabs or state is not None:
-            delay = 0.0
+            delay, fail = 0.0, False
             if self._fault == "restore_slow":
                 self._fault, delay = None, RESTORE_SLOW_S
+            elif self._fault == "restore_copy_fail":
+                self._fault, fail = None, True
             self._fence()
             # the tip's window goes to its fresh tokens only: the head's part of it is the
             # tree's, live (SGLang's match ends only after a whole live window)
             window_rows = rows[need - fresh.windowed:] if fresh is not None else None
             copy = self._copier.submit(self._write, slabs, where, state, index, delay,
-                                       window_rows)
+                                       window_rows, fail)
         self._placing_rows += need
         self._placing_states += slot is not None
         self._placing_windows += fresh.windowed if fresh is not None else 0
@@ -230,11 +232,14 @@ class DeviceTree:
 
     def _write(self, slabs: list[torch.Tensor], where: list[torch.Tensor],
                state: torch.Tensor | None, index: int, delay: float,
-               window_rows: torch.Tensor | None = None) -> float:
+               window_rows: torch.Tensor | None = None, fail: bool = False) -> float:
         """On the copy thread: slabs → pool rows, state → Mamba slot `index` (on the
         sliding-window pool, the window → the window slots of `window_rows`); the seconds it
-        took (with `delay`, the `restore_slow` fault's sleep, first)."""
+        took (with `delay`, the `restore_slow` fault's sleep, first; `fail`: the
+        `restore_copy_fail` fault, a copy that raises)."""
         time.sleep(delay)
+        if fail:
+            raise RuntimeError("injected fault: restore_copy_fail")
         t = time.perf_counter()
         states = self._states if state is not None and window_rows is None else None
         mamba = state if states is not None else None
@@ -262,11 +267,16 @@ class DeviceTree:
         self._placing_rows -= len(pl.rows)
         self._placing_states -= pl.slot is not None
         self._placing_windows -= pl.fresh.windowed if pl.fresh is not None else 0
+        copied = True
         try:
             if pl.copy is not None:
                 self._timed("restore_copy", 0.0, 1e3 * pl.copy.result())
         except Exception:
             log.exception("a restore copy failed")
+            copied = False
+        # each rank wrote its shard: a prefix lands on every rank or on none (the ranks must
+        # admit the request alike), so one rank's failed copy is every rank's
+        if not bool(tp.all_ranks(self._tp_group, torch.tensor([copied]))[0]):
             self.unlock(pl.head_lock)
             self._free(pl.rows if pl.fresh is None else None, pl.slot)
             if pl.fresh is not None:

@@ -126,7 +126,7 @@ async def test_a_free_thread_takes_the_next_tenants_split_in_turn(monkeypatch):
     from anchorcache.proxy.splitter import get_adapter
 
     adapter = get_adapter("auto", load_tokenizer("qwen3"))
-    pool = SplitPool(adapter, max_pending=8, threads=1)  # 2 waiting per tenant at most
+    pool = SplitPool(adapter, max_pending=4, threads=1)  # 2 waiting per tenant at most
     order: list[bytes] = []
     gate = threading.Event()
     real = adapter.split

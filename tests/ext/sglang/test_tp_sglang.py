@@ -25,7 +25,7 @@ import pytest
 from anchorcache.testing.data import two_turn_prompts
 from anchorcache.testing.isolation import check_tenants_stay_apart
 from anchorcache.testing.servers import Server, proxy_process, sglang_worker_process
-from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region
+from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region, anchor_keys
 from tests.ext.sglang.test_sglang_worker import flush_device, generate, post, save, verify
 
 pytestmark = pytest.mark.slow
@@ -135,6 +135,50 @@ def test_a_slow_copy_on_one_rank_holds_the_request_on_both(sglang_tp, conversati
     assert warm["output_ids"] == cold
     check = verify(url, keys[depth])
     assert check["device_tokens"] == aligned(depth) and check["mismatch"] is None, check
+
+
+def test_a_failed_snapshot_copy_on_one_rank_drops_the_anchor_on_both(sglang_tp, conversations):
+    """Rank 1's snapshot copy fails (fault `snapshot_copy_fail`): the anchor is its shard
+    too, so both ranks drop it (the reply writes nothing to confirm), and a later restore
+    plan naming its key is a miss on both: the request runs cold, never half restored."""
+    url = sglang_tp.url
+    _, depth, p1, p2 = conversations[0]
+    flush_device(url)
+    cold = generate(url, p2)["output_ids"]
+    flush_device(url)
+    post(url, "/debug/fault", {"where": "snapshot_copy_fail", "rank": 1})
+    keys, out = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    assert out["meta_info"]["anchors"]["written"] == [] and keys == {}
+    key = anchor_keys(NS, httpx.get(url + "/model_info", timeout=60).json()["model_id"], p1,
+                      [depth])[depth]
+    flush_device(url)
+    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(key, depth),)))
+    assert warm["meta_info"]["anchors"]["restored_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] == 0
+    assert warm["output_ids"] == cold
+    assert not [s for s in httpx.get(url + "/anchor/slots", timeout=60).json()["slots"]
+                if s["key"] == key.hex()]
+
+
+def test_a_failed_restore_copy_on_one_rank_lands_on_neither(sglang_tp, conversations):
+    """Rank 1's restore copy fails (fault `restore_copy_fail`): the prefix lands on no rank
+    (the ranks must admit the request alike), so the request prefills it and answers as the
+    cold run does; the next restore of the same anchor works on both."""
+    url = sglang_tp.url
+    _, depth, p1, p2 = conversations[1]
+    flush_device(url)
+    cold = generate(url, p2)["output_ids"]
+    keys, _ = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    post(url, "/debug/fault", {"where": "restore_copy_fail", "rank": 1})
+    plan = AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),))
+    failed = generate(url, p2, plan)
+    assert failed["meta_info"]["cached_tokens"] == 0
+    assert failed["output_ids"] == cold
+    flush_device(url)
+    again = generate(url, p2, plan)
+    assert again["meta_info"]["anchors"]["restored_tokens"] == aligned(depth)
+    assert again["output_ids"] == cold
 
 
 def test_paged_pin_locks_whole_pages(sglang_tp, conversations):

@@ -60,6 +60,10 @@ StateDir = Annotated[str, typer.Option(envvar="ANCHORCACHE_STATE_DIR",
                                             "keys, toolsets, anchors).")]
 AdminToken = Annotated[str | None, typer.Option(envvar="ANCHORCACHE_ADMIN_TOKEN", show_default=False,
                                                 help="Token of the /admin API (off if unset).")]
+TenantShare = Annotated[float, typer.Option(
+    envvar="ANCHORCACHE_TENANT_ANCHOR_SHARE", min=0.01, max=1.0,
+    help="Share of each worker's anchor memory a tenant without a byte quota of its own may "
+         "hold (1: no limit).")]
 WorkerSecret = Annotated[str | None, typer.Option(
     envvar=WORKER_SECRET_ENV, show_default=False,
     help="Secret the proxy and its workers share: a worker refuses every call but /health "
@@ -268,6 +272,7 @@ def proxy(
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     worker_secret: WorkerSecret = None,
+    tenant_anchor_share: TenantShare = 0.5,
     log_level: LogLevel = "info",
 ) -> None:
     """Run the OpenAI-compatible proxy in front of running workers (one or more)."""
@@ -294,11 +299,18 @@ def proxy(
                              pin_budget_bytes=pin_budget_bytes,
                              metrics_max_tenants=metrics_max_tenants,
                              metrics_worker_timeout_s=metrics_worker_timeout_s,
-                             worker_secret=worker_secret)
+                             worker_secret=worker_secret,
+                             tenant_anchor_share=tenant_anchor_share)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    asyncio.run(_serve_forever(create_app(config), host, port,
-                               "anchorcache proxy listening on http://{host}:{port}/v1"))
+    from anchorcache.state.ledger import LedgerError
+
+    try:
+        asyncio.run(_serve_forever(create_app(config), host, port,
+                                   "anchorcache proxy listening on http://{host}:{port}/v1"))
+    except LedgerError as e:  # another proxy holds this ledger
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 
@@ -345,6 +357,7 @@ def serve(
     worker_health_timeout_s: WorkerHealthTimeout = 30.0,
     worker_stall_timeout_s: WorkerStallTimeout = 300.0,
     worker_secret: WorkerSecret = None,
+    tenant_anchor_share: TenantShare = 0.5,
     log_level: LogLevel = "info",
     sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
@@ -382,18 +395,24 @@ def serve(
                              anonymous=anonymous, strict_keys=strict_keys,
                              metrics_max_tenants=metrics_max_tenants,
                              metrics_worker_timeout_s=metrics_worker_timeout_s,
-                             worker_secret=worker_secret or secrets.token_urlsafe(32))
+                             worker_secret=worker_secret or secrets.token_urlsafe(32),
+                             tenant_anchor_share=tenant_anchor_share)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     # the worker learns the secret from its environment (a command line is public)
     os.environ[WORKER_SECRET_ENV] = config.worker_secret or ""
     watch = SuperviseConfig(health_timeout_s=worker_health_timeout_s or None,
                             stall_timeout_s=worker_stall_timeout_s or None)
+    from anchorcache.state.ledger import LedgerError
+
     try:
         asyncio.run(_serve_supervised(cmd, config, watch))
     except WorkerExited as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
+    except LedgerError as e:  # another proxy holds this ledger
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 async def _serve_supervised(worker_cmd: list[str], config, watch: SuperviseConfig) -> None:

@@ -106,9 +106,9 @@ class Backend(ABC):
         request is running (it already ended: its reply is on its way)."""
 
     @abstractmethod
-    async def confirm(self, slots: list[int]) -> wire.ConfirmReply:
+    async def confirm(self, slots: list[int], rid: str | None) -> wire.ConfirmReply:
         """Make the staged anchors in `slots` visible and evict their victims; slots not
-        staged are left out of the reply."""
+        staged (by request `rid`, when given) are left out of the reply."""
 
     @abstractmethod
     async def abort_slots(self, slots: list[int]) -> wire.SlotsAborted:
@@ -218,6 +218,20 @@ def _pin(backend: Backend, body: Any) -> Awaitable[wire.KeyOpReply]:
     return backend.pin(key_arg(body), cache_key_arg(body), device)
 
 
+def _confirm(backend: Backend, body: Any) -> Awaitable[wire.ConfirmReply]:
+    """`/anchor/confirm`: `slots`, and (what the proxy always sends) the request `rid` that
+    staged them and the `epoch` it saw, so a confirm can only ever make visible what that
+    request wrote in this process: after a restart its slot numbers name nothing (409)."""
+    d = _obj(body)
+    epoch, rid = d.get("epoch"), d.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise WireError("'rid' must be a string")
+    if epoch is not None and epoch != backend.epoch:
+        raise ContractError(409, f"epoch {epoch!r} is not this worker's ({backend.epoch}): it "
+                                 "restarted, and the slots of that epoch are gone")
+    return backend.confirm(slots_arg(body), rid)
+
+
 def _rid(body: Any) -> str:
     rid = _obj(body).get("rid")
     if not isinstance(rid, str):
@@ -309,7 +323,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/model_info", lambda b, _: b.model_info()),
     Route("POST", "/flush_cache", lambda b, _: b.flush(device=True)),
     Route("POST", "/anchor/flush", lambda b, _: b.flush(device=False)),
-    Route("POST", "/anchor/confirm", lambda b, body: b.confirm(slots_arg(body))),
+    Route("POST", "/anchor/confirm", _confirm),
     Route("POST", "/anchor/abort", lambda b, body: b.abort_slots(slots_arg(body))),
     Route("POST", "/anchor/lookup", _lookup),
     Route("GET", "/anchor/slots", lambda b, _: b.slots()),

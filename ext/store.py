@@ -287,15 +287,17 @@ class AnchorStore:
                 self._staged_deadline[slot] = deadline
 
     # ---- any thread ---------------------------------------------------------------------
-    def confirm(self, slots: list[int]) -> tuple[list[int], list[bytes]]:
-        """Make staged anchors visible; returns (confirmed slots, keys evicted)."""
+    def confirm(self, slots: list[int], rid: str | None = None) -> tuple[list[int], list[bytes]]:
+        """Make staged anchors visible (with `rid`: only those request `rid` staged); returns
+        (confirmed slots, keys evicted)."""
         confirmed, evicted = [], []
         self._sweep()
         for slot in slots:
-            entry = self._staged.pop(slot, None)
-            self._staged_deadline.pop(slot, None)
-            if entry is None:
+            entry = self._staged.get(slot)
+            if entry is None or (rid is not None and entry[1] != rid):
                 continue
+            del self._staged[slot]
+            self._staged_deadline.pop(slot, None)
             slab = entry[0]
             gone = self.table.confirm(slot)
             for key in gone:

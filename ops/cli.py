@@ -302,6 +302,10 @@ def _stats_view(data: dict[str, Any]) -> Table:
         ("worker bytes", f"{_bytes(worker.get('bytes_used'))} of {_bytes(worker.get('bytes_capacity'))}"),
         ("tenants / toolsets / pinned", f"{led['tenants']} / {led['toolsets']} / {led['pinned_toolsets']}"),
     ]
+    size = led.get("size")
+    if size:  # (a proxy that reports it)
+        rows.append(("ledger on disk", f"{_bytes(size['file_bytes'])}: " + ", ".join(
+            f"{k.removesuffix('_rows')} {v}" for k, v in size.items() if k.endswith("_rows"))))
     for k, v in rows:
         t.add_row(k, str(v))
     return t

@@ -375,7 +375,8 @@ async def stats(request: web.Request) -> web.Response:
         if t is primary:
             first = stats
     lc = primary.lifecycle
-    return json_response({"ledger": state.ledger.stats(), "worker": first,
+    return json_response({"ledger": {**state.ledger.stats(), "size": state.ledger.size()},
+                          "worker": first,
                           "requests": dict(requests),
                           "epoch": lc.epoch, "worker_url": lc.worker_id, "workers": workers,
                           "in_flight": dict(request.app[TENANTS].in_flight),

@@ -118,6 +118,19 @@ async def _first_answer(session: aiohttp.ClientSession,
     raise error
 
 
+async def _housekeep(ledger: Ledger, config: ProxyConfig) -> None:
+    """Delete the ledger's dead rows at start and then every `housekeeping_interval_s` (on
+    the loop, which owns the connection: indexed deletes, milliseconds)."""
+    while True:
+        try:
+            deleted = ledger.housekeep(config.ledger_retention_s)
+            if any(deleted.values()):
+                log.info("ledger housekeeping deleted %s", deleted)
+        except Exception:  # a busy or failing disk: tried again next time
+            log.exception("ledger housekeeping failed")
+        await asyncio.sleep(config.housekeeping_interval_s)
+
+
 def create_app(config: ProxyConfig, *,
                worker_status: Callable[[], HasStatus] | None = None) -> web.Application:
     """`worker_status`: given when this process supervises the worker (`anchorcache serve`);
@@ -135,7 +148,7 @@ def create_app(config: ProxyConfig, *,
         # every worker call carries the shared secret (a worker given one refuses the rest)
         secret = ({"Authorization": f"Bearer {config.worker_secret}"}
                   if config.worker_secret is not None else None)
-        ledger = Ledger.open(config.state_dir)
+        ledger = Ledger.open(config.state_dir, exclusive=True)
         try:
             async with aiohttp.ClientSession(timeout=timeout, headers=secret) as session:
                 reached, info = await _first_answer(session, config.worker_urls)
@@ -166,9 +179,11 @@ def create_app(config: ProxyConfig, *,
                 if adapter.deviation:
                     log.info("adapter %s deviates from the chat template on purpose: %s",
                              adapter.name, adapter.deviation)
+                housekeeping = asyncio.create_task(_housekeep(ledger, config))
                 try:
                     yield
                 finally:
+                    housekeeping.cancel()
                     await targets.close()
                     splits.close()
         finally:

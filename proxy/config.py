@@ -47,6 +47,11 @@ class ProxyConfig:
     default_quotas: Quotas = field(default_factory=lambda: Quotas(
         max_pinned_toolsets=8, max_anchor_bytes=None, max_in_flight=64))
     pin_budget_bytes: int = 1 << 30  # all pinned toolsets' anchors together
+    # a tenant without a byte quota of its own holds at most this share of each worker's
+    # anchor memory (1: no limit), so one tenant's traffic cannot evict everyone else's
+    tenant_anchor_share: float = 0.5
+    ledger_retention_s: float = 7 * 24 * 3600.0  # dead ledger rows are kept this long
+    housekeeping_interval_s: float = 3600.0
     single_flight_wait_s: float = 60.0  # how long a request waits for another one's new toolset
     # requests waiting for the split threads (one tenant: half of them); more get 503 overloaded
     max_pending_splits: int = 64
@@ -81,6 +86,10 @@ class ProxyConfig:
         check_secret(self.worker_secret, "worker secret")
         if self.tool_anchor_gap < 0:
             raise ValueError("tool_anchor_gap must be >= 0")
+        if self.ledger_retention_s < 0 or self.housekeeping_interval_s <= 0:
+            raise ValueError("ledger_retention_s must be >= 0, housekeeping_interval_s > 0")
+        if not 0 < self.tenant_anchor_share <= 1:
+            raise ValueError("tenant_anchor_share must be in (0, 1]")
         if self.pin_budget_bytes < 0:
             raise ValueError("pin_budget_bytes must be >= 0")
 

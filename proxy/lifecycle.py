@@ -90,13 +90,14 @@ class AnchorLifecycle:
     def __init__(self, worker: WorkerClient, ledger: Ledger, *, model_id: str, epoch: str,
                  worker_id: str, shared_namespace: bytes,
                  single_flight_wait_s: float = 60.0, hybrid: bool = False,
-                 tool_gap: int = 512) -> None:
+                 tool_gap: int = 512, tenant_anchor_share: float = 1.0) -> None:
         self.worker = worker
         self.ledger = ledger
         self._planner = Planner(model_id, epoch, hybrid=hybrid, tool_gap=tool_gap)
         self.worker_id = worker_id
         self.shared_namespace = shared_namespace
         self.single_flight_wait_s = single_flight_wait_s
+        self.tenant_anchor_share = tenant_anchor_share  # of the worker's bytes, per tenant
         self._flights: dict[bytes, asyncio.Future[None]] = {}
         self._in_flight: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -286,7 +287,8 @@ class AnchorLifecycle:
         evicted: tuple[bytes, ...] = ()
         if report.written:
             try:
-                reply = await self.worker.confirm([w.slot for w in report.written])
+                reply = await self.worker.confirm([w.slot for w in report.written], flight.rid,
+                                                  self.epoch)
             except ApiError as e:  # the request succeeded; only these anchors are lost
                 log.warning("anchor confirm failed: %s", e.message)
                 led.close_reservation(flight.rid, ReservationOutcome.ABORTED, "confirm_failed")

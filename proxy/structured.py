@@ -99,6 +99,11 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
                           name, strict)
 
 
+# The longest raw grammar accepted: the worker compiles it before sampling (xgrammar, in
+# time and memory that grow with it), so it is bounded here, as every other body part is
+MAX_GRAMMAR_CHARS = {"regex": 4096, "ebnf": 32768}
+
+
 def parse_grammar(body: dict[str, Any]) -> Constraint | None:
     """SGLang's OpenAI-API extras: a `regex` or an `ebnf` grammar for the content."""
     given = [k for k in ("regex", "ebnf") if body.get(k) is not None]
@@ -106,10 +111,13 @@ def parse_grammar(body: dict[str, Any]) -> Constraint | None:
         return None
     if len(given) > 1:
         raise _bad("give at most one of 'regex' and 'ebnf'", given[1])
-    text = body[given[0]]
+    kind = given[0]
+    text = body[kind]
     if not isinstance(text, str) or not text.strip():
-        raise _bad(f"'{given[0]}' must be a non-empty string", given[0])
-    return Constraint(given[0], text)
+        raise _bad(f"'{kind}' must be a non-empty string", kind)
+    if len(text) > MAX_GRAMMAR_CHARS[kind]:
+        raise _bad(f"'{kind}' is longer than {MAX_GRAMMAR_CHARS[kind]} characters", kind)
+    return Constraint(kind, text)
 
 
 def normalize_schema(schema: Any) -> Any:

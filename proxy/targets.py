@@ -133,7 +133,8 @@ class Targets:
             epoch=info.epoch if info is not None else "", worker_id=worker.base_url,
             shared_namespace=self.shared_namespace,
             single_flight_wait_s=self.config.single_flight_wait_s, hybrid=self.info.hybrid,
-            tool_gap=self.config.tool_anchor_gap)
+            tool_gap=self.config.tool_anchor_gap,
+            tenant_anchor_share=self.config.tenant_anchor_share)
         return Target(f"w{next(self._names)}", worker.base_url, worker, lifecycle,
                       healthy=info is not None, verified=info is not None,
                       error=None if info is not None else "not reached yet")

@@ -6,7 +6,9 @@ in the shared namespace. `ToolsetAnchors` warms both (each warm-up a request thr
 anchor life cycle, `lifecycle.py`), pins and unpins them on the worker, re-warms the pinned
 ones at proxy start and after a worker restart, and keeps a tenant under its anchor-bytes
 quota by evicting its least recently hit anchors, never a pinned toolset's (nor the tool
-anchors it chains from).
+anchors it chains from). A tenant without a byte quota of its own may hold a share of each
+worker's anchor memory (`ProxyConfig.tenant_anchor_share`, half by default), so no one
+tenant's traffic evicts every other tenant's anchors.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ SHARED_TENANT = "@shared"  # holds the shared-toolset namespace's secret salt; n
 class ToolsetAnchors:
     def __init__(self, lifecycle: AnchorLifecycle) -> None:
         self.lifecycle = lifecycle
+        self._capacity: tuple[str, int] | None = None  # (epoch, the worker's anchor bytes)
 
     def keys(self, ts: Toolset) -> list[tuple[str, bytes, bytes]]:
         """(tenant, namespace, key) of a toolset's anchors: its own, and the shared one."""
@@ -76,9 +79,22 @@ class ToolsetAnchors:
             log.warning("could not enforce the anchor-bytes quota of %s: %s",
                         caller.tenant, e.message)
 
+    async def _limit(self, caller: Caller) -> int | None:
+        """The tenant's anchor bytes on this worker: its own quota, else its share of the
+        worker's anchor memory (`tenant_anchor_share`; 1: no default limit)."""
+        if caller.max_anchor_bytes is not None:
+            return caller.max_anchor_bytes
+        share = self.lifecycle.tenant_anchor_share
+        if share >= 1:
+            return None
+        if self._capacity is None or self._capacity[0] != self.lifecycle.epoch:
+            capacity = int((await self.lifecycle.worker.stats()).get("bytes_capacity") or 0)
+            self._capacity = (self.lifecycle.epoch, capacity)
+        return int(share * self._capacity[1]) or None
+
     async def _enforce_bytes(self, caller: Caller) -> None:
         lc = self.lifecycle
-        limit = caller.max_anchor_bytes
+        limit = await self._limit(caller)
         if limit is None:
             return
         used = lc.ledger.anchor_bytes(caller.tenant, lc.worker_id, lc.epoch)

@@ -206,9 +206,11 @@ class WorkerClient:
                                   {"rid": rid, "output_tokens": output_tokens})
         return reply.stopped
 
-    async def confirm(self, slots: list[int]) -> ConfirmReply:
-        """Make staged anchors visible; the reply names those confirmed and the keys evicted."""
-        reply = await self._typed(parse_confirm, "POST", "/anchor/confirm", {"slots": slots})
+    async def confirm(self, slots: list[int], rid: str, epoch: str) -> ConfirmReply:
+        """Make the anchors request `rid` staged in `slots`, in the worker's `epoch`, visible;
+        the reply names those confirmed and the keys evicted."""
+        reply = await self._typed(parse_confirm, "POST", "/anchor/confirm",
+                                  {"slots": slots, "rid": rid, "epoch": epoch})
         self._saw(reply.epoch)
         return reply
 

@@ -15,10 +15,14 @@ that never leave the ledger, which is why the file is created mode 0600.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import os
 import secrets
+import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,10 @@ from .records import (
 from .schema import migrate
 
 LEDGER_FILE = "ledger.sqlite3"
+LOCK_FILE = "ledger.lock"
+# rows that can no longer matter (closed reservations, anchors no worker holds, events) are
+# deleted once this much older (`Ledger.housekeep`)
+RETENTION_S = 7 * 24 * 3600.0
 KEY_PREFIX = "ac-"
 
 
@@ -61,14 +69,20 @@ def _unhex(s: str | None) -> bytes | None:
 
 
 class Ledger:
-    def __init__(self, db: sqlite_utils.Database, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, db: sqlite_utils.Database, *, clock: Callable[[], float] = time.time,
+                 lock: int | None = None) -> None:
         self.db = db
         self.clock = clock
+        self._lock = lock  # the file descriptor holding `exclusive`'s lock, if any
 
     @classmethod
-    def open(cls, path: Path | str, *, clock: Callable[[], float] = time.time) -> Ledger:
+    def open(cls, path: Path | str, *, clock: Callable[[], float] = time.time,
+             exclusive: bool = False) -> Ledger:
         """Open (creating if needed) the ledger at `path`: a file, or a directory that gets
-        `ledger.sqlite3`. Runs pending migrations."""
+        `ledger.sqlite3`. Runs pending migrations. `exclusive` (a proxy): hold a lock beside
+        it until `close`, so that a second proxy on the same ledger refuses to start (each
+        would take the other's open reservations for its own crash leftovers) with a
+        LedgerError naming the holder."""
         path = Path(path)
         if path.is_dir() or not path.suffix:
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -77,16 +91,61 @@ class Ledger:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not path.exists():
             path.touch(mode=0o600)
+        lock = _lock(path.with_name(LOCK_FILE)) if exclusive else None
         db = sqlite_utils.Database(path)
         db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL: a power loss may lose the last commits (counters, anchor rows that the
+        # workers' listings rebuild), never corrupt; key and tenant changes commit FULL
+        # (`_durable`)
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
         db.execute("PRAGMA busy_timeout=5000")
         migrate(db)
-        return cls(db, clock=clock)
+        return cls(db, clock=clock, lock=lock)
 
     def close(self) -> None:
         self.db.close()
+        if self._lock is not None:
+            os.close(self._lock)  # (releases the lock)
+            self._lock = None
+
+    @contextlib.contextmanager
+    def _durable(self) -> Iterator[None]:
+        """One transaction, fsynced at commit (`synchronous=FULL`): a key revoked or a tenant
+        created survives a power loss once the call returns."""
+        self.db.execute("PRAGMA synchronous=FULL")
+        try:
+            with self.db.conn:
+                yield
+        finally:
+            self.db.execute("PRAGMA synchronous=NORMAL")
+
+    def housekeep(self, retention_s: float = RETENTION_S) -> dict[str, int]:
+        """Delete what can no longer matter, older than `retention_s`: closed reservations,
+        anchor rows no worker holds (lost, evicted, aborted), events. Open reservations,
+        committed and reserved anchors, tenants, keys and toolsets stay. The rows deleted, by
+        table."""
+        before = self.clock() - retention_s
+        deleted = {}
+        with self.db.conn:
+            deleted["reservations"] = self.db.execute(
+                "DELETE FROM reservations WHERE outcome IS NOT NULL AND outcome != 'open' "
+                "AND coalesce(closed_at, opened_at) < ?", [before]).rowcount
+            deleted["anchors"] = self.db.execute(
+                "DELETE FROM anchors WHERE status NOT IN ('committed', 'reserved') "
+                "AND coalesce(updated_at, created_at) < ?", [before]).rowcount
+            deleted["events"] = self.db.execute("DELETE FROM events WHERE at < ?",
+                                                [before]).rowcount
+        return deleted
+
+    def size(self) -> dict[str, int]:
+        """The ledger's rows by table and its bytes on disk (database and write-ahead log)."""
+        rows = {t: self.db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                for t in ("tenants", "api_keys", "toolsets", "anchors", "reservations", "events")}
+        path = Path(self.db.conn.execute("PRAGMA database_list").fetchone()[2])
+        disk = sum(f.stat().st_size for f in (path, path.with_name(path.name + "-wal"))
+                   if f.exists())
+        return {**{f"{t}_rows": n for t, n in rows.items()}, "file_bytes": disk}
 
     def event(self, kind: str, tenant: str | None = None, **detail: Any) -> None:
         self.db.table("events").insert({"at": self.clock(), "kind": kind, "tenant": tenant,
@@ -113,18 +172,26 @@ class Ledger:
     def create_tenant(self, name: str, quotas: Quotas = Quotas()) -> tuple[Tenant, str, str]:
         """A new tenant with a fresh secret salt and a first API key: (tenant, key_id, key).
         Raises LedgerError if the name is taken."""
-        with self.db.conn:
-            if self.tenant(name) is not None:
-                raise LedgerError(f"tenant {name!r} already exists")
-            tenant = self._insert_tenant(name, quotas)
-            key_id, api_key = self._insert_key(name)
+        try:
+            with self._durable():
+                if self.tenant(name) is not None:
+                    raise LedgerError(f"tenant {name!r} already exists")
+                tenant = self._insert_tenant(name, quotas)
+                key_id, api_key = self._insert_key(name)
+        except sqlite3.IntegrityError:  # created at the same moment through another connection
+            raise LedgerError(f"tenant {name!r} already exists") from None
         self.event("tenant_created", name)
         return tenant, key_id, api_key
 
     def ensure_tenant(self, name: str, quotas: Quotas = Quotas()) -> Tenant:
         """The tenant `name`, created (without a key) if it does not exist yet."""
-        with self.db.conn:
-            return self.tenant(name) or self._insert_tenant(name, quotas)
+        try:
+            with self._durable():
+                return self.tenant(name) or self._insert_tenant(name, quotas)
+        except sqlite3.IntegrityError:  # created at the same moment through another connection
+            tenant = self.tenant(name)
+            assert tenant is not None
+            return tenant
 
     def _insert_tenant(self, name: str, quotas: Quotas) -> Tenant:
         row = {"name": name, "salt": secrets.token_hex(32), "created_at": self.clock(),
@@ -135,7 +202,8 @@ class Ledger:
     def set_quotas(self, name: str, quotas: Quotas) -> Tenant:
         if self.tenant(name) is None:
             raise LedgerError(f"no tenant {name!r}")
-        self.db.table("tenants").update(name, quotas.to_json())
+        with self._durable():
+            self.db.table("tenants").update(name, quotas.to_json())
         tenant = self.tenant(name)
         assert tenant is not None
         return tenant
@@ -144,7 +212,7 @@ class Ledger:
         """A new API key for `tenant`: (key_id, key). The key is shown once, stored hashed."""
         if self.tenant(tenant) is None:
             raise LedgerError(f"no tenant {tenant!r}")
-        with self.db.conn:
+        with self._durable():
             out = self._insert_key(tenant)
         self.event("key_created", tenant, key_id=out[0])
         return out
@@ -159,10 +227,10 @@ class Ledger:
 
     def revoke_key(self, tenant: str, key_id: str) -> bool:
         """Revoke a key of `tenant`; False if it has no such key. Revoking twice is a no-op."""
-        cur = self.db.execute(
-            "UPDATE api_keys SET revoked_at = coalesce(revoked_at, ?) WHERE key_id = ? AND tenant = ?",
-            [self.clock(), key_id, tenant])
-        self.db.conn.commit()
+        with self._durable():
+            cur = self.db.execute(
+                "UPDATE api_keys SET revoked_at = coalesce(revoked_at, ?) WHERE key_id = ? "
+                "AND tenant = ?", [self.clock(), key_id, tenant])
         if cur.rowcount:
             self.event("key_revoked", tenant, key_id=key_id)
         return bool(cur.rowcount)
@@ -419,3 +487,18 @@ class Ledger:
         self.event("reconcile", None, reason=reason, **report.to_json())
         return report
 
+
+def _lock(path: Path) -> int:
+    """An exclusive lock on `path` (created if needed), held by the returned descriptor;
+    LedgerError naming the process that holds it already."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise LedgerError(f"the ledger {path.parent} is in use by another proxy (pid {holder}); "
+                          "give each proxy a state dir of its own (--state-dir)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

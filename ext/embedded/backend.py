@@ -116,8 +116,8 @@ class EmbeddedBackend(Backend):
         return StopReply(rid, self.engine.stop_request(rid, output_tokens), self._epoch)
 
     # ---- anchors (engine thread) --------------------------------------------------------
-    async def confirm(self, slots: list[int]) -> ConfirmReply:
-        confirmed, evicted = await self._on_engine(lambda store: store.confirm(slots))
+    async def confirm(self, slots: list[int], rid: str | None) -> ConfirmReply:
+        confirmed, evicted = await self._on_engine(lambda store: store.confirm(slots, rid))
         return ConfirmReply(tuple(confirmed), tuple(evicted), self._epoch)
 
     async def abort_slots(self, slots: list[int]) -> SlotsAborted:

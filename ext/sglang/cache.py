@@ -343,7 +343,8 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         return {"cut": p is not None}
 
     def _op_confirm(self, body: dict[str, Any]) -> dict[str, Any]:
-        confirmed, evicted = self.anchors.confirm(_slots(body))
+        rid = body.get("rid")
+        confirmed, evicted = self.anchors.confirm(_slots(body), rid if isinstance(rid, str) else None)
         for key in evicted:
             self._unpin_device(key)
         if self.anchor_config.slab_dump_dir is not None and self._tp_rank == 0:

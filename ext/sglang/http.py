@@ -90,8 +90,8 @@ class SGLangBackend(Backend):
         return wire.StopReply(rid, stopped, self.epoch)
 
     # ---- anchors (scheduler loop) -------------------------------------------------------
-    async def confirm(self, slots: list[int]) -> wire.ConfirmReply:
-        return await self._call("confirm", {"slots": slots}, wire.parse_confirm)
+    async def confirm(self, slots: list[int], rid: str | None) -> wire.ConfirmReply:
+        return await self._call("confirm", {"slots": slots, "rid": rid}, wire.parse_confirm)
 
     async def abort_slots(self, slots: list[int]) -> wire.SlotsAborted:
         return await self._call("abort", {"slots": slots}, wire.parse_slots_aborted)

@@ -504,3 +504,26 @@ def test_replies_are_their_records_and_match_across_backends(worker):
         for call, mine in shapes.items():
             assert same_shape(mine, theirs[call]), (call, worker.backend, other, mine, theirs[call])
     SHAPES[worker.backend] = shapes
+
+
+def test_a_confirm_makes_visible_only_what_its_request_staged_in_this_epoch(worker):
+    """The proxy confirms with the request's rid and the epoch it saw: another request's
+    rid confirms nothing of this one's, and slot numbers of another epoch (a worker that
+    restarted) are a 409, never some other anchor's slots."""
+    ids = prompt(8)
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(100, AnchorKind.CONVERSATION),), chunk_at=(100,))
+    req = GenerateRequest(input_ids=tuple(ids), sampling=GREEDY, anchor=plan, rid="confirm-own")
+    resp = httpx.post(worker.url + "/generate", json=req.to_json(), timeout=120)
+    assert resp.status_code == 200, resp.text
+    meta = resp.json()["meta_info"]
+    slots = [w["slot"] for w in meta["anchors"]["written"]]
+    assert len(slots) == 1
+    other = post(worker, "/anchor/confirm", {"slots": slots, "rid": "someone-else"})
+    assert other["confirmed"] == []
+    stale = httpx.post(worker.url + "/anchor/confirm", timeout=60,
+                       json={"slots": slots, "rid": "confirm-own", "epoch": "0123456789abcdef"})
+    assert stale.status_code == 409 and "restarted" in stale.json()["error"]["message"]
+    own = post(worker, "/anchor/confirm", {"slots": slots, "rid": "confirm-own",
+                                           "epoch": meta["epoch"]})
+    assert own["confirmed"] == slots
+    worker.forget_device()

@@ -119,3 +119,15 @@ def test_the_schema_check_memo_holds_no_schema():
     kept = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert kept < 64 << 10, kept  # 8 schemas of 1 MiB: 8 MiB if they were kept
+
+
+@pytest.mark.parametrize("kind", ["regex", "ebnf"])
+def test_a_raw_grammar_is_bounded_in_size(kind):
+    from anchorcache.proxy.structured import MAX_GRAMMAR_CHARS, parse_grammar
+
+    limit = MAX_GRAMMAR_CHARS[kind]
+    body = {kind: "a" * limit}
+    assert parse_grammar(body).text == body[kind]
+    with pytest.raises(ApiError) as e:
+        parse_grammar({kind: "a" * (limit + 1)})
+    assert e.value.kind == "invalid_request" and e.value.param == kind

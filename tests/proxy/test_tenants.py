@@ -290,3 +290,29 @@ def test_health_and_metrics_tell_the_public_nothing_about_other_tenants(proxy):
     assert httpx.get(proxy.url + "/metrics", headers={**remote, **ADMIN},
                      timeout=60).status_code == 200
     assert httpx.get(proxy.url + "/metrics", timeout=60).status_code == 200  # a local scraper
+
+
+def test_one_tenants_traffic_cannot_evict_every_other_tenants_anchors(tmp_path):
+    """Without a byte quota of its own a tenant holds at most half of the worker's anchor
+    memory (the default `tenant_anchor_share`): a tenant sending far more than the worker
+    holds evicts its own anchors, and a quiet tenant's anchors survive it. A tiny Qwen3 with
+    1 MiB of anchor memory (512 bytes of KV a token)."""
+    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+
+    model = build_tiny_model("qwen3", tiny_model_dir("qwen3"))
+    with worker_process("--anchor-slots", "64", "--anchor-bytes", str(1 << 20),
+                        model=str(model)) as w, proxy_process(w.url) as proxy:
+        quiet, noisy = tenant(proxy, "quiet"), tenant(proxy, "noisy")
+        words = " ".join(f"word{i}" for i in range(150))
+        asked = system("quiet") + user(f"Summarize: {words}")
+        chat(proxy, quiet, asked)
+        for i in range(10):  # about 4,000 tokens of anchors: twice what the worker holds
+            chat(proxy, noisy, system(f"noisy {i}") + user(f"Summarize {i}: {words}"))
+        rows = admin(proxy, "GET", "/admin/anchors", params={"tenant": "noisy"}).json()["data"]
+        assert 0 < sum(r["nbytes"] for r in rows) <= (1 << 20) // 2, rows
+        evicted = admin(proxy, "GET", "/admin/anchors",
+                        params={"tenant": "noisy", "status": "evicted"}).json()["data"]
+        assert evicted  # the noisy tenant paid with its own anchors
+        again = chat(proxy, quiet, asked + [{"role": "assistant", "content": "Done."}]
+                     + user("Thanks."))
+        assert cached(again) > 100  # the quiet tenant's anchors survived

@@ -180,3 +180,68 @@ def test_a_rewritten_key_starts_over(ledger):
     ledger.record_written("r", W, E1, NS, "t", [anchor(1, 10, slot=9)])
     [row] = ledger.anchors()
     assert (row.status, row.hits, row.slot) == (AnchorStatus.RESERVED, 0, 9)
+
+
+def test_housekeeping_deletes_only_what_can_no_longer_matter(tmp_path):
+    now = [1000.0]
+    led = Ledger.open(tmp_path / "state", clock=lambda: now[0])
+    led.ensure_tenant("t")
+    led.open_reservation("old", "t", W, E1)
+    led.record_written("old", W, E1, NS, "t", [anchor(1, 10), anchor(2, 20, 1)])
+    led.commit(W, E1, [key(1)])
+    led.close_reservation("old", ReservationOutcome.CONFIRMED)  # anchor 2 aborted
+    led.open_reservation("open", "t", W, E1)  # still in flight, however old
+    led.event("something", "t")
+    now[0] += 8 * 24 * 3600
+    led.open_reservation("new", "t", W, E1)
+    led.close_reservation("new", ReservationOutcome.ABORTED, "x")
+    before = led.size()
+    assert led.housekeep(7 * 24 * 3600) == {"reservations": 1, "anchors": 1, "events": 1}
+    assert {r["rid"] for r in led.reservations()} == {"open", "new"}
+    assert [(a.depth, a.status) for a in led.anchors()] == [(10, AnchorStatus.COMMITTED)]
+    assert led.tenant("t") is not None
+    after = led.size()
+    assert after["reservations_rows"] == before["reservations_rows"] - 1 and after["file_bytes"] > 0
+    assert led.housekeep(7 * 24 * 3600) == {"reservations": 0, "anchors": 0, "events": 0}
+    led.close()
+
+
+def test_a_second_proxy_on_the_ledger_is_refused_until_the_first_closes(tmp_path):
+    first = Ledger.open(tmp_path / "state", exclusive=True)
+    with pytest.raises(LedgerError, match="in use by another proxy"):
+        Ledger.open(tmp_path / "state", exclusive=True)
+    reader = Ledger.open(tmp_path / "state")  # (ops-style readers are not proxies)
+    reader.close()
+    first.close()
+    Ledger.open(tmp_path / "state", exclusive=True).close()
+
+
+def test_key_changes_commit_with_a_full_sync(ledger, monkeypatch):
+    """Creating a tenant or key and revoking one run under synchronous=FULL (a power loss
+    cannot roll a revocation back); everything else keeps NORMAL."""
+    seen = []
+    real = ledger.db.execute
+
+    def execute(sql, *args):
+        if sql.startswith("PRAGMA synchronous"):
+            seen.append(sql)
+        return real(sql, *args)
+
+    monkeypatch.setattr(ledger.db, "execute", execute)
+    _, key_id, _ = ledger.create_tenant("k")
+    ledger.revoke_key("k", key_id)
+    assert seen == ["PRAGMA synchronous=FULL", "PRAGMA synchronous=NORMAL"] * 2
+    assert ledger.db.conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+
+
+def test_a_tenant_created_twice_at_once_is_a_ledger_error_not_a_crash(tmp_path):
+    one, two = Ledger.open(tmp_path / "s"), Ledger.open(tmp_path / "s")
+    one.create_tenant("race")
+    real = two.tenant
+    two.tenant = lambda name: None  # type: ignore[method-assign]  (its check ran first)
+    with pytest.raises(LedgerError, match="already exists"):
+        two.create_tenant("race")
+    two.tenant = real  # type: ignore[method-assign]
+    assert two.ensure_tenant("race").name == "race"
+    one.close()
+    two.close()

@@ -142,14 +142,15 @@ def test_a_failed_snapshot_copy_on_one_rank_drops_the_anchor_on_both(sglang_tp, 
     too, so both ranks drop it (the reply writes nothing to confirm), and a later restore
     plan naming its key is a miss on both: the request runs cold, never half restored."""
     url = sglang_tp.url
-    _, depth, p1, p2 = conversations[0]
+    _, _, p1, p2 = conversations[0]
+    depth = len(p1) + 5  # a prefix of turn 2 no earlier test saved
     flush_device(url)
     cold = generate(url, p2)["output_ids"]
     flush_device(url)
     post(url, "/debug/fault", {"where": "snapshot_copy_fail", "rank": 1})
-    keys, out = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    keys, out = save(url, p2[:depth], [(depth, AnchorKind.CONVERSATION, Region.THICK)])
     assert out["meta_info"]["anchors"]["written"] == [] and keys == {}
-    key = anchor_keys(NS, httpx.get(url + "/model_info", timeout=60).json()["model_id"], p1,
+    key = anchor_keys(NS, httpx.get(url + "/model_info", timeout=60).json()["model_id"], p2,
                       [depth])[depth]
     flush_device(url)
     warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(key, depth),)))

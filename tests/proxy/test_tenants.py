@@ -316,3 +316,21 @@ def test_one_tenants_traffic_cannot_evict_every_other_tenants_anchors(tmp_path):
         again = chat(proxy, quiet, asked + [{"role": "assistant", "content": "Done."}]
                      + user("Thanks."))
         assert cached(again) > 100  # the quiet tenant's anchors survived
+
+
+def test_a_second_proxy_on_one_ledger_refuses_to_start(worker, tmp_path):
+    """Two proxies on one ledger would each close the other's open reservations as their
+    own leftovers: the second refuses to start, with a message, and exit code 2."""
+    import subprocess
+    import sys
+
+    from anchorcache.cli import free_port
+
+    with proxy_process(worker.url, state_dir=str(tmp_path)) as first:
+        done = subprocess.run([sys.executable, "-m", "anchorcache.cli", "proxy", "--worker",
+                               worker.url, "--state-dir", str(tmp_path), "--port",
+                               str(free_port())], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert "in use by another proxy" in done.stderr and str(first.proc.pid) in done.stderr
+        assert "Traceback" not in done.stderr
+        assert httpx.get(first.url + "/health", timeout=30).status_code == 200

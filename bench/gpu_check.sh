@@ -34,6 +34,13 @@
 #   bash bench/gpu_check.sh --dry-run  # anywhere (DRY_RUN=1 too): every step's command in a
 #                                      # cheap form (make -n, pytest --collect-only, the
 #                                      # equality driver's plan, --help), nothing served
+#   bash bench/gpu_check.sh --offline  # a GPU machine that reaches no package registry
+#                                      # (GPU_CHECK_OFFLINE=1 too): set-up builds the
+#                                      # extension in place against that machine's own torch
+#                                      # (pip -e, no dependencies fetched) and the CUDA tests
+#                                      # run without the suite's conftest (no ledger library
+#                                      # needed); a step that needs SGLang where it cannot be
+#                                      # imported is recorded as skipped, with the reason
 #
 # Knobs: MAX_JOBS (compile jobs, default nproc), GPU_CHECK_ATTENTION (SGLang's
 # --attention-backend; default: SGLang's own choice), GPU_CHECK_CONVERSATIONS (default 3),
@@ -41,9 +48,11 @@
 set -euo pipefail
 
 DRY_RUN=${DRY_RUN:-0}
+OFFLINE=${GPU_CHECK_OFFLINE:-0}
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY_RUN=1 ;;
+        --offline) OFFLINE=1 ;;
         -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $arg" >&2; exit 2 ;;
     esac
@@ -54,6 +63,11 @@ cd "$REPO"
 OUT=${GPU_CHECK_OUT:-bench/results/gpu_check}
 mkdir -p "$OUT"
 PY=.venv/bin/python
+NOCONFTEST=""
+if [[ $OFFLINE == 1 ]]; then
+    PY=${PYTHON:-python3}
+    NOCONFTEST=--noconftest
+fi
 JOBS=${MAX_JOBS:-$(nproc)}
 CONVS=${GPU_CHECK_CONVERSATIONS:-3}
 TURNS=${GPU_CHECK_TURNS:-3}
@@ -84,6 +98,18 @@ print(json.dumps({"step": os.environ["NAME"], "status": os.environ["STATUS"],
                   "dry_run": os.environ["DRY"] == "1"}))' >> "$STEPS_JSON"
 }
 
+# skip_without_sglang NAME: true (and the step recorded as skipped) where SGLang cannot be
+# imported by $PY; the offline set-up installs no SGLang, the full one does
+skip_without_sglang() {
+    [[ $DRY_RUN == 1 ]] && return 1
+    "$PY" -c "import sglang" 2>/dev/null && return 1
+    log "$1: skipped (SGLang cannot be imported by $PY)"
+    NAME=$1 python3 -c '
+import json, os
+print(json.dumps({"step": os.environ["NAME"], "status": "skipped", "seconds": 0,
+                  "reason": "SGLang cannot be imported here (offline set-up)"}))' >> "$STEPS_JSON"
+}
+
 # ---- 0. the machine -----------------------------------------------------------------------
 step preflight \
     "command -v nvidia-smi >/dev/null && nvidia-smi -L || echo 'no nvidia-smi here (dry run)'; nproc; python3 --version" \
@@ -98,14 +124,20 @@ if [[ -z ${CUDA_HOME:-} ]] && ! command -v nvcc >/dev/null; then
     [[ -n $CUDA_HOME ]] && export CUDA_HOME
 fi
 SETUP_ARGS="PYTHON=${PYTHON:-python3} ANCHORCACHE_BUILD_CUDA=1 MAX_JOBS=$JOBS"
-step setup "make -n setup $SETUP_ARGS >/dev/null && echo 'make setup: plan ok; CUDA_HOME=${CUDA_HOME:-none}'" \
-    "make setup $SETUP_ARGS"
+if [[ $OFFLINE == 1 ]]; then
+    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+    step setup "$PY -c 'import torch; print(torch.__version__)'" \
+        "ANCHORCACHE_BUILD_EXT=1 ANCHORCACHE_BUILD_CUDA=1 MAX_JOBS=$JOBS $PY -m pip install -q --no-deps --no-build-isolation -e . && $PY -c 'import torch; from anchorcache.ext import _C; print(\"extension:\", _C.__file__)'"
+else
+    step setup "make -n setup $SETUP_ARGS >/dev/null && echo 'make setup: plan ok; CUDA_HOME=${CUDA_HOME:-none}'" \
+        "make setup $SETUP_ARGS"
+fi
 
 # ---- 2. CUDA tests ------------------------------------------------------------------------
 CUDA_TESTS="tests/ext/test_ops_build.py tests/ext/test_ops_kv.py tests/ext/test_ops_state.py tests/ext/test_ops_reference.py tests/ext/test_ops_opcheck.py"
 step cuda_tests \
-    "$PY -m pytest -q -p no:cacheprovider --collect-only $CUDA_TESTS | tail -1" \
-    "$PY -c 'import torch; assert torch.cuda.is_available(), \"no CUDA device\"' && $PY -m pytest -q -p no:cacheprovider -rs $CUDA_TESTS 2>&1 | tee $OUT/cuda_tests.log && ! grep -qi 'needs a CUDA device' $OUT/cuda_tests.log"
+    "$PY -m pytest -q -p no:cacheprovider $NOCONFTEST --collect-only $CUDA_TESTS | tail -1" \
+    "$PY -c 'import torch; assert torch.cuda.is_available(), \"no CUDA device\"' && ANCHORCACHE_BUILD_CUDA=1 $PY -m pytest -q -p no:cacheprovider $NOCONFTEST -rs $CUDA_TESTS 2>&1 | tee $OUT/cuda_tests.log && ! grep -qi 'needs a CUDA device' $OUT/cuda_tests.log"
 
 # ---- 3. anchors on vs off, page size 1 and 16 ------------------------------------------------
 EQ_DRIVER="$OUT/equality_driver.py"
@@ -193,12 +225,12 @@ if bad:
     sys.exit(f"anchors on != off, or nothing restored: {[(c['model'], c['page_size']) for c in bad]}")
 PYEOF
 EQ="CONVS=$CONVS TURNS=$TURNS ATTN=$ATTN"
-step equality "$EQ DRY_RUN=1 $PY $EQ_DRIVER $OUT/equality.json" \
+skip_without_sglang equality || step equality "$EQ DRY_RUN=1 $PY $EQ_DRIVER $OUT/equality.json" \
     "$EQ DRY_RUN=0 $PY $EQ_DRIVER $OUT/equality.json"
 
 # ---- 4. the SGLang replay benchmark on the GPU -------------------------------------------------
 # page 1 with the overhead check (N conversations at once), page 16 without it
-step sglang_replay "$PY bench/sglang_replay.py --help | grep -q -- --page-size && echo 'sglang_replay: arguments ok'" \
+skip_without_sglang sglang_replay || step sglang_replay "$PY bench/sglang_replay.py --help | grep -q -- --page-size && echo 'sglang_replay: arguments ok'" \
     "$PY bench/sglang_replay.py --conversations 6 --turns 5 --concurrent 8 --rounds 2 --name sglang_replay_gpu_tiny_qwen3 && $PY bench/sglang_replay.py --conversations 6 --turns 5 --concurrent 0 --page-size 16 --name sglang_replay_gpu_tiny_qwen3_page16"
 
 # ---- 5. the copy benchmark (exits 0 with a note where there is no CUDA device) -------------
@@ -209,22 +241,23 @@ step copy_bench "$PY bench/ext_snapshot_cuda.py" "$PY bench/ext_snapshot_cuda.py
 # decode: inter-token latency p99 on/off, and the scheduler's time per kind (the snapshot
 # copies run on the copy thread's stream; `copy_wait` is what the loop still waits for)
 SMOL='$('"$PY"' -c "from anchorcache.ext.embedded.model_store import default_model_dir; print(default_model_dir())")'
-step stall "$PY bench/sglang_stall.py --help | grep -q -- --anchor-tokens && echo 'sglang_stall: arguments ok'" \
+skip_without_sglang stall || step stall "$PY bench/sglang_stall.py --help | grep -q -- --anchor-tokens && echo 'sglang_stall: arguments ok'" \
     "$PY bench/sglang_stall.py --model $SMOL --anchor-tokens 6000 --restorers 4 --streams 4 --rounds 2 --name sglang_stall_gpu_smollm2"
 
 # ---- 7. a hybrid model (Gated DeltaNet + attention) on SGLang's GPU kernels ------------------
-step hybrid_replay "$PY bench/sglang_replay.py --help | grep -q -- qwen3_5 && echo 'hybrid replay: arguments ok'" \
+skip_without_sglang hybrid_replay || step hybrid_replay "$PY bench/sglang_replay.py --help | grep -q -- qwen3_5 && echo 'hybrid replay: arguments ok'" \
     "$PY bench/sglang_replay.py --model qwen3_5 --conversations 6 --turns 5 --concurrent 4 --rounds 2 --name sglang_replay_gpu_tiny_qwen3_5"
 
 # ---- 8. a sliding-window model with attention sinks on SGLang's GPU attention --------------
-step swa_replay "$PY bench/sglang_replay.py --help | grep -q -- granite_swa && echo 'sliding-window replay: arguments ok'" \
+skip_without_sglang swa_replay || step swa_replay "$PY bench/sglang_replay.py --help | grep -q -- granite_swa && echo 'sliding-window replay: arguments ok'" \
     "$PY bench/sglang_replay.py --model granite_swa --conversations 6 --turns 5 --concurrent 0 --name sglang_replay_gpu_granite_swa"
 
 python3 - "$STEPS_JSON" "$OUT/summary.json" "$DRY_RUN" "$(( $(date +%s) - T0 ))" <<'PYEOF'
 import json, sys
 steps = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 summary = {"dry_run": sys.argv[3] == "1", "seconds": int(sys.argv[4]), "steps": steps,
-           "ok": all(s["status"] == "ok" for s in steps)}
+           "ok": all(s["status"] != "failed" for s in steps),
+           "skipped": [s["step"] for s in steps if s["status"] == "skipped"]}
 json.dump(summary, open(sys.argv[2], "w"), indent=1)
 print(json.dumps({s["step"]: s["status"] for s in steps}))
 PYEOF

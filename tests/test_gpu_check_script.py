@@ -22,5 +22,5 @@ def test_gpu_check_help_names_every_step():
     proc = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     for step in ("make setup", "CUDA tests", "page-size 1 and 16", "sglang_replay.py",
-                 "ext_snapshot_cuda.py", "granite_swa", "--dry-run"):
+                 "ext_snapshot_cuda.py", "granite_swa", "--dry-run", "--offline"):
         assert step in proc.stdout, step

@@ -214,7 +214,7 @@ def sglang_command(python: str, *, model: str, host: str, port: int, log_level: 
     # a hybrid model's anchors need SGLang's `no_buffer` Mamba strategy, on a GPU too
     # (its default, extra_buffer, tracks states on a fixed grid; ext/sglang/hybrid.py), and
     # a sliding-window model's anchors need SGLang's plain KV pool (cpu_kernels.SLIDING_FLAGS)
-    args = with_hybrid_args(args, model)
+    args = with_hybrid_args(args, model, cpu=not gpu)
     return [python, "-m", "anchorcache.ext.sglang.launch", *args]
 
 

@@ -352,6 +352,11 @@ def route_gated_norm() -> None:
 # which needs page size 1 and no overlap schedule.
 HYBRID_ARGS = {"--mamba-radix-cache-strategy": "no_buffer", "--page-size": "1"}
 HYBRID_FLAGS = ("--disable-overlap-schedule",)
+# SGLang sizes its Mamba state pool from the memory left under --mem-fraction-static, which
+# on a CPU box is RAM: 9 GB for the tiny Qwen3.5 on a 24 GB machine (the OOM killer's first
+# pick when a second server starts). On the CPU engine the pool gets a number of states
+# instead: 3 per running request (SGLang's count) for 64 requests.
+CPU_MAMBA_CACHE_SIZE = 192
 # `layer_types` entries of a recurrent layer, and config keys only recurrent mixers have
 RECURRENT_LAYERS = {"linear_attention", "mamba", "mamba2", "conv", "linear"}
 RECURRENT_KEYS = ("linear_num_value_heads", "mamba_d_state", "mamba_n_heads", "ssm_state_size",
@@ -390,10 +395,11 @@ def _page_size(args: list[str]) -> int:
     return 1
 
 
-def with_hybrid_args(args: list[str], model: str) -> list[str]:
+def with_hybrid_args(args: list[str], model: str, *, cpu: bool = False) -> list[str]:
     """SGLang arguments plus the CPU strategy for a hybrid `model` (a local folder), those
-    the user did not give, and, for a sliding-window one with pages of several tokens or
-    recurrent layers too, SGLang's plain KV pool; unchanged for other models."""
+    the user did not give (with `cpu`, the CPU engine, a Mamba state pool of
+    `CPU_MAMBA_CACHE_SIZE` too), and, for a sliding-window one with pages of several tokens
+    or recurrent layers too, SGLang's plain KV pool; unchanged for other models."""
     import json
     from pathlib import Path
 
@@ -407,7 +413,9 @@ def with_hybrid_args(args: list[str], model: str) -> list[str]:
         out += [f for f in SLIDING_FLAGS if f not in given]
     if not is_hybrid(config):
         return out
-    for name, value in HYBRID_ARGS.items():
+    extra = {**HYBRID_ARGS, "--max-mamba-cache-size": str(CPU_MAMBA_CACHE_SIZE)} if cpu \
+        else HYBRID_ARGS
+    for name, value in extra.items():
         if name not in given:
             out += [name, value]
     return out + [f for f in HYBRID_FLAGS if f not in given]

@@ -177,6 +177,12 @@ def test_hybrid_strategy_args_only_for_hybrid_configs(tmp_path):
     assert out == ["--page-size", "1", "--mamba-radix-cache-strategy", "no_buffer",
                    "--disable-overlap-schedule"]
     assert ck.with_hybrid_args(["--x"], str(dense)) == ["--x"]
+    # the CPU engine bounds the Mamba state pool (SGLang would size it from RAM), unless given
+    cpu = ck.with_hybrid_args([], str(hybrid), cpu=True)
+    assert cpu[cpu.index("--max-mamba-cache-size") + 1] == str(ck.CPU_MAMBA_CACHE_SIZE)
+    given = ck.with_hybrid_args(["--max-mamba-cache-size", "8"], str(hybrid), cpu=True)
+    assert given.count("--max-mamba-cache-size") == 1 and given[1] == "8"
+    assert "--max-mamba-cache-size" not in ck.with_hybrid_args([], str(dense), cpu=True)
     assert ck.is_hybrid({"text_config": {"mamba_d_state": 16}})
 
 

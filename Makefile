@@ -55,7 +55,7 @@ $(PY) -c 'import sys; t = __import__("tomllib" if sys.version_info >= (3, 11) el
 	wait $$deps && test $$built = 0
 endef
 
-.PHONY: setup setup-serve setup-sglang current-sdk serve test test-fast lint bench model clean stub-libcuda
+.PHONY: setup setup-serve setup-sglang current-sdk agent-clis serve test test-fast lint bench model clean stub-libcuda
 
 setup: $(FULL_STAMP) model
 
@@ -104,7 +104,22 @@ $(CURRENT_SDK)/.installed: | $(STAMP)
 
 current-sdk: $(CURRENT_SDK)/.installed
 
-test: setup current-sdk
+# The agent CLIs tests/e2e/test_agent_clis.py drives (docs/agents.md), pinned, from the npm
+# registry, beside the venv: the Codex CLI is a native binary that npm picks for this
+# platform (an optional dependency of @openai/codex). Needs node and npm; without them this
+# says so and those tests fail.
+AGENT_CLIS := $(VENV)/agent-clis
+CODEX_VERSION ?= 0.171.0
+AGENT_CLIS_STAMP := $(AGENT_CLIS)/.installed-codex-$(CODEX_VERSION)
+$(AGENT_CLIS_STAMP): | $(STAMP)
+	@if command -v npm >/dev/null; then \
+		rm -rf $(AGENT_CLIS) && npm install --prefix $(AGENT_CLIS) --no-audit --no-fund \
+			--loglevel=error @openai/codex@$(CODEX_VERSION) && touch $@; \
+	else echo "npm not found: tests/e2e/test_agent_clis.py will fail"; fi
+
+agent-clis: $(AGENT_CLIS_STAMP)
+
+test: setup current-sdk agent-clis
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: setup

@@ -54,6 +54,11 @@ AnchorBytes = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_BYTES", min
                                           help="Anchor memory budget in the worker (bytes).")]
 MaxBody = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_BODY_BYTES", min=1024,
                                       help="Largest request body the proxy accepts.")]
+MaxTokensPolicy = Annotated[str, typer.Option(
+    envvar="ANCHORCACHE_MAX_TOKENS_POLICY",
+    help="A max_tokens beyond the room the prompt leaves in the context: clamp it to that room "
+         "(the reply ends with finish_reason length / stop_reason max_tokens if it gets there) "
+         "or refuse it (400).")]
 StateDir = Annotated[str, typer.Option(envvar="ANCHORCACHE_STATE_DIR",
                                        show_default="~/.local/state/anchorcache",
                                        help="Directory of the proxy's ledger (SQLite: tenants, "
@@ -90,6 +95,10 @@ MetricsMaxTenants = Annotated[int, typer.Option(envvar="ANCHORCACHE_METRICS_MAX_
 MetricsWorkerTimeout = Annotated[float, typer.Option(
     envvar="ANCHORCACHE_METRICS_WORKER_TIMEOUT_S", min=0.01, max=60,
     help="Seconds /metrics waits for the worker's /anchor/stats.")]
+ResponseTtl = Annotated[float, typer.Option(
+    envvar="ANCHORCACHE_RESPONSE_TTL_S", min=1,
+    help="Seconds a stored Responses API response (store: true) can be continued with "
+         "previous_response_id or read back.")]
 WorkerHealthTimeout = Annotated[float, typer.Option(
     envvar="ANCHORCACHE_WORKER_HEALTH_TIMEOUT_S", min=0,
     help="Restart a worker that answers no health check for this long (0: never).")]
@@ -262,6 +271,7 @@ def proxy(
     canonical_tools: CanonicalTools = False,
     tool_anchor_gap: ToolAnchorGap = 512,
     max_body_bytes: MaxBody = 32 << 20,
+    max_tokens_policy: MaxTokensPolicy = "clamp",
     state_dir: StateDir = str(default_state_dir()),
     admin_token: AdminToken = None,
     anonymous: Anonymous = None,
@@ -273,6 +283,7 @@ def proxy(
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     worker_secret: WorkerSecret = None,
     tenant_anchor_share: TenantShare = 0.5,
+    response_ttl_s: ResponseTtl = 24 * 3600.0,
     log_level: LogLevel = "info",
 ) -> None:
     """Run the OpenAI-compatible proxy in front of running workers (one or more)."""
@@ -292,6 +303,7 @@ def proxy(
                              anchors=anchors, adapter=adapter, canonical_tools=canonical_tools,
                              tool_anchor_gap=tool_anchor_gap,
                              max_body_bytes=max_body_bytes, state_dir=state_dir,
+                             max_tokens_policy=max_tokens_policy,
                              admin_token=admin_token or None, anonymous=anonymous,
                              strict_keys=strict_keys,
                              default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
@@ -300,7 +312,8 @@ def proxy(
                              metrics_max_tenants=metrics_max_tenants,
                              metrics_worker_timeout_s=metrics_worker_timeout_s,
                              worker_secret=worker_secret,
-                             tenant_anchor_share=tenant_anchor_share)
+                             tenant_anchor_share=tenant_anchor_share,
+                             response_ttl_s=response_ttl_s)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     from anchorcache.state.ledger import LedgerError
@@ -348,6 +361,7 @@ def serve(
     anchor_slots: AnchorSlots = 256,
     anchor_bytes: AnchorBytes = 4 << 30,
     max_body_bytes: MaxBody = 32 << 20,
+    max_tokens_policy: MaxTokensPolicy = "clamp",
     state_dir: StateDir = str(default_state_dir()),
     admin_token: AdminToken = None,
     anonymous: Anonymous = None,
@@ -358,6 +372,7 @@ def serve(
     worker_stall_timeout_s: WorkerStallTimeout = 300.0,
     worker_secret: WorkerSecret = None,
     tenant_anchor_share: TenantShare = 0.5,
+    response_ttl_s: ResponseTtl = 24 * 3600.0,
     log_level: LogLevel = "info",
     sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
@@ -391,12 +406,14 @@ def serve(
                              port=port, anchors=anchors, adapter=adapter,
                              canonical_tools=canonical_tools, tool_anchor_gap=tool_anchor_gap,
                              max_body_bytes=max_body_bytes,
+                             max_tokens_policy=max_tokens_policy,
                              state_dir=state_dir, admin_token=admin_token or None,
                              anonymous=anonymous, strict_keys=strict_keys,
                              metrics_max_tenants=metrics_max_tenants,
                              metrics_worker_timeout_s=metrics_worker_timeout_s,
                              worker_secret=worker_secret or secrets.token_urlsafe(32),
-                             tenant_anchor_share=tenant_anchor_share)
+                             tenant_anchor_share=tenant_anchor_share,
+                             response_ttl_s=response_ttl_s)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     # the worker learns the secret from its environment (a command line is public)

@@ -14,11 +14,13 @@ from anchorcache.state.ledger import Ledger
 
 from . import admin
 from .anthropic_api import count_tokens, messages
+from .completions_api import completions
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
 from .planner import tenant_namespace
+from .responses_api import add_routes as add_responses_routes
 from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
 from .splitter.tokenizers import load_tokenizer
@@ -191,8 +193,10 @@ def create_app(config: ProxyConfig, *,
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    add_responses_routes(app)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     admin.add_routes(app)

@@ -7,6 +7,8 @@ so none reaches the client in part. A tool call the parser cannot read never rea
 client as content: the text before it is kept, the rest dropped, and the choice records
 `tool_call_error`. A call cut short by max_tokens whose name is whole comes back partial
 (`ToolCall.partial`: its arguments so far) with finish reason `length`, as OpenAI returns it.
+Reasoning (a think block, harmony's analysis channel: the parser's `OutputDelta.reasoning`)
+passes the guard untouched and is collected in `Outcome.reasoning`, never in `text`.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class FinishReason(str, Enum):
 class Outcome:
     """What one completion produced, filled in as `Completion.deltas` goes."""
 
-    text: str = ""
-    reasoning: str = ""  # the reasoning text, apart from `text` (reasoning templates)
+    text: str = ""  # the content deltas' text joined (no reasoning)
+    reasoning: str = ""  # the reasoning deltas' text joined (reasoning templates)
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: FinishReason = FinishReason.STOP
     stop_sequence: str | None = None  # which of `Generation.stop` ended the text
@@ -141,6 +143,10 @@ class Choice:
         unparsed call) and dropping all content after it."""
         out = []
         for delta in deltas:
+            if delta.reasoning is not None:  # not content: it may mention markup freely
+                self.outcome.reasoning += delta.reasoning
+                out.append(delta)
+                continue
             if delta.tool_call is None and self.outcome.tool_call_error is not None:
                 continue
             text = delta.content or ""

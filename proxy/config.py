@@ -10,6 +10,8 @@ from anchorcache.state.records import Quotas
 from anchorcache.wire import check_secret
 
 ROUTES = ("affinity", "least_load", "round_robin")  # how a request picks a worker (targets.py)
+# what a max_tokens beyond the room the prompt leaves in the context gets (pipeline.py)
+MAX_TOKENS_POLICIES = ("clamp", "refuse")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class ProxyConfig:
     tool_anchor_gap: int = 512
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 1024
+    # max_tokens beyond the room the prompt leaves: "clamp" it to that room (the reply ends
+    # with finish_reason "length" if it reaches it) or "refuse" it (400)
+    max_tokens_policy: str = "clamp"
     worker_timeout_s: float = 600.0
     metrics_max_tenants: int = 100  # distinct tenant label values; later tenants → "other"
     metrics_worker_timeout_s: float = 1.0  # /metrics waits this long for the worker's stats
@@ -52,6 +57,8 @@ class ProxyConfig:
     tenant_anchor_share: float = 0.5
     ledger_retention_s: float = 7 * 24 * 3600.0  # dead ledger rows are kept this long
     housekeeping_interval_s: float = 3600.0
+    # how long a stored Responses API response (`store`) can be continued or read back
+    response_ttl_s: float = 24 * 3600.0
     single_flight_wait_s: float = 60.0  # how long a request waits for another one's new toolset
     # requests waiting for the split threads (one tenant: half of them); more get 503 overloaded
     max_pending_splits: int = 64
@@ -78,6 +85,9 @@ class ProxyConfig:
             raise ValueError("max_pending_splits must be positive")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be positive")
+        if self.max_tokens_policy not in MAX_TOKENS_POLICIES:
+            raise ValueError(f"max_tokens_policy must be one of {', '.join(MAX_TOKENS_POLICIES)}, "
+                             f"not {self.max_tokens_policy!r}")
         if self.metrics_max_tenants < 1:
             raise ValueError("metrics_max_tenants must be positive")
         if not 0 < self.metrics_worker_timeout_s <= 60:
@@ -88,6 +98,8 @@ class ProxyConfig:
             raise ValueError("tool_anchor_gap must be >= 0")
         if self.ledger_retention_s < 0 or self.housekeeping_interval_s <= 0:
             raise ValueError("ledger_retention_s must be >= 0, housekeeping_interval_s > 0")
+        if self.response_ttl_s <= 0:
+            raise ValueError("response_ttl_s must be positive")
         if not 0 < self.tenant_anchor_share <= 1:
             raise ValueError("tenant_anchor_share must be in (0, 1]")
         if self.pin_budget_bytes < 0:

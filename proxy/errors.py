@@ -31,6 +31,8 @@ KINDS: dict[str, tuple[int, str]] = {
     "quota_exceeded": (429, "rate_limit_error"),
     "not_found": (404, "invalid_request_error"),
     "model_not_found": (404, "invalid_request_error"),
+    # /v1/responses: a previous_response_id this tenant did not store (or that expired)
+    "previous_response_not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
     "overloaded": (503, "server_error"),
@@ -109,8 +111,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return error_response(ApiError("invalid_request",
                                        f"the request body could not be read: {e}"),
                               anthropic=anthropic)
-    except asyncio.CancelledError:
-        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the client went away (a reply cut mid-write): aiohttp drops it quietly
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(ApiError("internal_error", "internal error in the proxy"),

@@ -265,8 +265,8 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
     except web.HTTPException as e:
         status = str(e.status)
         raise
-    except asyncio.CancelledError:
-        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # "499": the client went away
     except Exception:
         status = "500"
         raise

@@ -1,7 +1,9 @@
 """`POST /v1/chat/completions`: the OpenAI layer over the request pipeline (`pipeline.py`).
 
 Parses the body into a `Generation`, runs a `Completion`, and frames its deltas as a
-`chat.completion` object or `chat.completion.chunk` server-sent events.
+`chat.completion` object or `chat.completion.chunk` server-sent events. Reasoning (a think
+block, harmony's analysis channel) is `message.reasoning_content` (only when there is some)
+and streams as `delta.reasoning_content`, as vLLM, SGLang and DeepSeek frame it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -32,7 +35,7 @@ from .state import STATE
 from .tenants import TENANT
 
 # stop sequences are OpenAI's "stop" too
-_FINISH = {FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop",
+FINISH = {FinishReason.STOP: "stop", FinishReason.STOP_SEQUENCE: "stop",
            FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls"}
 
 
@@ -55,10 +58,13 @@ def generation(req: ChatRequest, cache_salt: str | None = None) -> Generation:
                       template_kwargs=req.template_kwargs, cache_salt=cache_salt, n=req.n,
                       logprobs=req.logprobs, top_logprobs=req.top_logprobs,
                       response_format=req.response_format, grammar=req.grammar,
-                      parallel_tool_calls=req.parallel_tool_calls)
+                      parallel_tool_calls=req.parallel_tool_calls,
+                      reasoning_effort=req.reasoning_effort)
 
 
 def delta_json(delta: OutputDelta) -> dict[str, Any]:
+    if delta.reasoning is not None:
+        return {"reasoning_content": delta.reasoning}
     if delta.tool_call is None:
         return {"content": delta.content}
     tc = delta.tool_call
@@ -89,6 +95,8 @@ def _message(outcome: Outcome) -> dict[str, Any]:
     # no text: null next to tool calls or a call that failed, else "" (a plain empty answer)
     content = outcome.text or (None if outcome.tool_calls or outcome.tool_call_error else "")
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if outcome.reasoning:
+        message["reasoning_content"] = outcome.reasoning
     if outcome.tool_calls:
         message["tool_calls"] = [c.to_openai() for c in outcome.tool_calls]
     return message
@@ -118,7 +126,7 @@ def usage_json(u: Usage) -> dict[str, Any]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    req = parse_chat_request(body, max_tokens_limit=state.info.max_context_tokens)
+    req = parse_chat_request(body)  # a max_tokens beyond the room: the pipeline's to clamp
     check_model(state, req.model)
     gen = generation(req, body.get("cache_salt"))
     if not anchors_wanted(request):
@@ -134,7 +142,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "id": cid, "object": "chat.completion", "created": created,
             "model": state.info.model_id,
             "choices": [{"index": i, "message": _message(o),
-                         "finish_reason": _FINISH[o.finish_reason],
+                         "finish_reason": FINISH[o.finish_reason],
                          "logprobs": logprobs_json(o.logprobs) if req.logprobs else None,
                          **_choice_extra(o)}
                         for i, o in enumerate(completion.outcomes)],
@@ -154,31 +162,48 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             choice["logprobs"] = logprobs_json(piece.logprobs)
         return frame([choice])
 
-    # Wait for the first delta before sending headers, so that a worker that is down or
-    # rejects the request still gets a proper status code rather than a 200 stream.
+    def opening() -> list[bytes]:
+        return [frame([{"index": i, "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None}]) for i in range(req.n)]
+
+    def closing() -> list[bytes]:
+        out = [frame([{"index": i, "delta": {}, "finish_reason": FINISH[o.finish_reason],
+                       **_choice_extra(o)}]) for i, o in enumerate(completion.outcomes)]
+        if req.include_usage:
+            out.append(frame([], usage=usage_json(completion.usage())))
+        return out
+
+    return await stream_events(request, completion, piece_frame, opening, closing)
+
+
+async def stream_events(request: web.Request, completion: Completion,
+                        piece_frame: Callable[[ChoiceDelta], bytes],
+                        opening: Callable[[], list[bytes]],
+                        closing: Callable[[], list[bytes]]) -> web.StreamResponse:
+    """An OpenAI-style event stream (`data: JSON` events, then `data: [DONE]`) of a
+    completion's pieces: `opening()`'s events, a `piece_frame` per piece, `closing()`'s.
+    The headers wait for the first piece, so that a worker that is down or rejects the
+    request still gets a proper status code rather than a 200 stream; an error after that
+    is reported in-band and ends the stream."""
     async with contextlib.aclosing(completion.choice_deltas()) as pieces:
         first = await anext(pieces, None)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **completion.headers()})
         await resp.prepare(request)
-        for i in range(req.n):
-            await resp.write(frame([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "finish_reason": None}]))
+        for event in opening():
+            await resp.write(event)
         try:
             if first is not None:
                 await resp.write(piece_frame(first))
             async for piece in pieces:
                 await resp.write(piece_frame(piece))
-        except ApiError as e:  # the stream has started: report in-band, then end it
+        except ApiError as e:
             await resp.write(b"data: " + orjson.dumps(e.body()) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-    for i, o in enumerate(completion.outcomes):
-        await resp.write(frame([{"index": i, "delta": {},
-                                 "finish_reason": _FINISH[o.finish_reason], **_choice_extra(o)}]))
-    if req.include_usage:
-        await resp.write(frame([], usage=usage_json(completion.usage())))
+    for event in closing():
+        await resp.write(event)
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -2,7 +2,8 @@
 
 Every API layer (OpenAI chat completions, Anthropic messages) parses its body into one
 `Generation`, runs it through a `Completion`, and formats what comes out: a stream of
-`OutputDelta`s (text and tool-call pieces) and, at the end, the `Outcome` and `Usage`.
+`OutputDelta`s (text, tool-call and reasoning pieces) and, at the end, the `Outcome` and
+`Usage`.
 Nothing here knows a wire format.
 
 One generator (`Completion.choice_deltas`) drives the worker; streaming and non-streaming
@@ -52,7 +53,9 @@ from .errors import ApiError
 from .lifecycle import Caller, Flight
 from .planner import Plan
 from .schema import ToolChoice, rendered_chars
-from .splitter.types import OutputDelta, SplitResult
+from .splitter.parsers import OutputParser
+from .splitter.reasoning import effort_template_kwargs, response_parser
+from .splitter.types import RAW_ADAPTER, OutputDelta, SplitResult
 from .state import ProxyState
 from .structured import FAMILY, Constraint, ResponseFormat, build_constraint
 from .targets import Target
@@ -67,6 +70,8 @@ log = logging.getLogger("anchorcache.proxy")
 
 NO_TOOLS = ToolChoice("none")
 STOP_WAIT_S = 30.0  # a stopped worker request's last replies: then it is aborted instead
+# the max_tokens a request ran with, where its own was clamped to the room the prompt left
+MAX_TOKENS_HEADER = "X-Anchorcache-Max-Tokens"
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,9 @@ class Generation:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop sequences (text)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # OpenAI's `reasoning_effort` (splitter/reasoning.py REASONING_EFFORTS): becomes the
+    # template's own kwargs in `Completion.create`; `template_kwargs` win over it
+    reasoning_effort: str | None = None
     # anchor hints from the client (Anthropic cache_control): also cut after this many
     # messages where that boundary verifies (cut_hints.py)
     cut_after: tuple[int, ...] = ()
@@ -113,6 +121,21 @@ class Usage:
     prefill_ms: float
     decode_ms: float
     anchor_hits: tuple[AnchorHit, ...]
+
+
+def max_new_tokens(max_tokens: int | None, *, default: int, prompt_tokens: int,
+                   context_tokens: int, policy: str) -> int:
+    """How many tokens a request may generate: its `max_tokens` (`default` without one),
+    clamped to the room the prompt leaves in the context. A prompt that leaves no room, or
+    (`policy` "refuse", `ProxyConfig.max_tokens_policy`) a max_tokens beyond the room, is a
+    400 `context_length_exceeded`."""
+    room = context_tokens - prompt_tokens
+    if room < 1 or (policy == "refuse" and max_tokens is not None and max_tokens > room):
+        raise ApiError("context_length_exceeded",
+                       f"the prompt has {prompt_tokens} tokens; with max_tokens={max_tokens} "
+                       f"it exceeds the model's context of {context_tokens} tokens",
+                       param="messages")
+    return min(max_tokens or default, room)
 
 
 def check_model(state: ProxyState, model: str) -> None:
@@ -148,6 +171,7 @@ class Completion:
         self.ttft_s: float | None = None  # pipeline start → first generated token
         self.constraint = self._constraint()
         self.target: Target | None = None  # the worker serving it, once routed
+        self.max_new_tokens: int | None = None  # what the worker may generate, once known
 
     @classmethod
     async def create(cls, state: ProxyState, gen: Generation, *,
@@ -159,7 +183,13 @@ class Completion:
         The split runs on the split thread (split_pool.py), never on the event loop."""
         started = time.perf_counter()
         caller = tenant.caller(gen.cache_salt)
-        state.budget.check(rendered_chars(gen.messages, gen.tools), gen.max_tokens)
+        if gen.reasoning_effort is not None:
+            gen = dataclasses.replace(gen, reasoning_effort=None, template_kwargs={
+                **effort_template_kwargs(state.adapter, gen.reasoning_effort),
+                **gen.template_kwargs})
+        # a max_tokens beyond the room is clamped: only a refused one counts against the text
+        state.budget.check(rendered_chars(gen.messages, gen.tools), gen.max_tokens
+                           if state.config.max_tokens_policy == "refuse" else None)
         messages, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
         # in the tenant's turn on the split threads, with memos of the caller's own
         splitter = functools.partial(state.splits.split, tenant=caller.tenant,
@@ -188,14 +218,12 @@ class Completion:
 
     def _sampling(self, prompt_ids: tuple[int, ...]) -> SamplingParams:
         gen, state = self.gen, self.state
-        room = state.info.max_context_tokens - len(prompt_ids)
-        if room < 1 or (gen.max_tokens is not None and gen.max_tokens > room):
-            raise ApiError("context_length_exceeded",
-                           f"the prompt has {len(prompt_ids)} tokens; with max_tokens="
-                           f"{gen.max_tokens} it exceeds the model's context of "
-                           f"{state.info.max_context_tokens} tokens", param="messages")
+        self.max_new_tokens = max_new_tokens(
+            gen.max_tokens, default=state.config.default_max_tokens,
+            prompt_tokens=len(prompt_ids), context_tokens=state.info.max_context_tokens,
+            policy=state.config.max_tokens_policy)
         params = SamplingParams(
-            max_new_tokens=min(gen.max_tokens or state.config.default_max_tokens, room),
+            max_new_tokens=self.max_new_tokens,
             temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
             stop_token_ids=tuple(state.adapter.stop_token_ids), seed=gen.seed, n=gen.n)
         if self.constraint is not None:
@@ -225,14 +253,19 @@ class Completion:
         prompt_ids = self.split.input_ids + forced
         sampling = self._sampling(prompt_ids)
         stop_ids = set(sampling.stop_token_ids) | set(state.info.eos_token_ids)
-        # Always parse: besides tool calls, some formats (harmony) carry channels that must
-        # not reach the client as content; with tool_choice "none" the parser only splits those.
+        # Always parse: besides tool calls, some formats carry reasoning (harmony's channels,
+        # think blocks: splitter/reasoning.py) that must not reach the client as content;
+        # with tool_choice "none" the parser only splits those.
         # Under a tool grammar the calls are the model's own output: parsed as under "auto".
         parser_choice = "auto" if self.tool_grammar else choice
         markers = CALL_MARKERS.get(FAMILY.get(state.adapter.name, ""), ()) if parse_tools else ()
-        choices = [Choice(i, self.outcomes[i], tokenizer=state.tokenizer,
-                          parser=state.adapter.output_parser(list(gen.tools) or None,
-                                                             tool_choice=parser_choice),
+        def parser() -> OutputParser:  # a raw prompt's output is text, as the model wrote it
+            if self.split.adapter == RAW_ADAPTER:
+                return OutputParser(tool_choice="none")
+            return response_parser(state.adapter, list(gen.tools) or None,
+                                   tool_choice=parser_choice, prompt_ids=prompt_ids)
+
+        choices = [Choice(i, self.outcomes[i], tokenizer=state.tokenizer, parser=parser(),
                           stop=gen.stop, stop_ids=stop_ids, markers=markers)
                    for i in range(gen.n)]
         settled = False
@@ -385,8 +418,13 @@ class Completion:
             pass
 
     def headers(self) -> dict[str, str]:
-        """Response headers: which worker served the request (for operators and tests)."""
-        return {"X-Anchorcache-Worker": self.target.name} if self.target is not None else {}
+        """Response headers: which worker served the request (for operators and tests), and
+        the max_tokens the request ran with where it was clamped."""
+        out = {"X-Anchorcache-Worker": self.target.name} if self.target is not None else {}
+        asked = self.gen.max_tokens
+        if asked is not None and self.max_new_tokens is not None and asked > self.max_new_tokens:
+            out[MAX_TOKENS_HEADER] = str(self.max_new_tokens)
+        return out
 
     def usage(self) -> Usage:
         """The request's usage: one prompt (prefilled once), every choice's completion."""

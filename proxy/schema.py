@@ -4,7 +4,8 @@ Two layers, so that the Anthropic route can reuse the first:
 - protocol-neutral pieces: `read_json`; `check_shape` walks the decoded body once,
   iteratively, against `BodyLimits` (nesting depth, node count), and `check_arguments` holds
   tool-call arguments sent as JSON strings to the same limits; the typed field readers
-  (`number`, `optional_int`, `temperature`, `string`) raise `ApiError("invalid_request")` with the offending parameter;
+  (`number`, `optional_int`, `temperature`, `string`, `reasoning_effort`) raise
+  `ApiError("invalid_request")` with the offending parameter;
 - `parse_chat_request`: an OpenAI chat body → `ChatRequest`.
 
 Nothing a client sends may reach the renderer, the tokenizer or the sampler in a shape that
@@ -24,6 +25,7 @@ from anchorcache.wire import GREEDY_TEMPERATURE
 
 from .errors import ApiError
 from .splitter.partial_json import close_json
+from .splitter.reasoning import REASONING_EFFORTS
 from .structured import Constraint, ResponseFormat, parse_grammar, parse_response_format
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -31,6 +33,9 @@ ALWAYS_RENDERED_ROLES = frozenset({"system", "developer", "user", "tool"})
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # n (the worker contract's limit)
 MAX_TOP_LOGPROBS = 20
+# The largest `max_tokens` a body may carry (a 64-bit integer): up to it, one beyond what
+# the context leaves is the pipeline's to clamp or refuse (`ProxyConfig.max_tokens_policy`)
+MAX_TOKENS_LIMIT = (1 << 63) - 1
 # Names the renderer passes to chat templates itself: a client's template kwarg may not shadow them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
                                       "eos_token", "unk_token", "pad_token"})
@@ -87,6 +92,18 @@ def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 
         if nodes > limits.max_nodes:
             raise bad(f"the request body has more than {limits.max_nodes} JSON values")
         stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def model_body(body: Any, limits: BodyLimits = DEFAULT_LIMITS) -> tuple[dict[str, Any], str]:
+    """The start every API's body shares: a JSON object within `limits` (`check_shape`)
+    that names a `model`. The body and its model."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    check_shape(body, limits)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required", "model")
+    return body, model
 
 
 ARGUMENTS_DEPTH = 7  # body → messages → message → tool_calls → call → function → arguments
@@ -147,6 +164,16 @@ def string(value: Any, param: str, *, max_chars: int, empty_ok: bool = False) ->
     return value
 
 
+def reasoning_effort(value: Any, param: str) -> str | None:
+    """OpenAI's reasoning effort (`reasoning_effort`, the Responses API's `reasoning.effort`);
+    what each template makes of it: splitter/reasoning.py `effort_template_kwargs`."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in REASONING_EFFORTS:
+        raise bad(f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}", param)
+    return value
+
+
 def rendered_chars(messages: tuple[dict[str, Any], ...],
                    tools: tuple[dict[str, Any], ...] = ()) -> int:
     """Characters every chat template renders for these messages and tools, at least: the
@@ -199,6 +226,7 @@ class ChatRequest:
     response_format: ResponseFormat | None = None
     grammar: Constraint | None = None  # SGLang's `regex` / `ebnf` extras
     parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # one of REASONING_EFFORTS
 
     @property
     def rendered_chars(self) -> int:
@@ -295,7 +323,18 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> Too
               "tool_choice")
 
 
-def _stop(body: dict[str, Any], limits: BodyLimits) -> tuple[str, ...]:
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """OpenAI's `stream` and `stream_options.include_usage`."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+def stop_sequences(body: dict[str, Any], limits: BodyLimits) -> tuple[str, ...]:
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -308,14 +347,9 @@ def _stop(body: dict[str, Any], limits: BodyLimits) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def parse_chat_request(body: Any, *, max_tokens_limit: int,
+def parse_chat_request(body: Any, *, max_tokens_limit: int = MAX_TOKENS_LIMIT,
                        limits: BodyLimits = DEFAULT_LIMITS) -> ChatRequest:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    check_shape(body, limits)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("'model' is required", "model")
+    body, model = model_body(body, limits)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
@@ -335,12 +369,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int,
     max_tokens = optional_int(body, "max_completion_tokens", 1, max_tokens_limit)
     if max_tokens is None:
         max_tokens = optional_int(body, "max_tokens", 1, max_tokens_limit)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
+    stream, include_usage = stream_flags(body)
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
@@ -357,9 +386,9 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int,
         top_p=number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=-1 if top_k in (None, 0) else top_k,
         seed=optional_int(body, "seed", -(1 << 63), (1 << 63) - 1),
-        stop=_stop(body, limits),
+        stop=stop_sequences(body, limits),
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=include_usage,
         tools=tools,
         tool_choice=_tool_choice(body, tools),
         template_kwargs=template_kwargs,
@@ -369,4 +398,5 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int,
         response_format=parse_response_format(body.get("response_format")),
         grammar=parse_grammar(body),
         parallel_tool_calls=parallel,
+        reasoning_effort=reasoning_effort(body.get("reasoning_effort"), "reasoning_effort"),
     )

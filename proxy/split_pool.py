@@ -22,6 +22,7 @@ import asyncio
 import functools
 import json
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -82,10 +83,7 @@ class TokenBudget:
 
 @dataclass
 class _Job:
-    messages: list[dict]
-    tools: list[dict] | None
-    template_kwargs: dict | None
-    scope: bytes
+    work: Callable[[], SplitResult]  # runs on a split thread
     future: asyncio.Future[SplitResult]
 
 
@@ -121,6 +119,16 @@ class SplitPool:
                     scope: bytes = b"") -> SplitResult:
         """The adapter's split, on a split thread, in `tenant`'s turn; `scope` keys the
         adapter's memos (the caller's namespace). A bad chat raises a 400 `ApiError`."""
+        return await self.run(functools.partial(self._split_chat, messages, tools,
+                                                template_kwargs, scope), tenant=tenant)
+
+    def _split_chat(self, messages: list[dict], tools: list[dict] | None,
+                    template_kwargs: dict | None, scope: bytes) -> SplitResult:
+        return self.adapter.split(messages, tools, template_kwargs=template_kwargs, scope=scope)
+
+    async def run(self, work: Callable[[], SplitResult], *, tenant: str = "") -> SplitResult:
+        """`work()` (a split of any kind: the chat's, a raw prompt's) on a split thread, in
+        `tenant`'s turn, under the same bounds; a `SplitError` it raises is a 400."""
         if self.pending >= self.max_pending:
             raise ApiError("overloaded", f"{self.pending} requests are waiting to be "
                            "tokenized; try again shortly")
@@ -132,7 +140,7 @@ class SplitPool:
         if queue is None:
             queue = self._queues[tenant] = deque()
             self._turns.append(tenant)
-        queue.append(_Job(messages, tools, template_kwargs, scope, future))
+        queue.append(_Job(work, future))
         self._waiting += 1
         self._dispatch()
         # a cancelled request does not cancel its split: the thread finishes it either way
@@ -170,8 +178,7 @@ class SplitPool:
     def _split(self, job: _Job) -> SplitResult:
         self.runs += 1
         try:
-            return self.adapter.split(job.messages, job.tools,
-                                      template_kwargs=job.template_kwargs, scope=job.scope)
+            return job.work()
         except SplitError as e:
             raise ApiError("invalid_request", str(e), param=e.param) from None
 

@@ -123,11 +123,13 @@ class Ledger:
     def housekeep(self, retention_s: float = RETENTION_S) -> dict[str, int]:
         """Delete what can no longer matter, older than `retention_s`: closed reservations,
         anchor rows no worker holds (lost, evicted, aborted), events. Open reservations,
-        committed and reserved anchors, tenants, keys and toolsets stay. The rows deleted, by
-        table."""
+        committed and reserved anchors, tenants, keys and toolsets stay; stored responses
+        go once they expire, whatever `retention_s`. The rows deleted, by table."""
         before = self.clock() - retention_s
         deleted = {}
         with self.db.conn:
+            deleted["responses"] = self.db.execute(
+                "DELETE FROM responses WHERE expires_at <= ?", [self.clock()]).rowcount
             deleted["reservations"] = self.db.execute(
                 "DELETE FROM reservations WHERE outcome IS NOT NULL AND outcome != 'open' "
                 "AND coalesce(closed_at, opened_at) < ?", [before]).rowcount
@@ -141,7 +143,8 @@ class Ledger:
     def size(self) -> dict[str, int]:
         """The ledger's rows by table and its bytes on disk (database and write-ahead log)."""
         rows = {t: self.db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-                for t in ("tenants", "api_keys", "toolsets", "anchors", "reservations", "events")}
+                for t in ("tenants", "api_keys", "toolsets", "anchors", "reservations", "events",
+                          "responses")}
         path = Path(self.db.conn.execute("PRAGMA database_list").fetchone()[2])
         disk = sum(f.stat().st_size for f in (path, path.with_name(path.name + "-wal"))
                    if f.exists())
@@ -292,6 +295,28 @@ class Ledger:
         ts = self.toolset(toolset)
         assert ts is not None
         return ts
+
+    # ---- stored responses (the Responses API's `store`) ---------------------------------
+    def put_response(self, response_id: str, tenant: str, body: bytes, *, ttl_s: float) -> None:
+        """Store (or replace) a response of `tenant` until `ttl_s` from now."""
+        now = self.clock()
+        self.db.table("responses").upsert({"id": response_id, "tenant": tenant,
+                                           "created_at": now, "expires_at": now + ttl_s,
+                                           "body": body}, pk="id")
+
+    def response(self, response_id: str, tenant: str) -> bytes | None:
+        """A stored response's body, if `tenant` stored it and it has not expired: another
+        tenant's id reads as unknown."""
+        row = self.db.execute("SELECT body FROM responses WHERE id = ? AND tenant = ? AND "
+                              "expires_at > ?", [response_id, tenant, self.clock()]).fetchone()
+        return bytes(row[0]) if row is not None else None
+
+    def delete_response(self, response_id: str, tenant: str) -> bool:
+        """Delete a response `tenant` stored; False if it has none by that id."""
+        with self.db.conn:
+            cur = self.db.execute("DELETE FROM responses WHERE id = ? AND tenant = ? AND "
+                                  "expires_at > ?", [response_id, tenant, self.clock()])
+        return bool(cur.rowcount)
 
     # ---- reservations and anchors -------------------------------------------------------
     @staticmethod

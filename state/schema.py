@@ -40,7 +40,17 @@ def _v1(db: sqlite_utils.Database) -> None:
                         pk="id", if_not_exists=True)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1]
+def _v2(db: sqlite_utils.Database) -> None:
+    # stored Responses API responses (proxy/responses_api.py): the response and its whole
+    # conversation as one orjson blob, per tenant, until `expires_at`
+    db.table("responses").create({"id": str, "tenant": str, "created_at": float,
+                                  "expires_at": float, "body": bytes}, pk="id",
+                                 not_null={"tenant", "expires_at", "body"},
+                                 if_not_exists=True)
+    db.table("responses").create_index(["expires_at"], if_not_exists=True)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

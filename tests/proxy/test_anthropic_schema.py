@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from anchorcache.proxy.anthropic_api import BlockFramer, usage_json
+from anchorcache.proxy.anthropic_messages import fold_system_messages
 from anchorcache.proxy.anthropic_schema import parse_messages_request
 from anchorcache.proxy.cut_hints import with_hint_cuts
 from anchorcache.proxy.errors import ApiError, anthropic_body
@@ -27,8 +28,7 @@ WEATHER = {"name": "get_weather", "description": "Current weather for a city.",
 
 
 def _parse(**body):
-    return parse_messages_request({"model": "default", "max_tokens": 16, **body},
-                                  max_tokens_limit=8192)
+    return parse_messages_request({"model": "default", "max_tokens": 16, **body})
 
 
 def test_a_tool_conversation_maps_to_openai_messages_in_block_order():
@@ -125,6 +125,105 @@ def test_tool_choice(choice, mode, function):
     assert (req.generation.tool_choice.mode, req.generation.tool_choice.function) == (mode, function)
 
 
+def test_a_system_message_in_messages_stays_in_place_and_can_be_folded():
+    req = _parse(system="s", messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "system", "content": [{"type": "text", "text": "<reminder>", "cache_control": CC}]},
+        {"role": "user", "content": [{"type": "text", "text": "list files", "cache_control": CC}]}])
+    gen = req.generation
+    assert [(m["role"], m["content"]) for m in gen.messages] == [
+        ("system", "s"), ("user", "hi"), ("assistant", "Hello"), ("system", "<reminder>"),
+        ("user", "list files")]
+    assert gen.cut_after == (4, 5)
+    folded = fold_system_messages(gen)
+    assert folded is not None
+    # the reminder joins the next user message as its first text block; the hint after it
+    # moves before that message
+    assert [(m["role"], m["content"]) for m in folded.messages] == [
+        ("system", "s"), ("user", "hi"), ("assistant", "Hello"),
+        ("user", "<reminder>\nlist files")]
+    assert folded.cut_after == (3, 4)
+    assert fold_system_messages(_parse(system="s", messages=USER).generation) is None
+
+
+def test_folded_system_messages_without_a_user_message_after_them_become_one():
+    gen = _parse(tools=[WEATHER], messages=[
+        *TOOL_TURN, {"role": "system", "content": "a"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+        {"role": "system", "content": "b"}, {"role": "system", "content": "c"},
+        {"role": "assistant", "content": "done"}, {"role": "system", "content": "d"}]).generation
+    assert [m["role"] for m in gen.messages] == [
+        "user", "assistant", "system", "tool", "system", "assistant", "system"]
+    folded = fold_system_messages(gen)
+    assert folded is not None
+    assert [(m["role"], m.get("content")) for m in folded.messages] == [
+        ("user", "q"), ("assistant", None), ("tool", ""), ("user", "a\nb\nc"),
+        ("assistant", "done"), ("user", "d")]
+
+
+def test_cleared_system_messages_are_not_rendered():
+    msgs = [{"role": "user", "content": "a"},
+            {"role": "system", "content": "once", "clear_at": "next_user_message",
+             "output_config": {"effort": "low"}},
+            {"role": "system", "content": "always", "clear_at": "never"}]
+    gen = _parse(messages=msgs).generation
+    assert [m["content"] for m in gen.messages] == ["a", "once\nalways"]
+    gen = _parse(messages=[*msgs, {"role": "assistant", "content": "b"},
+                           {"role": "user", "content": "c"}]).generation
+    assert [m["content"] for m in gen.messages] == ["a", "always", "b", "c"]
+
+
+@pytest.mark.parametrize("thinking,output_config,asked,effort", [
+    (None, None, None, "none"),
+    ({"type": "disabled"}, {"effort": "high"}, False, "none"),
+    ({"type": "enabled", "budget_tokens": 31999}, None, True, None),
+    ({"type": "enabled", "budget_tokens": 1}, {"effort": "medium"}, True, "medium"),
+    ({"type": "adaptive"}, {"effort": "max"}, True, "high"),
+    ({"type": "adaptive", "display": "omitted"}, {"effort": "ultra"}, True, None)])
+def test_thinking_becomes_the_reasoning_effort(thinking, output_config, asked, effort):
+    body = {k: v for k, v in (("thinking", thinking), ("output_config", output_config)) if v}
+    req = _parse(messages=USER, **body)
+    assert (req.thinking, req.generation.reasoning_effort) == (asked, effort)
+    assert req.omit_thinking == (thinking is not None and thinking.get("display") == "omitted")
+
+
+def test_thinking_blocks_sent_back_become_reasoning_content():
+    req = _parse(messages=[*USER, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Let me see.", "signature": "sig"},
+        {"type": "redacted_thinking", "data": "opaque"},
+        {"type": "text", "text": "Sunny."}]}, *USER])
+    assert req.generation.messages[1] == {"role": "assistant", "content": "Sunny.",
+                                          "reasoning_content": "Let me see."}
+    req = _parse(messages=[*USER, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "a"}]}, *USER])
+    assert "reasoning_content" not in req.generation.messages[1]
+
+
+def test_agent_fields_are_accepted_and_output_format_is_a_response_format():
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    req = _parse(messages=USER, metadata={"user_id": "u" * 400, "session": 1},
+                 output_config={"effort": "xhigh", "format": {"type": "json_schema",
+                                                              "schema": schema}},
+                 context_management={"edits": [{"type": "clear_thinking_20251015",
+                                                "keep": "all"}]},
+                 service_tier="auto", container="c1", mcp_servers=[], speed="fast")
+    fmt = req.generation.response_format
+    assert fmt is not None and (fmt.type, fmt.schema) == ("json_schema", schema)
+    assert req.user_id == "u" * 400
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_disable_parallel_tool_use_asks_the_grammar_for_one_call(single):
+    req = _parse(tools=[WEATHER], messages=USER,
+                 tool_choice={"type": "any", "disable_parallel_tool_use": single})
+    assert req.single_tool_use == single
+    assert req.generation.parallel_tool_calls is not single
+
+
+def test_max_tokens_beyond_any_context_is_left_to_the_pipeline():
+    assert _parse(max_tokens=10**9, messages=USER).generation.max_tokens == 10**9
+
+
 USER = [{"role": "user", "content": "q"}]
 TOOL_TURN = [{"role": "user", "content": "q"},
              {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
@@ -134,7 +233,31 @@ BAD = [
     ("max_tokens zero", {"max_tokens": 0, "messages": USER}, "max_tokens"),
     ("missing model", {"model": None, "messages": USER}, "model"),
     ("no messages", {"messages": []}, "messages"),
-    ("role system in messages", {"messages": [{"role": "system", "content": "x"}]}, "role"),
+    ("unknown role", {"messages": [{"role": "developer", "content": "x"}]}, "role"),
+    ("max_tokens not an integer", {"max_tokens": 1.5, "messages": USER}, "max_tokens"),
+    ("max_tokens negative", {"max_tokens": -1, "messages": USER}, "max_tokens"),
+    ("max_tokens past 64 bits", {"max_tokens": 1 << 63, "messages": USER}, "max_tokens"),
+    ("only empty system messages", {"messages": [
+        {"role": "system", "content": "", "output_config": {"effort": "low"}}]}, "no message"),
+    ("system message image", {"messages": [{"role": "system", "content": [
+        {"type": "image", "source": {}}]}, *USER]}, "text blocks"),
+    ("system message tool_addition", {"messages": [{"role": "system", "content": [
+        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "f"}}]}, *USER]},
+     "text blocks"),
+    ("system message bad clear_at", {"messages": [
+        {"role": "system", "content": "x", "clear_at": "later"}, *USER]}, "clear_at"),
+    ("system message output_config not an object", {"messages": [
+        {"role": "system", "content": "x", "output_config": "high"}, *USER]}, "output_config"),
+    ("tool_use answered only after an assistant turn", {"messages": [
+        *TOOL_TURN, {"role": "system", "content": "x"}, {"role": "assistant", "content": "a"},
+        *USER]}, "without tool_result"),
+    ("tool_use left unanswered at a final system message", {"messages": [
+        *TOOL_TURN, {"role": "system", "content": "x"}]}, "without tool_result"),
+    ("thinking block without text", {"messages": [*USER, {"role": "assistant", "content": [
+        {"type": "thinking", "signature": "s"}, {"type": "text", "text": "a"}]}, *USER]},
+     "thinking"),
+    ("thinking block in a user message", {"messages": [{"role": "user", "content": [
+        {"type": "thinking", "thinking": "t", "signature": "s"}]}]}, "thinking"),
     ("empty content", {"messages": [{"role": "user", "content": []}]}, "content"),
     ("image block", {"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]},
@@ -175,9 +298,29 @@ BAD = [
     ("tool_choice unknown tool", {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "x"},
                                   "messages": USER}, "unknown tool"),
     ("system image", {"system": [{"type": "image"}], "messages": USER}, "text blocks"),
-    ("thinking", {"thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": USER},
-     "thinking"),
-    ("metadata extra field", {"metadata": {"session": 1}, "messages": USER}, "metadata"),
+    ("thinking not an object", {"thinking": True, "messages": USER}, "thinking"),
+    ("thinking type unknown", {"thinking": {"type": "maximal"}, "messages": USER}, "thinking.type"),
+    ("thinking budget not an integer", {"thinking": {"type": "enabled", "budget_tokens": "1k"},
+                                        "messages": USER}, "budget_tokens"),
+    ("thinking budget zero", {"thinking": {"type": "enabled", "budget_tokens": 0},
+                              "messages": USER}, "budget_tokens"),
+    ("thinking display not a string", {"thinking": {"type": "adaptive", "display": 1},
+                                       "messages": USER}, "display"),
+    ("metadata not an object", {"metadata": "u", "messages": USER}, "metadata"),
+    ("metadata.user_id not a string", {"metadata": {"user_id": 7}, "messages": USER}, "user_id"),
+    ("output_config not an object", {"output_config": "high", "messages": USER}, "output_config"),
+    ("effort not a string", {"output_config": {"effort": 3}, "messages": USER}, "effort"),
+    ("output format not a schema", {"output_config": {"format": {"type": "json_schema",
+                                                                 "schema": {"type": "objec"}}},
+                                    "messages": USER}, "output_config.format.schema"),
+    ("output format of another type", {"output_config": {"format": {"type": "xml"}},
+                                       "messages": USER}, "json_schema"),
+    ("context_management not an object", {"context_management": [], "messages": USER},
+     "context_management"),
+    ("service_tier not a string", {"service_tier": 1, "messages": USER}, "service_tier"),
+    ("container of a wrong type", {"container": 5, "messages": USER}, "container"),
+    ("mcp servers", {"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}],
+                     "messages": USER}, "MCP"),
 ]
 
 
@@ -242,6 +385,47 @@ def test_framer_keeps_one_tool_use_when_parallel_use_is_disabled():
     assert [b["id"] for b in framer.blocks] == ["toolu_0"]
 
 
+def test_framer_frames_reasoning_as_thinking_blocks_with_a_signature():
+    framer = BlockFramer()
+    chunks: list[bytes] = []
+    for delta in [OutputDelta(reasoning="The user "), OutputDelta(reasoning="wants Rome."),
+                  OutputDelta(content="Checking."),
+                  OutputDelta(tool_call=ToolCallDelta(0, "call_ab", "get_weather", "{}")),
+                  OutputDelta(reasoning="Done.")]:
+        chunks += framer.feed(delta)
+    chunks += framer.close()
+    events = _events(chunks)
+    assert [(e, d.get("index"), d.get("delta", {}).get("type")) for e, d in events] == [
+        ("content_block_start", 0, None), ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "thinking_delta"), ("content_block_delta", 0, "signature_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, None), ("content_block_delta", 1, "text_delta"),
+        ("content_block_stop", 1, None),
+        ("content_block_start", 2, None), ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None),
+        ("content_block_start", 3, None), ("content_block_delta", 3, "thinking_delta"),
+        ("content_block_delta", 3, "signature_delta"), ("content_block_stop", 3, None)]
+    assert events[0][1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    first = framer.blocks[0]
+    assert first["type"] == "thinking" and first["thinking"] == "The user wants Rome."
+    assert first["signature"] == events[3][1]["delta"]["signature"] and first["signature"]
+    assert [b["type"] for b in framer.blocks] == ["thinking", "text", "tool_use", "thinking"]
+
+
+def test_framer_omits_thinking_text_when_asked_and_opens_no_block_without_reasoning():
+    framer = BlockFramer(omit_thinking=True)
+    events = _events([*framer.feed(OutputDelta(reasoning="secret")),
+                      *framer.feed(OutputDelta(content="Hi.")), *framer.close()])
+    assert [d.get("delta", {}).get("type") for _, d in events if _ == "content_block_delta"] \
+        == ["signature_delta", "text_delta"]
+    assert framer.blocks[0]["thinking"] == "" and framer.blocks[0]["signature"]
+    plain = BlockFramer()
+    list(plain.feed(OutputDelta(content="Hi.")))
+    list(plain.feed(OutputDelta(reasoning="")))
+    list(plain.close())
+    assert [b["type"] for b in plain.blocks] == ["text"]
+
+
 def test_usage_splits_the_prompt_into_read_created_and_uncached_tokens():
     u = Usage(prompt_tokens=100, completion_tokens=30, cached_tokens=40, prefill_tokens=60,
               snapshot_tokens=55, restore_ms=1.0, prefill_ms=2.0, decode_ms=3.0, anchor_hits=())
@@ -299,7 +483,10 @@ _body = st.fixed_dictionaries(
               "stop_sequences": _mostly(st.lists(st.text(min_size=1, max_size=3), max_size=2)),
               "temperature": _mostly(st.floats(0, 1)), "top_k": _mostly(st.integers(0, 50)),
               "stream": _mostly(st.booleans()), "metadata": _mostly(st.just({"user_id": "u"})),
-              "cache_control": _cc, "thinking": _mostly(st.just({"type": "disabled"}))})
+              "cache_control": _cc, "thinking": _mostly(st.sampled_from([
+                  {"type": "disabled"}, {"type": "adaptive"},
+                  {"type": "enabled", "budget_tokens": 1024}])),
+              "output_config": _mostly(st.just({"effort": "high"}))})
 
 
 def split_fn(adapter):
@@ -321,7 +508,7 @@ def _chatml():
 @given(body=_body)
 def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
     try:
-        req = parse_messages_request(body, max_tokens_limit=8192)
+        req = parse_messages_request(body)
     except ApiError as e:
         assert e.status == 400 and e.message
         return
@@ -330,7 +517,7 @@ def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
     for m in gen.messages:  # every tool result answers a call made before it
         answered |= {c["id"] for c in m.get("tool_calls", ())}
         assert m["role"] != "tool" or m["tool_call_id"] in answered
-    assert gen.messages[-1]["role"] in ("user", "tool")
+    assert gen.messages[-1]["role"] in ("user", "tool", "system")
     msgs, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
     try:
         split = _chatml().split(msgs, tools)

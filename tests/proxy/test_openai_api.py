@@ -106,8 +106,6 @@ BAD = [
      400, "invalid_request"),
     ("max_tokens negative", {"model": "default", "messages": FRANCE, "max_tokens": -3},
      400, "invalid_request"),
-    ("max_tokens beyond context", {"model": "default", "messages": FRANCE, "max_tokens": 10**9},
-     400, "invalid_request"),
     ("max_tokens not int", {"model": "default", "messages": FRANCE, "max_tokens": 1.5},
      400, "invalid_request"),
     ("model missing", {"messages": FRANCE}, 400, "invalid_request"),

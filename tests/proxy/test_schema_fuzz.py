@@ -10,18 +10,19 @@ refused before generation, and those that are valid generate one token.
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
 from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
+from anchorcache.testing.fuzz import FUZZ as BASE_FUZZ
+from anchorcache.testing.fuzz import fuzz_route
 from anchorcache.testing.servers import ADMIN_TOKEN
 
 pytestmark = pytest.mark.slow
@@ -157,39 +158,25 @@ valid: st.SearchStrategy[Encoded] = valid_body.map(lambda b: (_encode(b), JSON_H
 # about one body in 16 is valid (it costs a prefill on the worker); the rest are refused early
 encoded = st.integers(0, 15).flatmap(lambda i: valid if i == 0 else hostile)
 
-FUZZ = settings(max_examples=1200, derandomize=True, database=None, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+FUZZ = settings(BASE_FUZZ, max_examples=1200)
 
 
 @pytest.fixture()
 async def client(aiohttp_client, worker, tmp_path):
+    # max_tokens past the context refused, not clamped: a valid body generates a token or
+    # two, never the context's worth (the clamp: tests/proxy/test_agent_bodies.py)
     config = ProxyConfig(worker_urls=(worker.url,), default_max_tokens=1, state_dir=str(tmp_path),
-                         admin_token=ADMIN_TOKEN)
+                         admin_token=ADMIN_TOKEN, max_tokens_policy="refuse")
     return await aiohttp_client(create_app(config))
 
 
 async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client, worker):
-    loop = asyncio.get_running_loop()
-    seen: dict[int, int] = {}
-
-    async def post(data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        resp = await client.post("/v1/chat/completions", data=data, headers=headers)
-        return resp.status, await resp.read()
-
-    # hypothesis drives a plain function: run it in a thread, the requests on this loop
-    @FUZZ
-    @given(encoded)
-    def one(case: Encoded) -> None:
-        data, headers = case
-        status, raw = asyncio.run_coroutine_threadsafe(post(data, headers), loop).result(120)
-        seen[status] = seen.get(status, 0) + 1
-        assert status < 500, (status, raw[:500], data[:300])
+    def check(status: int, raw: bytes, data: bytes) -> None:
         if status >= 400:
             err = orjson.loads(raw)["error"]
             assert err["type"] == "invalid_request_error" and err["message"], raw[:300]
 
-    await asyncio.to_thread(one)
+    seen = await fuzz_route(client, "/v1/chat/completions", encoded, FUZZ, check)
     assert sum(seen.values()) >= 1000
     assert seen.get(200, 0) >= 30, seen  # some bodies were valid and generated
     assert sum(n for s, n in seen.items() if 400 <= s < 500) >= 500, seen

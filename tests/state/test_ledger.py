@@ -196,13 +196,15 @@ def test_housekeeping_deletes_only_what_can_no_longer_matter(tmp_path):
     led.open_reservation("new", "t", W, E1)
     led.close_reservation("new", ReservationOutcome.ABORTED, "x")
     before = led.size()
-    assert led.housekeep(7 * 24 * 3600) == {"reservations": 1, "anchors": 1, "events": 1}
+    assert led.housekeep(7 * 24 * 3600) == {"responses": 0, "reservations": 1, "anchors": 1,
+                                          "events": 1}
     assert {r["rid"] for r in led.reservations()} == {"open", "new"}
     assert [(a.depth, a.status) for a in led.anchors()] == [(10, AnchorStatus.COMMITTED)]
     assert led.tenant("t") is not None
     after = led.size()
     assert after["reservations_rows"] == before["reservations_rows"] - 1 and after["file_bytes"] > 0
-    assert led.housekeep(7 * 24 * 3600) == {"reservations": 0, "anchors": 0, "events": 0}
+    assert led.housekeep(7 * 24 * 3600) == {"responses": 0, "reservations": 0, "anchors": 0,
+                                          "events": 0}
     led.close()
 
 

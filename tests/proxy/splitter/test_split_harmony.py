@@ -271,15 +271,18 @@ def test_parser_agrees_with_openai_harmony(adapter):
          for m in library if m.recipient]
 
 
-def test_final_content_streams_and_analysis_is_dropped(adapter):
+def test_final_content_streams_and_analysis_is_reasoning(adapter):
     text = ("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final"
             "<|message|>Answer: a<|b>c.")  # the stop token <|return|> is not in the text
     parser = adapter.output_parser(TOOLS)
-    streamed = "".join(d.content for ch in text for d in parser.feed(ch))
+    deltas = [d for ch in text for d in parser.feed(ch)]
+    streamed = "".join(d.content or "" for d in deltas)
     assert streamed == "Answer: a<|b>c."  # "<|" is held back only until it cannot be a marker
+    assert "".join(d.reasoning or "" for d in deltas) == "think"
     assert parser.flush() == []
     parsed = parser.finish()
     assert parsed.content == "Answer: a<|b>c." and parsed.tool_calls == ()
+    assert parsed.reasoning == "think"
 
 
 def test_recipient_after_channel_and_without_tools(adapter):

@@ -201,7 +201,8 @@ def _store(state: ProxyState, tenant: str, response: dict[str, Any],
     try:
         state.ledger.put_response(response["id"], tenant,
                                   orjson.dumps({"response": response, "items": items}),
-                                  ttl_s=state.config.response_ttl_s)
+                                  ttl_s=state.config.response_ttl_s,
+                                  max_tenant_bytes=state.config.response_store_bytes)
     except sqlite3.Error:  # a full or failing disk: the reply is served all the same
         log.exception("storing response %s failed", response["id"])
 

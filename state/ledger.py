@@ -297,12 +297,28 @@ class Ledger:
         return ts
 
     # ---- stored responses (the Responses API's `store`) ---------------------------------
-    def put_response(self, response_id: str, tenant: str, body: bytes, *, ttl_s: float) -> None:
-        """Store (or replace) a response of `tenant` until `ttl_s` from now."""
+    def put_response(self, response_id: str, tenant: str, body: bytes, *, ttl_s: float,
+                     max_tenant_bytes: int | None = None) -> int:
+        """Store (or replace) a response of `tenant` until `ttl_s` from now. With
+        `max_tenant_bytes`, the tenant's oldest other responses are deleted until its stored
+        bodies fit (one tenant cannot fill the disk); how many were deleted."""
         now = self.clock()
-        self.db.table("responses").upsert({"id": response_id, "tenant": tenant,
-                                           "created_at": now, "expires_at": now + ttl_s,
-                                           "body": body}, pk="id")
+        with self.db.conn:
+            self.db.table("responses").upsert({"id": response_id, "tenant": tenant,
+                                               "created_at": now, "expires_at": now + ttl_s,
+                                               "body": body}, pk="id")
+            if max_tenant_bytes is None:
+                return 0
+            rows = self.db.execute("SELECT id, length(body) FROM responses WHERE tenant = ? "
+                                   "ORDER BY created_at DESC, rowid DESC", [tenant]).fetchall()
+            total, drop = 0, []
+            for rid, size in rows:
+                total += size
+                if total > max_tenant_bytes and rid != response_id:
+                    drop.append(rid)
+            for rid in drop:
+                self.db.execute("DELETE FROM responses WHERE id = ?", [rid])
+        return len(drop)
 
     def response(self, response_id: str, tenant: str) -> bytes | None:
         """A stored response's body, if `tenant` stored it and it has not expired: another

@@ -13,7 +13,6 @@ import pytest
 
 from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
-from anchorcache.state.ledger import Ledger
 from anchorcache.testing.servers import Server, tenant_key
 from tests.proxy.test_current_sdk import run_client
 
@@ -274,15 +273,3 @@ async def test_a_conversation_past_the_body_limit_runs_only_unstored(aiohttp_cli
     stateless = await client.post("/v1/responses", json={
         **body, "previous_response_id": rid, "store": False})
     assert stateless.status == 200, await stateless.text()
-
-
-def test_stored_responses_are_per_tenant_and_expire(tmp_path):
-    now = [1000.0]
-    led = Ledger.open(tmp_path, clock=lambda: now[0])
-    led.put_response("resp_1", "a", b'{"x": 1}', ttl_s=60)
-    assert led.response("resp_1", "a") == b'{"x": 1}' and led.response("resp_1", "b") is None
-    assert not led.delete_response("resp_1", "b")
-    now[0] += 61
-    assert led.response("resp_1", "a") is None
-    assert led.housekeep()["responses"] == 1 and led.size()["responses_rows"] == 0
-    led.close()

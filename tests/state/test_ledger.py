@@ -247,3 +247,31 @@ def test_a_tenant_created_twice_at_once_is_a_ledger_error_not_a_crash(tmp_path):
     assert two.ensure_tenant("race").name == "race"
     one.close()
     two.close()
+
+
+def test_stored_responses_are_per_tenant_and_expire(tmp_path):
+    now = [1000.0]
+    led = Ledger.open(tmp_path, clock=lambda: now[0])
+    led.put_response("resp_1", "a", b'{"x": 1}', ttl_s=60)
+    assert led.response("resp_1", "a") == b'{"x": 1}' and led.response("resp_1", "b") is None
+    assert not led.delete_response("resp_1", "b")
+    now[0] += 61
+    assert led.response("resp_1", "a") is None
+    assert led.housekeep()["responses"] == 1 and led.size()["responses_rows"] == 0
+    led.close()
+
+
+def test_a_tenants_stored_responses_are_held_to_its_byte_cap_oldest_first(tmp_path):
+    """One tenant storing responses cannot fill the disk: past `max_tenant_bytes` its own
+    oldest go (never the one just stored, never another tenant's)."""
+    now = [1000.0]
+    led = Ledger.open(tmp_path, clock=lambda: now[0])
+    led.put_response("other", "b", b"x" * 50, ttl_s=60, max_tenant_bytes=100)
+    for i in range(4):
+        now[0] += 1
+        led.put_response(f"r{i}", "a", b"x" * 40, ttl_s=60, max_tenant_bytes=100)
+    assert [led.response(f"r{i}", "a") is not None for i in range(4)] == [False, False, True, True]
+    assert led.response("other", "b") == b"x" * 50
+    assert led.put_response("big", "a", b"x" * 500, ttl_s=60, max_tenant_bytes=100) == 2
+    assert led.response("big", "a") is not None and led.size()["responses_rows"] == 2
+    led.close()

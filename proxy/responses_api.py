@@ -229,6 +229,14 @@ def _response(req: ResponsesRequest, model: str, rid: str, created: int, *,
             "usage": responses_usage(usage) if usage is not None else None}
 
 
+def _failure(e: ApiError) -> dict[str, Any]:
+    """A failed response's `error`: OpenAI's codes are few (a worker failure is a
+    `server_error`, a quota a `rate_limit_exceeded`), our kind goes in `type`."""
+    code = "server_error" if e.status >= 500 else \
+        "rate_limit_exceeded" if e.status == 429 else "invalid_prompt"
+    return {"code": code, "message": e.message, "param": e.param, "type": e.kind}
+
+
 def _sse(event: dict[str, Any], seq: int) -> bytes:
     return (b"event: " + event["type"].encode() + b"\ndata: "
             + orjson.dumps({**event, "sequence_number": seq}) + b"\n\n")
@@ -300,9 +308,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             async for delta in deltas:
                 for event in framer.feed(delta):
                     await write(resp, event)
-        except ApiError as e:  # the stream has started: report in-band, then end it
-            await write(resp, {"type": "error", "code": e.kind, "message": e.message,
-                               "param": e.param})
+        except ApiError as e:  # the stream has started: the response failed, in-band
+            for event in framer.close("incomplete"):  # the item it was writing, as far as it got
+                await write(resp, event)
+            failed = _response(req, model, rid, created, status="failed", output=framer.items)
+            failed["error"] = _failure(e)
+            await write(resp, {"type": "response.failed", "response": failed})
             await resp.write_eof()
             return resp
     response, events = finish()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -62,6 +63,31 @@ def test_worker_dying_mid_stream_ends_with_error_event(own_worker):
                         own_worker.kill()
         assert seen >= 3
         assert "worker" in str(err.value).lower()
+
+
+def test_a_worker_dying_mid_stream_fails_the_response(own_worker):
+    """The Responses API's stream ends with `response.failed` (what Codex waits for): the
+    output so far, the error a `server_error`."""
+    with proxy_process(own_worker.url) as proxy:
+        events: list[dict] = []
+        body = {"model": "default", "input": LONG[0]["content"], "max_output_tokens": 400,
+                "temperature": 0, "stream": True, "store": False}
+        with httpx.stream("POST", proxy.url + "/v1/responses", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    deltas = sum(e["type"] == "response.output_text.delta" for e in events)
+                    if deltas == 3 and own_worker.proc.poll() is None:
+                        own_worker.kill()
+        last = events[-1]
+        assert last["type"] == "response.failed", [e["type"] for e in events[-3:]]
+        failed = last["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert "worker" in failed["error"]["message"].lower()
+        text = failed["output"][0]["content"][0]["text"]
+        assert text and text == "".join(e["delta"] for e in events
+                                         if e["type"] == "response.output_text.delta")
 
 
 def test_worker_error_mid_request_is_502(worker, proxy):

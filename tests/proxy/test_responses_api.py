@@ -33,7 +33,8 @@ STRICT = """
 from pydantic import TypeAdapter
 from openai.types.responses import Response, ResponseStreamEvent
 from anchorcache.proxy.pipeline import Usage
-from anchorcache.proxy.responses_api import ItemFramer, _response
+from anchorcache.proxy.errors import ApiError
+from anchorcache.proxy.responses_api import ItemFramer, _failure, _response
 from anchorcache.proxy.responses_schema import parse_responses_request
 from anchorcache.proxy.splitter.types import OutputDelta, ToolCallDelta
 req = parse_responses_request({"model": "m", "input": "hi", "include": [
@@ -48,8 +49,12 @@ events += framer.close()
 usage = Usage(3, 2, 1, 2, 1, 0.0, 0.0, 0.0, ())
 final = _response(req, "m", "resp_1", 0, status="completed", output=framer.items, usage=usage)
 Response.model_validate(final)
+failed = _response(req, "m", "resp_1", 0, status="failed", output=framer.items)
+failed["error"] = _failure(ApiError("worker_error", "the worker failed"))
+assert failed["error"]["code"] == "server_error"
+Response.model_validate(failed)
 events += [{"type": "response.completed", "response": final},
-           {"type": "error", "code": "worker_error", "message": "m", "param": None}]
+           {"type": "response.failed", "response": failed}]
 adapter = TypeAdapter(ResponseStreamEvent)
 for i, event in enumerate(events):
     adapter.validate_python({**event, "sequence_number": i})

@@ -18,8 +18,6 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from anchorcache.proxy.app import create_app
-from anchorcache.proxy.config import ProxyConfig
 from anchorcache.testing.fuzz import FUZZ as BASE_FUZZ
 from anchorcache.testing.fuzz import deep_schema, fuzz_route
 from anchorcache.testing.servers import ADMIN_TOKEN
@@ -55,12 +53,6 @@ encoded = st.one_of(
     st.binary(max_size=64).map(lambda b: (b, {**JSON_HEADERS, "Content-Encoding": "gzip"})),
 )
 FUZZ = settings(BASE_FUZZ, max_examples=250)
-
-
-@pytest.fixture()
-async def client(aiohttp_client, worker, tmp_path):
-    return await aiohttp_client(create_app(ProxyConfig(
-        worker_urls=(worker.url,), state_dir=str(tmp_path), admin_token=ADMIN_TOKEN)))
 
 
 async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client):

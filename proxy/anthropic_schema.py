@@ -31,9 +31,9 @@ from .schema import (
     model_body,
     number,
     optional_int,
-    string,
     temperature,
 )
+from .splitter.validate_tools import check_choice_name, check_function_tools
 from .structured import ResponseFormat, check_schema
 
 MAX_STOP_SEQUENCES = 64
@@ -70,28 +70,24 @@ def _tools(body: dict[str, Any], conv: Conversion) -> tuple[dict[str, Any], ...]
         raise bad("'tools' must be a list", "tools")
     if len(tools) > conv.limits.max_tools:
         raise bad(f"at most {conv.limits.max_tools} tools are supported", "tools")
-    out, names = [], set()
+    out, params = [], []
     for i, tool in enumerate(tools):
         p = f"tools.{i}"
         tool = as_object(tool, p)
         if tool.get("type", "custom") != "custom":
             raise bad(f"unsupported tool type {tool.get('type')!r}; only custom tools "
                        "(name, description, input_schema) are supported", f"{p}.type")
-        name = string(tool.get("name"), f"{p}.name", max_chars=conv.limits.max_name_chars)
-        schema = tool.get("input_schema")
-        if name in names:
-            raise bad(f"tool names must be unique; {name!r} repeats", f"{p}.name")
-        names.add(name)
-        if not isinstance(schema, dict):
+        if not isinstance(tool.get("input_schema"), dict):
             raise bad("each tool needs an object 'input_schema'", f"{p}.input_schema")
-        fn: dict[str, Any] = {"name": name}
+        fn: dict[str, Any] = {"name": tool.get("name")}
         if tool.get("description") is not None:
-            if not isinstance(tool["description"], str):
-                raise bad("'description' must be a string", f"{p}.description")
             fn["description"] = tool["description"]
-        fn["parameters"] = schema
+        fn["parameters"] = tool["input_schema"]
         out.append({"type": "function", "function": fn})
+        params.append(p)
         conv.tools_hinted |= conv.mark(tool, p)
+    check_function_tools(out, params=params, max_name_chars=conv.limits.max_name_chars,
+                         error=bad)
     return tuple(out)
 
 
@@ -115,9 +111,7 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...]
     if kind == "any":
         return ToolChoice("required"), single
     if kind == "tool":
-        name = choice.get("name")
-        if name not in {t["function"]["name"] for t in tools}:
-            raise bad(f"tool_choice names an unknown tool {name!r}", "tool_choice.name")
+        name = check_choice_name(choice.get("name"), tools, param="tool_choice.name", error=bad)
         return ToolChoice("function", name), single
     raise bad("tool_choice.type must be 'auto', 'any', 'tool' or 'none'", "tool_choice.type")
 

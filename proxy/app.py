@@ -167,6 +167,7 @@ def create_app(config: ProxyConfig, *,
                 shared = ledger.ensure_tenant(SHARED_TENANT)
                 targets = Targets(config, session, ledger, info,
                                   tenant_namespace(shared.salt, shared.name))
+                app[METRICS].watch(session, lambda: targets.all)
                 app[STATE] = ProxyState(config, targets, info, tokenizer, adapter, splits, budget,
                                         ledger, app[METRICS])
                 app[TENANTS] = Tenants(ledger, anonymous=config.anonymous_access,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from anchorcache.defaults import PIN_BUDGET_BYTES, TOOL_ANCHOR_GAP_TOKENS
 from anchorcache.paths import default_state_dir
 from anchorcache.state.records import Quotas
 from anchorcache.wire import check_secret
@@ -32,7 +33,7 @@ class ProxyConfig:
     canonical_tools: bool = False
     # tool anchors inside the instruction prefix at least this many tokens apart (0: none),
     # so toolsets that share their first tools share that prefix (proxy/planner.py)
-    tool_anchor_gap: int = 512
+    tool_anchor_gap: int = TOOL_ANCHOR_GAP_TOKENS
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 1024
     # max_tokens beyond the room the prompt leaves: "clamp" it to that room (the reply ends
@@ -51,7 +52,7 @@ class ProxyConfig:
     strict_keys: bool = False
     default_quotas: Quotas = field(default_factory=lambda: Quotas(
         max_pinned_toolsets=8, max_anchor_bytes=None, max_in_flight=64))
-    pin_budget_bytes: int = 1 << 30  # all pinned toolsets' anchors together
+    pin_budget_bytes: int = PIN_BUDGET_BYTES  # all pinned toolsets' anchors together
     # a tenant without a byte quota of its own holds at most this share of each worker's
     # anchor memory (1: no limit), so one tenant's traffic cannot evict everyone else's
     tenant_anchor_share: float = 0.5

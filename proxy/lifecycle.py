@@ -32,6 +32,7 @@ from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from anchorcache.defaults import TOOL_ANCHOR_GAP_TOKENS
 from anchorcache.state.ledger import Ledger
 from anchorcache.state.records import (
     AnchorStatus,
@@ -90,7 +91,7 @@ class AnchorLifecycle:
     def __init__(self, worker: WorkerClient, ledger: Ledger, *, model_id: str, epoch: str,
                  worker_id: str, shared_namespace: bytes,
                  single_flight_wait_s: float = 60.0, hybrid: bool = False,
-                 tool_gap: int = 512, tenant_anchor_share: float = 1.0) -> None:
+                 tool_gap: int = TOOL_ANCHOR_GAP_TOKENS, tenant_anchor_share: float = 1.0) -> None:
         self.worker = worker
         self.ledger = ledger
         self._planner = Planner(model_id, epoch, hybrid=hybrid, tool_gap=tool_gap)
@@ -105,7 +106,11 @@ class AnchorLifecycle:
         # settled requests since start: count, hits (restored anything), prompt/cached tokens
         self.counters: Counter[str] = Counter()
         worker.on_epoch = self.observe_epoch
-        self.toolsets = ToolsetAnchors(self)  # warm, pin, re-warm; the anchor-bytes quota
+        # warm, pin, re-warm; the anchor-bytes quota
+        self.toolsets = ToolsetAnchors(
+            worker, ledger, worker_id=worker_id, shared_namespace=shared_namespace,
+            tenant_anchor_share=tenant_anchor_share, epoch=lambda: self.epoch, key=self.key,
+            warm=self.warm, evict=self.evict)
 
     @property
     def epoch(self) -> str:
@@ -195,16 +200,19 @@ class AnchorLifecycle:
         return self._planner.index.nbytes()
 
     # ---- requests ----------------------------------------------------------------------
-    def restore_depth(self, split: SplitResult, caller: Caller) -> int:
-        """How deep a restore this worker's anchors would give `split` (for routing)."""
-        return self._planner.plan(split, caller.namespace, shared=self.shared_namespace).restore_depth
+    def plan(self, split: SplitResult, caller: Caller) -> Plan:
+        """What this worker's anchors would give `split` (routing compares the restore
+        depths, and hands the chosen plan to `begin`)."""
+        return self._planner.plan(split, caller.namespace, shared=self.shared_namespace)
 
     def chunk_only(self, split: SplitResult) -> Plan:
         """Anchors off: the plan that only chunks the prefill at the cuts."""
         return self._planner.chunk_only(split)
 
-    async def begin(self, rid: str, caller: Caller, split: SplitResult) -> Flight:
-        plan = self._planner.plan(split, caller.namespace, shared=self.shared_namespace)
+    async def begin(self, rid: str, caller: Caller, split: SplitResult,
+                    plan: Plan | None = None) -> Flight:
+        """`plan`: this worker's `plan(split, caller)`, made since the loop last yielded."""
+        plan = plan if plan is not None else self.plan(split, caller)
         leads = None
         inst = plan.instruction
         if inst is not None and plan.restore_depth < inst[0]:
@@ -267,7 +275,7 @@ class AnchorLifecycle:
             await self._settle(flight, meta, reason)
         finally:
             self._release(flight)
-        await self.toolsets.enforce_quota(flight.caller)
+        await self.toolsets.enforce_quota(flight.caller.tenant, flight.caller.max_anchor_bytes)
 
     async def _settle(self, flight: Flight, meta: GenerateMeta, reason: str | None) -> None:
         if not flight.rid.startswith("warm-"):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -34,7 +34,6 @@ from prometheus_client.exposition import choose_encoder
 from anchorcache.wire import GenerateMeta
 
 from .planner import Plan
-from .state import STATE
 
 OTHER = "other"
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
@@ -203,6 +202,20 @@ class ProxyMetrics:
                                     "requests' staged anchors by how they ended",
                                     ["tenant", "outcome", "reason"], registry=r)
         r.register(self.worker)
+        # the workers `/metrics` scrapes: none until the app hands them over (`watch`)
+        self._session: aiohttp.ClientSession | None = None
+        self._workers: Callable[[], Sequence[WorkerView]] = tuple
+
+    def watch(self, session: aiohttp.ClientSession,
+              workers: Callable[[], Sequence[WorkerView]]) -> None:
+        """Scrape `workers()` over `session`: the proxy's workers as they are at each scrape
+        (added and drained live)."""
+        self._session, self._workers = session, workers
+
+    async def refresh_workers(self) -> None:
+        """Fetch every watched worker's `/anchor/stats` (before each scrape)."""
+        if self._session is not None:
+            await self.worker.refresh(self._session, list(self._workers()), self.worker_timeout_s)
 
     def record_ttft(self, tenant: str, seconds: float) -> None:
         self.ttft.labels(self.tenant(tenant)).observe(seconds)
@@ -281,7 +294,6 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """`GET /metrics`: the app's registry, the worker's counters refreshed first."""
     metrics = request.app[METRICS]
-    targets = request.app[STATE].targets
-    await metrics.worker.refresh(targets.session, list(targets.all), metrics.worker_timeout_s)
+    await metrics.refresh_workers()
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
     return web.Response(body=encoder(metrics.registry), headers={"Content-Type": content_type})

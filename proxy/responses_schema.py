@@ -36,6 +36,7 @@ from .schema import (
     temperature,
 )
 from .splitter.reasoning import REASONING_EFFORTS
+from .splitter.validate_tools import check_choice_name, check_function_tools
 from .structured import ResponseFormat, parse_response_format
 
 INCLUDE_REASONING = "reasoning.encrypted_content"
@@ -78,14 +79,9 @@ class ResponsesRequest:
 
 # ---- tools ---------------------------------------------------------------------------------
 
-def _function(tool: dict[str, Any], param: str, limits: BodyLimits) -> dict[str, Any]:
+def _function(tool: dict[str, Any], param: str) -> dict[str, Any]:
     """A flat Responses function tool as a chat function tool (its keys in the client's
-    order, as the chat route renders them)."""
-    string(tool.get("name"), f"{param}.name", max_chars=limits.max_name_chars)
-    if not isinstance(tool.get("parameters", {}), (dict, type(None))):
-        raise bad("'parameters' must be an object", f"{param}.parameters")
-    if tool.get("description") is not None and not isinstance(tool["description"], str):
-        raise bad("'description' must be a string", f"{param}.description")
+    order, as the chat route renders them); `check_function_tools` checks the rest."""
     if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
         raise bad("'strict' must be a boolean", f"{param}.strict")
     fn = {k: v for k, v in tool.items()
@@ -101,17 +97,15 @@ def parse_tools(value: Any, limits: BodyLimits = DEFAULT_LIMITS
     if not isinstance(value, list):
         raise bad("'tools' must be a list", "tools")
     out: list[dict[str, Any]] = []
+    params: list[str] = []
     namespaces: dict[str, str] = {}
     ignored: list[str] = []
 
     def add(tool: dict[str, Any], param: str, namespace: str | None) -> None:
-        fn = _function(tool, param, limits)
-        name = fn["function"]["name"]
-        if any(t["function"]["name"] == name for t in out):
-            raise bad(f"tool names must be unique; {name!r} repeats", f"{param}.name")
-        out.append(fn)
+        out.append(_function(tool, param))
+        params.append(param)
         if namespace is not None:
-            namespaces[name] = namespace
+            namespaces[str(tool.get("name"))] = namespace
 
     for i, tool in enumerate(value):
         p = f"tools[{i}]"
@@ -138,11 +132,11 @@ def parse_tools(value: Any, limits: BodyLimits = DEFAULT_LIMITS
             ignored.append(kind)
         if len(out) > limits.max_tools:
             raise bad(f"at most {limits.max_tools} tools are supported", "tools")
+    check_function_tools(out, params=params, max_name_chars=limits.max_name_chars, error=bad)
     return tuple(out), namespaces, tuple(dict.fromkeys(ignored))
 
 
 def parse_tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> ToolChoice:
-    names = {t["function"]["name"] for t in tools}
     if value is None:
         return ToolChoice("auto" if tools else "none")
     if value in ("auto", "none", "required"):
@@ -150,10 +144,8 @@ def parse_tool_choice(value: Any, tools: tuple[dict[str, Any], ...]) -> ToolChoi
             raise bad("tool_choice 'required' needs function tools", "tool_choice")
         return ToolChoice(value if tools else "none")
     if isinstance(value, dict) and value.get("type") == "function":
-        name = value.get("name")
-        if not isinstance(name, str) or name not in names:
-            raise bad(f"tool_choice names an unknown function {name!r}", "tool_choice.name")
-        return ToolChoice("function", name)
+        return ToolChoice("function", check_choice_name(value.get("name"), tools,
+                                                        param="tool_choice.name", error=bad))
     if isinstance(value, dict) and value.get("type") == "allowed_tools" \
             and value.get("mode") in ("auto", "required"):
         return parse_tool_choice(value["mode"], tools)

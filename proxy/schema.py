@@ -26,6 +26,7 @@ from anchorcache.wire import GREEDY_TEMPERATURE
 from .errors import ApiError
 from .splitter.partial_json import close_json
 from .splitter.reasoning import REASONING_EFFORTS
+from .splitter.validate_tools import check_choice_name, check_function_tools
 from .structured import Constraint, ResponseFormat, parse_grammar, parse_response_format
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -291,18 +292,7 @@ def _tools(body: dict[str, Any], limits: BodyLimits) -> tuple[dict[str, Any], ..
         raise bad("'tools' must be a list", "tools")
     if len(tools) > limits.max_tools:
         raise bad(f"at most {limits.max_tools} tools are supported", "tools")
-    names = set()
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(fn, dict):
-            raise bad("each tool must be {'type': 'function', 'function': {'name': ...}}", f"tools[{i}]")
-        names.add(string(fn.get("name"), f"tools[{i}].function.name",
-                         max_chars=limits.max_name_chars))
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise bad("function.parameters must be an object", f"tools[{i}].function.parameters")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise bad("function.description must be a string", f"tools[{i}].function.description")
+    check_function_tools(tools, max_name_chars=limits.max_name_chars, error=bad)
     return tuple(tools)
 
 
@@ -315,10 +305,8 @@ def _tool_choice(body: dict[str, Any], tools: tuple[dict[str, Any], ...]) -> Too
             raise bad("tool_choice 'required' needs tools", "tool_choice")
         return ToolChoice(choice)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
-            raise bad(f"tool_choice names an unknown function {name!r}", "tool_choice")
-        return ToolChoice("function", name)
+        return ToolChoice("function", check_choice_name(choice["function"].get("name"), tools,
+                                                        error=bad))
     raise bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', ...}",
               "tool_choice")
 

@@ -5,20 +5,18 @@ life cycle, which alone holds its planner), the model's info and tokenizer, the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from anchorcache.state.ledger import Ledger
 
 from .config import ProxyConfig
+from .metrics import ProxyMetrics
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
 from .targets import Targets
 from .worker_client import WorkerInfo
-
-if TYPE_CHECKING:  # metrics.py reads STATE from here
-    from .metrics import ProxyMetrics
 
 
 @dataclass

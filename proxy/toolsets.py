@@ -14,16 +14,15 @@ tenant's traffic evicts every other tenant's anchors.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
+from anchorcache.state.ledger import Ledger
 from anchorcache.state.records import AnchorStatus, Toolset
 from anchorcache.wire import engine_cache_key
 
 from .anchor_index import AnchorRecord
 from .errors import ApiError
-
-if TYPE_CHECKING:  # the life cycle builds this over itself
-    from .lifecycle import AnchorLifecycle, Caller
+from .worker_client import WorkerClient
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -31,28 +30,47 @@ SHARED_TENANT = "@shared"  # holds the shared-toolset namespace's secret salt; n
 
 
 class ToolsetAnchors:
-    def __init__(self, lifecycle: AnchorLifecycle) -> None:
-        self.lifecycle = lifecycle
+    """The toolsets of one worker. The life cycle that owns the worker's anchors builds it
+    and hands it the calls it needs from there: `epoch()` (the worker's current epoch),
+    `key(namespace, ids)` (an instruction prefix's anchor key), `warm(tenant, namespace,
+    ids)` (make that prefix a committed anchor) and `evict(key)`; it reads the ledger and
+    asks the worker to pin, unpin and report its capacity, and owns nothing else."""
+
+    def __init__(self, worker: WorkerClient, ledger: Ledger, *, worker_id: str,
+                 shared_namespace: bytes, tenant_anchor_share: float,
+                 epoch: Callable[[], str],
+                 key: Callable[[bytes, tuple[int, ...]], bytes],
+                 warm: Callable[[str, bytes, tuple[int, ...]], Awaitable[AnchorRecord]],
+                 evict: Callable[[bytes], Awaitable[bool]]) -> None:
+        self.worker = worker
+        self.ledger = ledger
+        self.worker_id = worker_id
+        self.shared_namespace = shared_namespace
+        self.tenant_anchor_share = tenant_anchor_share  # of the worker's bytes, per tenant
+        self._epoch = epoch
+        self._key = key
+        self._warm = warm
+        self._evict = evict
         self._capacity: tuple[str, int] | None = None  # (epoch, the worker's anchor bytes)
 
     def keys(self, ts: Toolset) -> list[tuple[str, bytes, bytes]]:
         """(tenant, namespace, key) of a toolset's anchors: its own, and the shared one."""
         out = [(ts.tenant, ts.namespace, ts.key)]
         if ts.shared:
-            shared = self.lifecycle.shared_namespace
-            out.append((SHARED_TENANT, shared, self.lifecycle.key(shared, ts.input_ids)))
+            shared = self.shared_namespace
+            out.append((SHARED_TENANT, shared, self._key(shared, ts.input_ids)))
         return out
 
     async def ensure(self, ts: Toolset) -> AnchorRecord:
         """Warm a toolset's anchors (the shared copy too), pinning them if it is pinned."""
         first: AnchorRecord | None = None
         for tenant, ns, key in self.keys(ts):
-            rec = await self.lifecycle.warm(tenant, ns, ts.input_ids)
+            rec = await self._warm(tenant, ns, ts.input_ids)
             # the tenant's own copy may stay on the device, where its requests find it (the
             # worker's cache is keyed by namespace); no request runs in the shared namespace,
             # so the shared copy is pinned in the host tier only
             cache_key = engine_cache_key(ns) if tenant != SHARED_TENANT else None
-            if ts.pinned and not await self.lifecycle.worker.pin(key, cache_key):
+            if ts.pinned and not await self.worker.pin(key, cache_key):
                 raise ApiError("worker_error", "the worker refused to pin the toolset anchor")
             first = first or rec
         assert first is not None
@@ -60,53 +78,54 @@ class ToolsetAnchors:
 
     async def unpin(self, ts: Toolset) -> None:
         for _, _, key in self.keys(ts):
-            await self.lifecycle.worker.unpin(key)
+            await self.worker.unpin(key)
 
     async def rewarm_pinned(self) -> None:
-        for ts in self.lifecycle.ledger.toolsets(pinned=True):
+        for ts in self.ledger.toolsets(pinned=True):
             try:
                 await self.ensure(ts)
             except ApiError as e:
                 log.warning("re-warming pinned toolset %s failed: %s", ts.toolset, e.message)
                 return
 
-    async def enforce_quota(self, caller: Caller) -> None:
-        """Keep a tenant under its anchor-bytes quota: evict its least recently hit anchors
-        (never a pinned toolset's) until it fits. A worker failure is logged, not raised."""
+    async def enforce_quota(self, tenant: str, max_anchor_bytes: int | None) -> None:
+        """Keep `tenant` under its anchor-bytes quota (`max_anchor_bytes`, its own; None: its
+        share of the worker's): evict its least recently hit anchors (never a pinned
+        toolset's) until it fits. A worker failure is logged, not raised."""
         try:
-            await self._enforce_bytes(caller)
+            await self._enforce_bytes(tenant, max_anchor_bytes)
         except ApiError as e:
-            log.warning("could not enforce the anchor-bytes quota of %s: %s",
-                        caller.tenant, e.message)
+            log.warning("could not enforce the anchor-bytes quota of %s: %s", tenant, e.message)
 
-    async def _limit(self, caller: Caller) -> int | None:
-        """The tenant's anchor bytes on this worker: its own quota, else its share of the
+    async def _limit(self, max_anchor_bytes: int | None) -> int | None:
+        """A tenant's anchor bytes on this worker: its own quota, else its share of the
         worker's anchor memory (`tenant_anchor_share`; 1: no default limit)."""
-        if caller.max_anchor_bytes is not None:
-            return caller.max_anchor_bytes
-        share = self.lifecycle.tenant_anchor_share
+        if max_anchor_bytes is not None:
+            return max_anchor_bytes
+        share = self.tenant_anchor_share
         if share >= 1:
             return None
-        if self._capacity is None or self._capacity[0] != self.lifecycle.epoch:
-            capacity = int((await self.lifecycle.worker.stats()).get("bytes_capacity") or 0)
-            self._capacity = (self.lifecycle.epoch, capacity)
+        epoch = self._epoch()
+        if self._capacity is None or self._capacity[0] != epoch:
+            capacity = int((await self.worker.stats()).get("bytes_capacity") or 0)
+            self._capacity = (epoch, capacity)
         return int(share * self._capacity[1]) or None
 
-    async def _enforce_bytes(self, caller: Caller) -> None:
-        lc = self.lifecycle
-        limit = await self._limit(caller)
+    async def _enforce_bytes(self, tenant: str, max_anchor_bytes: int | None) -> None:
+        limit = await self._limit(max_anchor_bytes)
         if limit is None:
             return
-        used = lc.ledger.anchor_bytes(caller.tenant, lc.worker_id, lc.epoch)
+        epoch = self._epoch()
+        used = self.ledger.anchor_bytes(tenant, self.worker_id, epoch)
         if used <= limit:
             return
-        rows = lc.ledger.anchors(worker=lc.worker_id, epoch=lc.epoch, tenant=caller.tenant,
-                                 status=AnchorStatus.COMMITTED)
+        rows = self.ledger.anchors(worker=self.worker_id, epoch=epoch, tenant=tenant,
+                                   status=AnchorStatus.COMMITTED)
         # a pinned toolset's anchor and its ancestors (its tool anchors): the pin needs the
         # whole chain
         parent = {r.key: r.parent for r in rows}
         pinned: set[bytes] = set()
-        for ts in lc.ledger.toolsets(caller.tenant, pinned=True):
+        for ts in self.ledger.toolsets(tenant, pinned=True):
             for _, _, key in self.keys(ts):
                 cur: bytes | None = key
                 while cur is not None and cur not in pinned:
@@ -117,5 +136,5 @@ class ToolsetAnchors:
             if used <= limit:
                 break
             if row.key not in pinned:
-                await lc.evict(row.key)
+                await self._evict(row.key)
                 used -= row.nbytes

@@ -150,7 +150,7 @@ class Run:
     async def events(self) -> AsyncGenerator[Event, None]:
         """Contract events: new ids (and logprobs) per sample, then each sample's meta.
         `finish` follows, also when this fails or is closed early."""
-        self.worker.runs[self.rid] = self
+        self.worker.started(self.rid, self)
         try:
             req = self.req
             if req.anchor is not None:
@@ -178,7 +178,7 @@ class Run:
             self._abort_samples()
             raise
         finally:
-            self.worker.runs.pop(self.rid, None)
+            self.worker.ended(self.rid)
 
     async def _prefill(self) -> None:
         """The prompt once (no token sampled), under the request's own id."""
@@ -268,7 +268,7 @@ class Run:
                 fin = await self.worker.call("finish", {"rid": self.rid, "token": self.token,
                                                         "ok": ok})
             else:
-                self.worker.epoch = fin.get("epoch", self.worker.epoch)
+                self.worker.learn_epoch(fin)
             restore = parse_anchor_report(fin["anchors"])
             saved = parse_anchor_report({"written": fin["written"], "held": fin["held"]})
             self.anchors = replace(restore, written=saved.written,

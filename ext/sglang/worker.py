@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from anchorcache.wire import GenerateRequest, WireError
 
 from .rpc import SchedulerError, SchedulerRpc, rank_rpc_name
 
-if TYPE_CHECKING:
-    from .run import Run
+
+class RunningRequest(Protocol):
+    """What the worker's table of running requests offers the contract routes (a `run.Run`)."""
+
+    def sglang_rids(self) -> list[str]: ...
+
+    async def stop(self, output_tokens: int | None) -> bool: ...
 
 
 class SGLangWorker:
@@ -30,7 +35,8 @@ class SGLangWorker:
         self.rpc: SchedulerRpc | None = None
         self.epoch: str | None = None
         self.pin_budget_tokens = 0  # the scheduler's (hello): kept out of every request
-        self.runs: dict[str, Run] = {}  # running contract requests by rid
+        # running contract requests by rid: a run enters with `started`, leaves with `ended`
+        self.runs: dict[str, RunningRequest] = {}
 
     @staticmethod
     def ranks(model_path: str, dp_size: int) -> list[SGLangWorker]:
@@ -45,6 +51,16 @@ class SGLangWorker:
     def connect(self, port_args: Any) -> None:
         """Set up the RPC to this worker's scheduler (`port_args`: SGLang's, of the server)."""
         self.rpc = SchedulerRpc(rank_rpc_name(self.dp_rank) or port_args.rpc_ipc_name)
+
+    def started(self, rid: str, run: RunningRequest) -> None:
+        self.runs[rid] = run
+
+    def ended(self, rid: str) -> None:
+        self.runs.pop(rid, None)
+
+    def learn_epoch(self, reply: dict[str, Any]) -> None:
+        """Take the scheduler's epoch from a reply that carries one (a pushed report)."""
+        self.epoch = reply.get("epoch", self.epoch)
 
     @property
     def tm(self) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 
 from .partial_json import close_json
 from .types import SplitError
+from .validate_tools import check_function_tools
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _FUNCTION_KEY_ORDER = ("name", "description", "parameters")
@@ -58,13 +59,7 @@ def normalize_tools(tools: list[dict] | None, *, canonical: bool = False) -> lis
         return None
     if not isinstance(tools, list):
         raise SplitError("tools must be a list", "tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise SplitError("each tool needs a function with a non-empty name",
-                             f"tools[{i}].function.name")
-        if tool.get("type", "function") != "function":
-            raise SplitError(f"unsupported tool type {tool.get('type')!r}", f"tools[{i}].type")
+    check_function_tools(tools)
     return canonical_tools(tools) if canonical else [_copy(t) for t in tools]
 
 
@@ -75,14 +70,10 @@ def canonical_tools(tools: list[dict] | None) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         raise SplitError("tools must be a list", "tools")
+    check_function_tools(tools)
     out: list[dict[str, Any]] = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise SplitError("each tool needs a function with a non-empty name",
-                             f"tools[{i}].function.name")
-        if tool.get("type", "function") != "function":
-            raise SplitError(f"unsupported tool type {tool.get('type')!r}", f"tools[{i}].type")
+    for tool in tools:
+        fn = tool["function"]
         canon_fn = {k: (_sorted_json(fn[k]) if k == "parameters" else fn[k])
                     for k in _FUNCTION_KEY_ORDER if k in fn}
         canon_fn.update({k: _sorted_json(fn[k]) for k in sorted(fn) if k not in canon_fn})

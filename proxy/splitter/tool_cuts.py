@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from anchorcache.defaults import TOOL_ANCHOR_GAP_TOKENS
+
 log = logging.getLogger("anchorcache.splitter")
 
 # characters of tool JSON per token, a low estimate for BPE tokenizers (3.5-4.5 seen on
@@ -54,7 +56,7 @@ class ToolCutLimits:
     (0: no tool cuts), at most `max_renders` renders, none for a prompt of more than
     `max_prompt_tokens` (it cannot be served anyway)."""
 
-    spacing_tokens: int = 512
+    spacing_tokens: int = TOOL_ANCHOR_GAP_TOKENS
     max_renders: int = 16
     max_prompt_tokens: int | None = None
 

@@ -355,12 +355,12 @@ class Completion:
         tried: set[str] = set()
         anchored = state.anchors_on and gen.anchors
         while True:
-            target = state.targets.route(self.split, self.caller if anchored else None,
-                                         frozenset(tried))
+            target, routed = state.targets.route(self.split, self.caller if anchored else None,
+                                                 frozenset(tried))
             self.target, flight = target, None
             target.enter()
             if anchored:  # opens the reservation: `choice_deltas` closes it
-                flight = await target.lifecycle.begin(self.rid, self.caller, self.split)
+                flight = await target.lifecycle.begin(self.rid, self.caller, self.split, routed)
             plan = flight.plan if flight is not None else target.lifecycle.chunk_only(self.split)
             req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
                                   stream=True, anchor=plan.request,

@@ -21,10 +21,14 @@ still covers every token of the instruction prefix).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from anchorcache.defaults import TOOL_ANCHOR_GAP_TOKENS
 from anchorcache.wire import (
     AnchorKind,
     AnchorPlan,
@@ -33,7 +37,7 @@ from anchorcache.wire import (
     AnchorWritten,
     Region,
     SnapshotSpec,
-    anchor_keys,
+    key_hasher,
 )
 
 from .anchor_index import AnchorIndex, AnchorRecord
@@ -69,9 +73,111 @@ class Settled:
     removed: tuple[bytes, ...]  # restore misses and evictions
 
 
+@dataclass(frozen=True)
+class _Marks:
+    """A prompt hashed before (its int64 bytes) and the key states at depths in it."""
+
+    buf: bytes
+    depths: tuple[int, ...]  # ascending
+    states: tuple[Any, ...]  # blake2b state after `depths[i]` tokens (copy before use)
+
+
+class PrefixKeys:
+    """Anchor keys of a prompt's prefixes, hashing only what earlier prompts did not cover.
+
+    A key is a hash of every token of its prefix, so keying a 100k-token conversation's
+    anchors costs a pass over 800 KB per request, growing with the conversation, not the
+    turn. This keeps, per scope (the caller's namespace and the namespace keyed in), the
+    hash states at the depths of its last few prompts; a new prompt resumes from the
+    deepest state whose prefix it repeats byte for byte (a memcmp, not a hash) and hashes
+    only the rest. The result equals `wire.anchor_keys`.
+
+    Scopes never mix: a prompt is compared only with prompts of the same caller namespace
+    (a tenant, narrowed by its cache salt), also when it keys in the shared namespace, so
+    no tenant's lookup can depend on, or time, another tenant's prompts. Bounded: at most
+    `per_scope` prompts per scope and `max_bytes` of prompts in all (least recently used
+    scopes go first); the prompts are the splits' own bytes, shared, not copied.
+    """
+
+    def __init__(self, model_id: str, *, per_scope: int = 8, max_bytes: int = 64 << 20) -> None:
+        self.model_id = model_id
+        self.per_scope = per_scope
+        self.max_bytes = max_bytes
+        self._scopes: OrderedDict[tuple[bytes, bytes], list[_Marks]] = OrderedDict()
+        self._bytes = 0
+
+    def keys(self, scope: bytes, namespace: bytes, buf: bytes,
+             depths: Iterable[int]) -> dict[int, bytes]:
+        """Keys in `namespace` of the prefixes `buf[:8 * d]` (int64 tokens) for each depth
+        `d` in `depths` (each in `[1, len(buf) // 8]`); states kept under `scope`."""
+        wanted = sorted(set(depths))
+        if not wanted:
+            return {}
+        assert 1 <= wanted[0] and wanted[-1] * 8 <= len(buf), "depth outside the prompt"
+        marks = self._scopes.get((scope, namespace))
+        start: list[tuple[int, Any]] = [(0, key_hasher(namespace, self.model_id))]
+        if marks is not None:
+            self._scopes.move_to_end((scope, namespace))
+            start += self._verified(marks, buf, wanted[-1])
+            start.sort(key=lambda s: s[0])
+        keys: dict[int, bytes] = {}
+        states: list[Any] = []
+        i = 0
+        for d in wanted:
+            while i + 1 < len(start) and start[i + 1][0] <= d:
+                i += 1
+            depth, state = start[i]
+            h = state.copy()
+            if d > depth:
+                h.update(memoryview(buf)[depth * 8:d * 8])
+            keys[d] = h.digest()
+            states.append(h)
+            start.insert(i + 1, (d, h))  # deeper wanted depths resume from here
+            i += 1
+        self._keep((scope, namespace), _Marks(buf, tuple(wanted), tuple(states)))
+        return keys
+
+    @staticmethod
+    def _verified(marks: list[_Marks], buf: bytes, limit: int) -> list[tuple[int, Any]]:
+        """Each earlier prompt's states at depths up to `limit` whose prefix `buf` repeats."""
+        out: list[tuple[int, Any]] = []
+        for m in marks:
+            # a repeated prefix repeats every shorter one: binary search for the deepest
+            lo, hi = 0, bisect.bisect_right(m.depths, limit)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if buf.startswith(memoryview(m.buf)[:m.depths[mid] * 8]):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            out += zip(m.depths[:lo], m.states[:lo], strict=True)
+        return out
+
+    def _keep(self, scope: tuple[bytes, bytes], marks: _Marks) -> None:
+        entries = self._scopes.setdefault(scope, [])
+        self._scopes.move_to_end(scope)
+        if entries and entries[0].buf is marks.buf:  # the same split planned again
+            self._bytes -= len(entries.pop(0).buf)
+        entries.insert(0, marks)
+        self._bytes += len(marks.buf)
+        while len(entries) > self.per_scope:
+            self._bytes -= len(entries.pop().buf)
+        while self._bytes > self.max_bytes:
+            oldest_scope, oldest = next(iter(self._scopes.items()))
+            if oldest is entries and len(entries) == 1:
+                break  # the newest prompt alone: kept whatever its size
+            self._bytes -= len(oldest.pop().buf)
+            if not oldest:
+                del self._scopes[oldest_scope]
+
+    def clear(self) -> None:
+        self._scopes.clear()
+        self._bytes = 0
+
+
 class Planner:
     def __init__(self, model_id: str, epoch: str, index: AnchorIndex | None = None, *,
-                 hybrid: bool = False, tool_gap: int = 512) -> None:
+                 hybrid: bool = False, tool_gap: int = TOOL_ANCHOR_GAP_TOKENS) -> None:
         self.model_id = model_id
         self.epoch = epoch
         self.index = index if index is not None else AnchorIndex()
@@ -81,6 +187,7 @@ class Planner:
         if tool_gap < 0:
             raise ValueError("tool_gap must be >= 0")
         self.tool_gap = tool_gap  # tokens between tool anchors (0: none)
+        self.prefix_keys = PrefixKeys(model_id)
 
     def _tool_cuts(self, split: SplitResult) -> list[int]:
         """The tool cuts to anchor: each at least `tool_gap` tokens past the previous one
@@ -137,11 +244,13 @@ class Planner:
         cuts = self._cuts(split)
         instr_depth = next((d for d, k in cuts if k == AnchorKind.INSTRUCTION), None)
         known = [d for d in self.index.depths(ns) if d < n]
-        keys = anchor_keys(ns, self.model_id, ids, known + ([instr_depth] if instr_depth else []))
+        # the snapshot depths too: the next turn's known depths resume from their states
+        buf = split.token_bytes
+        keys = self.prefix_keys.keys(ns, ns, buf, known + [d for d, _ in cuts] + [n])
 
         shared_root = None
         if shared is not None and instr_depth is not None:
-            skey = anchor_keys(shared, self.model_id, ids, [instr_depth])[instr_depth]
+            skey = self.prefix_keys.keys(ns, shared, buf, [instr_depth])[instr_depth]
             rec = self.index.get(skey)
             if self._live(rec, instr_depth) and rec is not None and rec.namespace == shared:
                 shared_root = rec

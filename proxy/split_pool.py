@@ -1,7 +1,7 @@
 """Rendering and tokenizing off the event loop, behind an early token budget.
 
-A 16 MiB message used to be rendered and tokenized on the event loop: `/health` and every
-other request waited for it (13–19 s) before it was refused as over the context. Now:
+Rendered and tokenized on the event loop, a 16 MiB message would hold `/health` and every
+other request for 13–19 s before being refused as over the context. So:
 
 1. `TokenBudget.check` refuses, before any rendering, a request whose text alone must exceed
    the context: a token covers at most `max_chars_per_token` characters (the longest
@@ -178,9 +178,11 @@ class SplitPool:
     def _split(self, job: _Job) -> SplitResult:
         self.runs += 1
         try:
-            return job.work()
+            split = job.work()
         except SplitError as e:
             raise ApiError("invalid_request", str(e), param=e.param) from None
+        split.token_bytes  # noqa: B018  (made here, off the loop: the planner keys these bytes)
+        return split
 
     def close(self) -> None:
         self._closed = True

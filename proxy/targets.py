@@ -45,6 +45,7 @@ from anchorcache.state.ledger import Ledger
 from .config import ProxyConfig
 from .errors import ApiError
 from .lifecycle import AnchorLifecycle, Caller
+from .planner import Plan
 from .splitter.types import SplitResult
 from .worker_client import WorkerClient, WorkerInfo
 
@@ -225,9 +226,11 @@ class Targets:
 
     # ---- routing ----------------------------------------------------------------------------
     def route(self, split: SplitResult, caller: Caller | None,
-              exclude: frozenset[str] = frozenset()) -> Target:
+              exclude: frozenset[str] = frozenset()) -> tuple[Target, Plan | None]:
         """The target for a request (see the module's docstring); `caller` None: anchors off
-        (affinity then routes by load). Counts it as routed; the caller `enter`s and `leave`s it."""
+        (affinity then routes by load). Counts it as routed; the caller `enter`s and `leave`s it.
+        With the target comes its anchor plan where routing made one (affinity), for its
+        `lifecycle.begin`: each request is planned once per candidate, never again."""
         pool = [t for t in self.all if t.serving and t.id not in exclude]
         if not pool:  # every target is out: try them anyway, the worker's answer decides
             pool = [t for t in self.all if not t.draining and t.id not in exclude]
@@ -235,18 +238,19 @@ class Targets:
             raise ApiError("worker_unavailable", "no worker can serve this request"
                            + (" (all tried)" if exclude else ""))
         policy = self.config.route
+        plans: dict[str, Plan] = {}
         if policy == "round_robin":
             target = pool[next(self._turn) % len(pool)]
         else:
             least = min(t.load for t in pool)
             if policy == "affinity" and caller is not None:
                 near = [t for t in pool if t.load - least <= self.config.route_max_imbalance]
-                target = max(near, key=lambda t: (t.lifecycle.restore_depth(split, caller),
-                                                  -t.load, -t.routed))
+                plans = {t.id: t.lifecycle.plan(split, caller) for t in near}
+                target = max(near, key=lambda t: (plans[t.id].restore_depth, -t.load, -t.routed))
             else:
                 target = min(pool, key=lambda t: (t.load, t.routed))
         target.routed += 1
-        return target
+        return target, plans.get(target.id)
 
     # ---- health -----------------------------------------------------------------------------
     def down(self, target: Target, why: str) -> None:

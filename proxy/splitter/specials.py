@@ -28,8 +28,19 @@ import json
 import re
 from typing import Any
 
+import orjson
+
 ESC = "\U000f0000"  # Supplementary Private Use Area-A: no tokenizer gives it a meaning
 _FIRST_NAME = 0xF0001
+
+
+def _json_text(value: Any) -> str:
+    """`value` as JSON text with every string verbatim (what `defuse` scans): orjson, in C;
+    json for what orjson refuses (integer keys, integers past 64 bits, lone surrogates)."""
+    try:
+        return orjson.dumps(value).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(value, ensure_ascii=False, check_circular=False)
 
 
 class SpecialGuard:
@@ -66,7 +77,7 @@ class SpecialGuard:
         """`value` (normalized messages or tools) with every string defused: a copy, or
         `value` itself when no string needs it (checked on its JSON text, in C)."""
         if self._json_check and value is not None and not isinstance(value, str):
-            text = json.dumps(value, ensure_ascii=False, check_circular=False)
+            text = _json_text(value)
             if not any(s in text for s in self._starts) or not (
                     (self._special_rx is not None and self._special_rx.search(text))
                     or ESC in text):

@@ -5,8 +5,10 @@ All frozen: the proxy hands them to the planner and the HTTP layer unchanged.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 
 class CutKind(str, Enum):
@@ -69,6 +71,12 @@ class SplitResult:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    @cached_property
+    def token_bytes(self) -> bytes:
+        """`input_ids` as native int64s, what anchor keys hash (`wire.anchor_keys`): made
+        once, on the split thread (split_pool.py), so planning never converts the prompt."""
+        return array("q", self.input_ids).tobytes()
 
     def to_json(self) -> dict:
         return {

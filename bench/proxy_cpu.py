@@ -1,0 +1,386 @@
+"""The proxy's own CPU per request, by conversation length (issue 40).
+
+The proxy (a real `anchorcache proxy` process, anchors on, its own ledger) stands in front
+of an *instant worker*: the worker contract's HTTP layer (`ext/contract.py`) over a backend
+that answers at once with fixed tokens, one per event, and reports every snapshot it was
+asked for as written (keys derived as a worker derives them) and every restore link as
+restored. It costs nothing, so what is measured is the proxy alone: the one place a
+stand-in is right.
+
+For each conversation length (an agent conversation of the base set, grown with the tool
+turns of others to about 1k, 8k, 32k and 100k tokens), one cold turn, then `--turns`
+streamed and `--turns` non-streamed agent turns in order (each adds the assistant's tool
+call and its result), one at a time. Per request: the proxy process's CPU time (every
+thread's run time, /proc/<pid>/task/*/schedstat, in nanoseconds). Then `--concurrent`
+conversations of the 8k size at once: requests/s of the proxy alone and its CPU per
+request. Prints a table, writes bench/results/<name>.json and .png.
+
+    .venv/bin/python bench/proxy_cpu.py [--turns 10] [--concurrent 8] [--name proxy_cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from anchorcache import wire  # noqa: E402
+from anchorcache.cli import free_port, wait_ready  # noqa: E402
+from anchorcache.testing.data import conversations  # noqa: E402
+from anchorcache.testing.servers import proxy_process  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+SIZES = (1_000, 8_000, 32_000, 100_000)
+MODEL_ID = "instant"
+OUTPUT_TEXT = "I will call the tool to look that up for you now, then report what it says back."
+
+
+# ---- the instant worker -------------------------------------------------------------------
+
+def stub_worker(port: int, tokenizer_path: str) -> None:
+    """Serve the worker contract on `port` with a backend that answers at once."""
+    from aiohttp import web
+
+    from anchorcache.ext import contract
+    from anchorcache.ext.contract import Backend, Tokens
+    from anchorcache.proxy.splitter.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    output = tuple(tokenizer.encode(OUTPUT_TEXT)) + (eos,)
+    epoch = uuid.uuid4().hex
+
+    class Instant(Backend):
+        """Fixed tokens, one per event; every snapshot written, every restore a hit."""
+
+        def __init__(self) -> None:
+            self.slot = 0
+
+        @property
+        def epoch(self) -> str:
+            return epoch
+
+        async def prepare(self, req: wire.GenerateRequest, context: Any) -> Any:
+            return req
+
+        async def generate(self, handle: Any) -> AsyncGenerator[Any, None]:
+            req: wire.GenerateRequest = handle
+            for t in output:
+                yield Tokens((t,))
+            plan, ids = req.anchor, req.input_ids
+            restored: tuple[wire.AnchorHit, ...] = ()
+            written: list[wire.AnchorWritten] = []
+            if plan is not None:
+                restored = tuple(wire.AnchorHit(r.key, r.depth, wire.AnchorKind.CONVERSATION)
+                                 for r in plan.restore)
+                keys = wire.anchor_keys(plan.namespace, MODEL_ID, ids,
+                                        [s.depth for s in plan.snapshot])
+                parent = plan.restore[-1].key if plan.restore else None
+                for s in plan.snapshot:
+                    self.slot += 1
+                    written.append(wire.AnchorWritten(self.slot, keys[s.depth], s.depth, parent,
+                                                      1024, s.kind))
+                    parent = keys[s.depth]
+                if plan.snapshot_response:
+                    self.slot += 1
+                    full = ids + output
+                    written.append(wire.AnchorWritten(
+                        self.slot, wire.anchor_key(plan.namespace, MODEL_ID, full), len(full),
+                        parent, 1024, wire.AnchorKind.RESPONSE))
+            cached = restored[-1].depth if restored else 0
+            yield wire.GenerateMeta(
+                epoch=epoch, prompt_tokens=len(ids), completion_tokens=len(output),
+                cached_tokens=cached, prefill_tokens=len(ids) - cached, finish_type="stop",
+                anchors=wire.AnchorReport(restored=restored, written=tuple(written)),
+                rid=req.rid or "", matched=eos)
+
+        async def finish(self, handle: Any, ok: bool) -> None:
+            pass
+
+        async def abort(self, rid: str) -> wire.AbortReply:
+            return wire.AbortReply(rid, False, epoch)
+
+        async def stop(self, rid: str, output_tokens: int | None) -> wire.StopReply:
+            return wire.StopReply(rid, False, epoch)
+
+        async def confirm(self, slots: list[int], rid: str | None) -> wire.ConfirmReply:
+            return wire.ConfirmReply(tuple(slots), (), epoch)
+
+        async def abort_slots(self, slots: list[int]) -> wire.SlotsAborted:
+            return wire.SlotsAborted(tuple(slots), epoch)
+
+        async def lookup(self, namespace: bytes, ids: tuple[int, ...],
+                         depths: tuple[int, ...]) -> wire.LookupReply:
+            return wire.LookupReply((), epoch)
+
+        async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.KeyOpReply:
+            return wire.KeyOpReply("pinned", True, epoch, "none")
+
+        async def unpin(self, key: bytes) -> wire.KeyOpReply:
+            return wire.KeyOpReply("unpinned", True, epoch)
+
+        async def evict(self, key: bytes) -> wire.KeyOpReply:
+            return wire.KeyOpReply("evicted", False, epoch)
+
+        async def flush(self, device: bool) -> wire.FlushReply:
+            return wire.FlushReply(0, epoch, device)
+
+        async def slots(self) -> wire.SlotsReply:
+            return wire.SlotsReply((), epoch)
+
+        async def stats(self) -> wire.StatsReply:
+            return wire.StatsReply(tuple((c, 0) for c in wire.STATS_COUNTERS), 0, epoch)
+
+        async def model_info(self) -> wire.ModelInfo:
+            return wire.ModelInfo(MODEL_ID, tokenizer_path, tokenizer_path, "Qwen3ForCausalLM",
+                                  262_144, (eos,), False, tokenizer.backend.get_vocab_size(), "embedded", epoch)
+
+        async def health(self) -> wire.WorkerHealth:
+            return wire.WorkerHealth("ok", epoch)
+
+    backend = Instant()
+
+    def reply(r: contract.Reply) -> web.Response:
+        return web.Response(body=r.body, status=r.status, content_type="application/json")
+
+    def route(r: contract.Route) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            return reply(await contract.handle(backend, r, await request.read()))
+        return handler
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        out = await contract.generate(backend, await request.read(), request)
+        if isinstance(out, contract.Reply):
+            return reply(out)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async for chunk in out:
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application(client_max_size=1 << 30)
+    for r in contract.routes(False):
+        app.router.add_route(r.method, r.path, route(r))
+    app.router.add_post("/generate", generate)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# ---- conversations ------------------------------------------------------------------------
+
+def grown(target_tokens: int, turns: int, count_tokens: Any) -> tuple[list[dict], list[int]]:
+    """An agent conversation of about `target_tokens` tokens, then `turns` more tool turns:
+    (tools + messages, the message counts at which each request is made: the cold one at
+    about `target_tokens`, then one per turn)."""
+    convs = conversations("base")
+    base = copy.deepcopy(convs[0])
+    pool = [m for c in convs[1:] for m in c["messages"] if m["role"] in ("assistant", "tool")]
+    # pairs of (assistant with tool calls, its tool results) from other conversations
+    pairs: list[list[dict]] = []
+    for i, m in enumerate(pool):
+        if m["role"] == "assistant" and m.get("tool_calls") and i + 1 < len(pool) \
+                and pool[i + 1]["role"] == "tool":
+            n = len(m["tool_calls"])
+            results = pool[i + 1:i + 1 + n]
+            if len(results) == n and all(r["role"] == "tool" for r in results):
+                calls = [dict(c, id=f"call_{len(pairs)}_{k}") for k, c in enumerate(m["tool_calls"])]
+                pairs.append([dict(m, tool_calls=calls)]
+                             + [dict(r, tool_call_id=calls[k]["id"]) for k, r in enumerate(results)])
+    messages = [m for m in base["messages"] if m["role"] in ("system", "user")][:2]
+    while len(base["tools"]) > 1 and count_tokens(base["tools"], messages) > target_tokens:
+        base["tools"] = base["tools"][:-1]  # a short conversation has fewer tools
+    k = 0
+    while count_tokens(base["tools"], messages) < target_tokens:
+        messages += pairs[k % len(pairs)]
+        k += 1
+    stops = [len(messages)]
+    for _ in range(turns):
+        messages += pairs[k % len(pairs)]
+        k += 1
+        stops.append(len(messages))
+    return [{"tools": base["tools"], "messages": messages}], stops
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+def cpu_ns(pid: int) -> int:
+    """Run time of every thread of process `pid`, nanoseconds (exact, unlike clock ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that just ended
+    return total
+
+
+def request(client: httpx.Client, url: str, tools: list, messages: list, stream: bool) -> None:
+    body = {"model": "default", "messages": messages, "tools": tools, "max_tokens": 64,
+            "temperature": 0, "stream": stream}
+    if stream:
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            for _ in r.iter_lines():
+                pass
+    else:
+        client.post(url + "/v1/chat/completions", json=body).raise_for_status()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def by_length(url: str, pid: int, turns: int, count_tokens: Any,
+              sizes: tuple[int, ...]) -> list[dict]:
+    rows = []
+    with httpx.Client(timeout=300) as client:
+        for size in sizes:
+            (conv,), stops = grown(size, 2 * turns, count_tokens)
+            tools, messages = conv["tools"], conv["messages"]
+            samples: dict[str, list[float]] = {"cold": [], "stream": [], "plain": []}
+            for i, stop in enumerate(stops):
+                mode = "cold" if i == 0 else "stream" if i <= turns else "plain"
+                before = cpu_ns(pid)
+                request(client, url, tools, messages[:stop], mode == "stream")
+                time.sleep(0.05)  # the proxy's after-reply work (confirm, ledger) lands in this turn
+                samples[mode].append((cpu_ns(pid) - before) / 1e6)
+            tokens = count_tokens(tools, messages[:stops[0]])
+            for mode in ("stream", "plain"):
+                xs = samples[mode]
+                rows.append({"size": size, "tokens": tokens, "stream": mode == "stream",
+                             "cold_ms": round(samples["cold"][0], 2), "n": len(xs),
+                             "p50_ms": round(statistics.median(xs), 2),
+                             "p99_ms": round(pct(xs, 0.99), 2),
+                             "mean_ms": round(statistics.fmean(xs), 2)})
+    return rows
+
+
+def throughput(url: str, pid: int, concurrent: int, turns: int, count_tokens: Any) -> dict:
+    (conv,), stops = grown(8_000, turns, count_tokens)
+    tools, messages = conv["tools"], conv["messages"]
+
+    def agent(j: int) -> int:
+        # each agent its own conversation: a different first user message
+        msgs = [dict(m) for m in messages]
+        first_user = next(m for m in msgs if m["role"] == "user")
+        first_user["content"] = f"[agent {j}] " + str(first_user["content"])
+        with httpx.Client(timeout=300) as client:
+            for stop in stops:
+                request(client, url, tools, msgs[:stop], True)
+        return len(stops)
+
+    before, start = cpu_ns(pid), time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrent) as pool:
+        n = sum(pool.map(agent, range(concurrent)))
+    wall = time.perf_counter() - start
+    cpu_ms = (cpu_ns(pid) - before) / 1e6
+    return {"concurrent": concurrent, "requests": n, "wall_s": round(wall, 2),
+            "requests_per_s": round(n / wall, 1),
+            "cpu_ms_per_request": round(cpu_ms / n, 2),
+            "cpu_bound_requests_per_s": round(1000 * n / cpu_ms, 1)}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for stream in (True, False):
+        rs = [r for r in rows if r["stream"] is stream]
+        label = "streamed" if stream else "not streamed"
+        ax.plot([r["tokens"] for r in rs], [r["p50_ms"] for r in rs], "o-", label=label + " p50")
+        ax.plot([r["tokens"] for r in rs], [r["p99_ms"] for r in rs], "x--", label=label + " p99")
+    ax.set_xscale("log")
+    ax.set_xlabel("conversation tokens")
+    ax.set_ylabel("proxy CPU ms per turn")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title("proxy CPU per request, instant worker")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--concurrent", type=int, default=8)
+    ap.add_argument("--name", default="proxy_cpu")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                    help="conversation lengths in tokens, comma-separated")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the concurrent run")
+    ap.add_argument("--profile", help="py-spy record the proxy into this file (raw format)")
+    ap.add_argument("--stub-worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    from anchorcache.ext.embedded.tiny_models import tiny_model_dir
+
+    tokenizer_path = args.tokenizer or str(tiny_model_dir("qwen3"))
+    if args.stub_worker:
+        stub_worker(args.stub_worker, tokenizer_path)
+        return
+
+    from anchorcache.proxy.splitter.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+
+    def count_tokens(tools: list, messages: list) -> int:
+        return len(tokenizer.encode(tokenizer.render(messages, tools)))
+
+    port = free_port()
+    stub = subprocess.Popen([sys.executable, __file__, "--stub-worker", str(port),
+                             "--tokenizer", tokenizer_path], start_new_session=True)
+    spy = None
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", stub, timeout_s=120)
+        with proxy_process(f"http://127.0.0.1:{port}") as proxy:
+            pid = proxy.proc.pid
+            if args.profile:
+                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",
+                                        "-p", str(pid), "-o", args.profile, "--format", "raw",
+                                        "-r", "200", "--threads"])
+                time.sleep(1)
+            rows = by_length(proxy.url, pid, args.turns, count_tokens,
+                             tuple(int(s) for s in args.sizes.split(",")))
+            rate = None if args.no_throughput else throughput(
+                proxy.url, pid, args.concurrent, args.turns, count_tokens)
+            if spy is not None:
+                spy.send_signal(2)
+                spy.wait(timeout=60)
+    finally:
+        stub.terminate()
+        stub.wait(timeout=30)
+
+    print(f"{'tokens':>8} {'mode':>8} {'cold ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>8} {'stream' if r['stream'] else 'plain':>8} {r['cold_ms']:>8} "
+              f"{r['p50_ms']:>8} {r['p99_ms']:>8} {r['mean_ms']:>8}")
+    if rate is not None:
+        print(f"{args.concurrent} concurrent 8k conversations: {rate['requests_per_s']} "
+              f"requests/s, {rate['cpu_ms_per_request']} ms proxy CPU per request "
+              f"(CPU-bound: {rate['cpu_bound_requests_per_s']} requests/s per core)")
+    RESULTS.mkdir(exist_ok=True)
+    out = {"command": " ".join(["bench/proxy_cpu.py", *sys.argv[1:]]), "cpus": os.cpu_count(),
+           "output_text": OUTPUT_TEXT, "by_length": rows, "throughput": rate}
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(rows, RESULTS / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

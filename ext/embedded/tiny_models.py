@@ -298,11 +298,11 @@ def build_tiny_model(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
 
 
 def _sglang_ready(arch: str, out_dir: Path) -> Path:
-    """The Qwen3.5 build's config.json with `full_attention_interval`, from which SGLang's
-    own Qwen3.5 config derives the layer types (real checkpoints carry it; transformers
+    """A Qwen3.5 or Qwen3-Next build's config.json with `full_attention_interval`, from which
+    SGLang's own config derives the layer types (real checkpoints carry it; transformers
     writes `layer_types` only, and ignores the extra key on load). Added in place, once,
     atomically, to a build made before this step existed."""
-    if arch != "qwen3_5":
+    if arch not in ("qwen3_5", "qwen3_next"):
         return out_dir
     path = out_dir / "config.json"
     cfg = json.loads(path.read_text())

@@ -1,6 +1,6 @@
 """How SGLang 0.5.23 serves on a machine without a GPU (the "CPU recipe").
 
-Three things (measured; /work/shared/notes/offline-components.md): the CPU engine switch
+Three things, each found necessary by trying without it: the CPU engine switch
 `SGLANG_USE_CPU_ENGINE=1`; a stub `libcuda.so.1` on `LD_LIBRARY_PATH`, because the
 CUDA-only kernel wheel imports one driver symbol; and the CPU flags below. The stub is
 compiled from `stub_libcuda.c` into the anchorcache cache dir, once per source version.
@@ -252,15 +252,65 @@ def dp_event_loop(original: Any, controller: Any) -> None:
             controller._request_dispatcher(req)
 
 
+# SGLang 0.5.23's Qwen3-Next GDN layer builds its gated norm on
+# `torch.get_device_module().current_device()` (models/qwen3_next.py): torch's current
+# accelerator, which a CUDA build of torch names without a driver too, so the call raises
+# "Found no NVIDIA driver". On the CPU engine the layer is built with the CPU's module
+# answering that call (only a call without a device, only inside that constructor).
+QWEN3_NEXT_GDN_TARGET = "sglang.srt.models.qwen3_next.Qwen3GatedDeltaNet.__init__"
+
+
+def on_cpu_device_module(original: Any, *args: Any, **kwargs: Any) -> Any:
+    import torch
+
+    accelerator = torch.get_device_module
+
+    def device_module(device: Any = None) -> Any:
+        return torch.cpu if device is None else accelerator(device)
+
+    setattr(torch, "get_device_module", device_module)  # noqa: B010
+    try:
+        return original(*args, **kwargs)
+    finally:
+        setattr(torch, "get_device_module", accelerator)  # noqa: B010
+
+
+# Its MoE block (SGLang's Qwen2-MoE, models/qwen2_moe.py) adds the shared expert through a
+# Triton kernel (`fused_gate_sigmoid_mul_add`) unless the gate runs on AMX: on the CPU
+# engine that name is bound to the same sum in torch.
+SHARED_GATE_MODULE = "sglang.srt.models.qwen2_moe"
+
+
+def fused_gate_sigmoid_mul_add(hidden_states: Any, gate_weight: Any, shared_output: Any,
+                               final_hidden_states: Any) -> None:
+    """final += sigmoid(hidden . gate_weight) * shared, per row, in float32, in place."""
+    gate = (hidden_states.float() @ gate_weight.float()).sigmoid()[:, None]
+    final_hidden_states.copy_((final_hidden_states.float() + gate * shared_output.float())
+                              .to(final_hidden_states.dtype))
+
+
+def bind_shared_gate() -> None:
+    import importlib
+
+    try:
+        module = importlib.import_module(SHARED_GATE_MODULE)
+    except ImportError:
+        return
+    setattr(module, "fused_gate_sigmoid_mul_add", fused_gate_sigmoid_mul_add)  # noqa: B010
+
+
 def register_cpu_hooks() -> None:
     """In every SGLang process of the CPU engine (`SGLANG_USE_CPU_ENGINE=1`): the hybrid
-    models' reference kernels (cpu_kernels.py) and attention sinks (cpu_attention.py); no
-    PyNccl; the data-parallel controller waits for input instead of spinning."""
+    models' reference kernels (cpu_kernels.py, cpu_mamba2.py) and attention sinks
+    (cpu_attention.py); no PyNccl; the data-parallel controller waits for input instead of
+    spinning; Qwen3-Next's GDN layer is built on the CPU device."""
     if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
         return
+    from . import cpu_mamba2
     from .cpu_kernels import install
 
     install()  # reference kernels for the CPU ops of hybrid models, where missing
+    cpu_mamba2.install()  # and for SGLang's Mamba2 mixer, which has no CPU path
     from . import cpu_attention
 
     cpu_attention.register()  # attention sinks on the torch_native backend
@@ -272,3 +322,5 @@ def register_cpu_hooks() -> None:
 
     HookRegistry.register(NO_PYNCCL_TARGET, no_pynccl, HookType.AROUND)
     HookRegistry.register(DP_LOOP_TARGET, dp_event_loop, HookType.AROUND)
+    HookRegistry.register(QWEN3_NEXT_GDN_TARGET, on_cpu_device_module, HookType.AROUND)
+    bind_shared_gate()

@@ -326,22 +326,25 @@ def install() -> list[str]:
     return names
 
 
-# SGLang's gated RMSNorm (fla/layernorm_gated.py) takes its CPU kernel only on CPUs with
-# AMX (`_use_cpu = is_cpu() and cpu_has_amx_support()`); elsewhere it falls through to the
-# Triton path, which asks CUDA for the SM count and dies ("Found no NVIDIA driver"). With
-# our kernel installed that CPU branch works on any CPU: the recipe turns it on.
-GATED_NORM_MODULE = "sglang.kernels.ops.attention.fla.layernorm_gated"
+# SGLang's gated RMSNorms (fla/layernorm_gated.py: Qwen3.5's; fla/fused_norm_gate.py:
+# Qwen3-Next's `FusedRMSNormGated`) take their CPU kernel only on CPUs with AMX (`_use_cpu =
+# is_cpu() and cpu_has_amx_support()`); elsewhere they fall through to Triton, which asks
+# CUDA for the SM count ("Found no NVIDIA driver") or finds no driver at all ("0 active
+# drivers"). With our kernel installed that CPU branch works on any CPU: the recipe turns it on.
+GATED_NORM_MODULES = ("sglang.kernels.ops.attention.fla.layernorm_gated",
+                      "sglang.kernels.ops.attention.fla.fused_norm_gate")
 
 
 def route_gated_norm() -> None:
     import importlib
 
-    try:
-        module = importlib.import_module(GATED_NORM_MODULE)
-    except ImportError:
-        return
-    if hasattr(module, "_use_cpu"):
-        setattr(module, "_use_cpu", True)  # noqa: B010 (a module global SGLang reads)
+    for name in GATED_NORM_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "_use_cpu"):
+            setattr(module, "_use_cpu", True)  # noqa: B010 (a module global SGLang reads)
 
 
 # ---- the Mamba scheduling strategy ----------------------------------------------------------

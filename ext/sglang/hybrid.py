@@ -26,10 +26,11 @@ size 1): per linear layer, in layer order, the conv window `[conv_dim, kernel - 
 copies, stays) in SGLang's conv dtype (`SGLANG_MAMBA_CONV_DTYPE`, bfloat16 unless set),
 then the recurrent state `temporal` `[heads, head_dim, state_size]` in its SSM dtype
 (`mamba_ssm_dtype`, float32 by default): for Gated DeltaNet `[v_heads, v_head_dim,
-k_head_dim]`, as SGLang's CUDA kernels keep it. So on a GPU this worker copies its pool as
+k_head_dim]`, as SGLang's CUDA kernels keep it; for Mamba2 `[heads, head_dim, d_state]`
+(its kernels on every device, ours on CPU too). So on a GPU this worker copies its pool as
 it is; on CPU, whose GDN kernels keep the state's last two dims the other way round, it
-copies through a transposed view (`temporal_k_first`); the embedded worker converts too
-(`cache_io.StateSpec.slab_view`). With tensor parallelism each rank's slab holds its own
+copies a GDN state through a transposed view (`temporal_k_first`); the embedded worker
+converts too (`cache_io.StateSpec.slab_view`). With tensor parallelism each rank's slab holds its own
 shard, which the embedded worker's slabs do not match.
 """
 
@@ -51,12 +52,17 @@ def kv_views(allocator: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def state_views(req_to_token_pool: Any) -> list[torch.Tensor]:
     """Every Mamba state tensor indexed by slot first, per layer (conv pieces, temporal), in
-    the state slab's layout: the pool's own tensors, except where SGLang's CPU kernels fill
-    the temporal state (`temporal_k_first`), a view of it."""
+    the state slab's layout: the pool's own tensors, except where SGLang's CPU GDN kernels
+    fill the temporal state (`temporal_k_first`), a view of it."""
     from sglang.srt.utils import is_cpu
 
-    cache = req_to_token_pool.mamba_pool.mamba_cache
-    k_first = is_cpu()  # the condition under which SGLang picks its CPU GDN kernels
+    pool = req_to_token_pool.mamba_pool
+    cache = pool.mamba_cache
+    # SGLang picks its CPU GDN kernels on CPU. Its pool names the conv's sub-blocks
+    # (`conv_shard_groups`) exactly for mixers whose conv input is q/k/v (Gated DeltaNet:
+    # Qwen3-Next, Qwen3.5); a Mamba2 mixer's (x/B/C) has none, and its state is
+    # `[heads, head_dim, state]` on every device (ext/sglang/cpu_mamba2.py)
+    k_first = is_cpu() and getattr(pool, "conv_shard_groups", None) is not None
     views: list[torch.Tensor] = []
     for layer in range(cache.temporal.shape[0]):
         views.extend(conv[layer] for conv in cache.conv)
@@ -74,8 +80,8 @@ def temporal_k_first(temporal: torch.Tensor) -> torch.Tensor:
     `final_state [N, HV, EK, EV]`; the CPU recipe's, `ext/sglang/cpu_kernels.py`, alike)
     read the same bytes as `[k_head_dim, v_head_dim]` per head. So on CPU each head's bytes
     are reread as `[k, v]` and transposed: a view, `[slots, v_heads, v_head_dim,
-    k_head_dim]` again, and the slab holds K-last states from either device. (SGLang serves
-    no Mamba2 model on CPU, docs/sglang.md, so every temporal state there is a GDN one.)"""
+    k_head_dim]` again, and the slab holds K-last states from either device. A Mamba2
+    state needs no view: its CPU kernels (ext/sglang/cpu_mamba2.py) keep SGLang's layout."""
     v_dim, k_dim = temporal.shape[-2:]
     return temporal.flatten(-2).unflatten(-1, (k_dim, v_dim)).transpose(-1, -2)
 

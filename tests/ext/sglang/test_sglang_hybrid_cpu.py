@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import httpx
 import openai
 import pytest
 import torch
@@ -39,18 +38,26 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from anchorcache.testing.data import conversations, turn_requests, two_turn_prompts
+from anchorcache.testing.exactness import (
+    NEW,
+    cold_cut,
+    equal_to_transformers,
+    generate,
+    replay_on_equals_off,
+    restore,
+    same,
+    same_up_to_a_tie,
+    save,
+)
 from anchorcache.testing.isolation import check_tenants_stay_apart
 from anchorcache.testing.servers import proxy_process, sglang_worker_process
-from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region, SnapshotSpec
-from tests.ext.sglang import test_sglang_worker as worker_helpers
-from tests.ext.sglang.test_sglang_worker import flush_device, post
+from anchorcache.testing.worker_api import flush_device, post
+from anchorcache.wire import AnchorKind, AnchorPlan, Region, SnapshotSpec
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ([9707, 11, 1879, 0, 3555, 374, 279, 6722, 315, 9625, 30, 576, 6722, 374],
            list(range(1000, 1040)))
-NEW = 8
-NS = bytes(range(48, 64))
 POOL = 6000
 
 
@@ -87,68 +94,6 @@ def prompts(qwen3_tokenizer):
     """(tool anchor depth, conversation anchor depth, turn-1 ids, turn-2 ids) of 2 BFCL
     conversations under the Qwen3 chat template (the tiny Qwen3.5 speaks its tokenizer)."""
     return two_turn_prompts(qwen3_tokenizer, 2)
-
-
-generate = partial(worker_helpers.generate, max_new=NEW)
-
-
-def save(url, ids, *depths):
-    """Snapshot `ids` at `depths` (instruction anchor first, then conversation anchors) and
-    confirm; {depth: key}."""
-    kinds = [AnchorKind.INSTRUCTION] + [AnchorKind.CONVERSATION] * (len(depths) - 1)
-    plan = AnchorPlan(NS, snapshot=tuple(SnapshotSpec(d, k, Region.THICK)
-                                         for d, k in zip(depths, kinds, strict=True)))
-    anchors = generate(url, ids, plan)["meta_info"]["anchors"]
-    post(url, "/anchor/confirm", {"slots": [w["slot"] for w in anchors["written"]]})
-    return {w["depth"]: bytes.fromhex(w["key"]) for w in anchors["written"] + anchors["held"]}
-
-
-def cold_cut(url, ids, *depths):
-    """A cold run of `ids` (device flushed, no restore) whose prefill chunks end at
-    `depths`, as a restore over an anchor at each of them does; what it stages is aborted."""
-    flush_device(url)
-    plan = AnchorPlan(NS, snapshot=tuple(SnapshotSpec(d, AnchorKind.CONVERSATION, Region.THICK)
-                                         for d in depths))
-    out = generate(url, ids, plan, logprobs=True)
-    post(url, "/anchor/abort", {"slots": [w["slot"] for w in out["meta_info"]["anchors"]["written"]]})
-    return out
-
-
-def same(a, b) -> None:
-    """Equal tokens and logprobs (bit for bit)."""
-    assert a["output_ids"] == b["output_ids"]
-    assert a["output_token_logprobs"] == b["output_token_logprobs"]
-
-
-def restore(*links):
-    return AnchorPlan(NS, restore=tuple(AnchorRef(key, depth) for depth, key in links))
-
-
-# a random tiny model has near-ties: where transformers' top two logits are closer than this,
-# a rounding difference (SGLang's attention, the delta rule token by token vs chunked) may
-# pick the other token, so greedy tokens are compared up to the first such step only
-TIE = 0.05
-
-
-def equal_to_transformers(model, url: str, ids: list[int]) -> tuple[list[int], int]:
-    """SGLang's greedy tokens for `ids` equal transformers' up to the first near-tie (`TIE`),
-    and their logprobs (teacher-forced on SGLang's own tokens) within 1e-3; (SGLang's
-    tokens, its cached_tokens)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-    want = out.sequences[0, len(ids):].tolist()
-    gaps = [float(t[0] - t[1]) for t in (s[0].topk(2).values for s in out.scores)]
-    upto = next((i for i, g in enumerate(gaps) if g < TIE), NEW) + 1
-    got = generate(url, ids, logprobs=True)
-    assert upto >= 2 and got["output_ids"][:upto] == want[:upto], (got, want, gaps)
-    seq = torch.tensor([ids + got["output_ids"]])
-    with torch.no_grad():
-        logits = model(seq).logits[0, len(ids) - 1:-1].float()
-    ref = logits.log_softmax(-1).gather(1, seq[0, len(ids):, None])[:, 0]
-    lps = torch.tensor([lp for lp, _, _ in got["output_token_logprobs"]])
-    torch.testing.assert_close(lps, ref, rtol=0, atol=1e-3)
-    return got["output_ids"], int(got["meta_info"]["cached_tokens"])
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers(hybrid):
@@ -381,29 +326,6 @@ def test_interleaved_requests_flushes_and_churn_never_restore_stale_state(hybrid
             assert out["output_ids"] == cold["output_ids"], (ops, i)
 
 
-def replay_on_equals_off(url: str, conv: dict) -> None:
-    """Three turns of `conv` through an anchors-on and an anchors-off proxy in front of the
-    worker at `url`, each from an empty device tree: the same choices (up to a near-tie),
-    and from turn 2 on, part of the prompt restored; nothing left staged."""
-    with proxy_process(url, "--anchors") as on, proxy_process(url, "--no-anchors") as off:
-        for turn, messages in enumerate(turn_requests(conv, 3), 1):
-            outs = []
-            for proxy in (off, on):
-                flush_device(url)
-                client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="", max_retries=0,
-                                       timeout=600)
-                outs.append(client.chat.completions.create(
-                    model="default", messages=messages, tools=conv["tools"], temperature=0,
-                    max_tokens=8, logprobs=True))
-            cold, warm = outs
-            same_up_to_a_tie(warm.choices[0], cold.choices[0])
-            assert warm.usage.prompt_tokens == cold.usage.prompt_tokens > 1000
-            cached = warm.usage.prompt_tokens_details.cached_tokens
-            if turn >= 2:  # the instruction and the conversation so far come back
-                assert 0 < cached < warm.usage.prompt_tokens, turn
-    assert httpx.get(url + "/anchor/stats", timeout=30).json()["staged"] == 0
-
-
 def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(hybrid):
     replay_on_equals_off(hybrid[0].url, conversations("base")[2])
 
@@ -443,17 +365,6 @@ def test_a_toolset_sharing_the_first_tools_restores_their_tool_anchors(hybrid):
     same_up_to_a_tie(warm.choices[0], cold.choices[0])
     assert warm.usage.prompt_tokens_details.cached_tokens == want[-1]
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
-
-
-def same_up_to_a_tie(a, b, tol=2e-3) -> None:
-    """Greedy choices `a` and `b` are the same, or they part at a near-tie: every token
-    before it has the same logprob within `tol`, and at it both picks are within `tol`."""
-    la, lb = a.logprobs.content, b.logprobs.content
-    for x, y in zip(la, lb, strict=False):
-        assert abs(x.logprob - y.logprob) < tol, (x, y)
-        if x.token != y.token:
-            return  # a near-tie: both picks equally likely to within `tol`
-    assert a.message == b.message
 
 
 def test_tensor_parallel_restores_each_ranks_state_exactly(prompts):

@@ -1,7 +1,7 @@
 """The `anchorcache` command: serve, worker, proxy, split, bench.
 
 Every option can also come from an `ANCHORCACHE_*` environment variable (named next to it
-in `--help` and in the README); this file is the one place that reads them. A bad value
+in `--help` and in docs/configuration.md); this file is the one place that reads them. A bad value
 fails at start with a message, never silently defaults.
 """
 
@@ -23,6 +23,12 @@ from typing import Annotated
 
 import typer
 
+from anchorcache.defaults import (
+    ANCHOR_BYTES,
+    ANCHOR_SLOTS,
+    PIN_BUDGET_BYTES,
+    TOOL_ANCHOR_GAP_TOKENS,
+)
 from anchorcache.paths import default_state_dir
 from anchorcache.supervise import SuperviseConfig, Supervisor, WorkerExited
 from anchorcache.wire import WORKER_SECRET_ENV, check_secret
@@ -52,6 +58,13 @@ AnchorSlots = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_SLOTS", min
                                           help="Anchor slots in the worker.")]
 AnchorBytes = Annotated[int, typer.Option(envvar="ANCHORCACHE_ANCHOR_BYTES", min=1 << 20,
                                           help="Anchor memory budget in the worker (bytes).")]
+AnchorDiskDir = Annotated[str | None, typer.Option(
+    envvar="ANCHORCACHE_ANCHOR_DISK_DIR",
+    help="Directory of the worker's disk tier of anchors (docs/disk-tier.md); `serve` "
+         "defaults it to STATE_DIR/anchor-disk, a lone worker has none unless given.")]
+AnchorDiskBytes = Annotated[int | None, typer.Option(
+    envvar="ANCHORCACHE_ANCHOR_DISK_BYTES", min=0,
+    help="Disk tier budget (bytes); default a tenth of the free disk; 0 turns it off.")]
 MaxBody = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_BODY_BYTES", min=1024,
                                       help="Largest request body the proxy accepts.")]
 MaxTokensPolicy = Annotated[str, typer.Option(
@@ -178,7 +191,8 @@ def _worker_secret(secret: str | None, host: str) -> str | None:
 
 def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, anchor_bytes: int,
                    sglang_log_level: str, extra: list[str], fault_injection: bool = False,
-                   secret: str | None = None) -> None:
+                   secret: str | None = None, disk_dir: str | None = None,
+                   disk_bytes: int | None = None) -> None:
     """Replace this process with SGLang + our plugin (docs/sglang.md). The worker secret
     goes to the launcher in the environment (never on a command line, which any local user
     can read), and becomes SGLang's own API key: every route but its health and metrics."""
@@ -189,7 +203,8 @@ def _sglang_worker(host: str, port: int, model: str | None, anchor_slots: int, a
     _refuse_parallelism(extra)
     config = SGLangAnchorConfig(anchor_slots=anchor_slots, anchor_capacity_bytes=anchor_bytes,
                                 pinned_slots=anchor_slots // 4,
-                                fault_injection=fault_injection)
+                                fault_injection=fault_injection, anchor_disk_dir=disk_dir,
+                                anchor_disk_bytes=disk_bytes)
     gpu = cpu.has_gpu()
     env = {**os.environ, **config.to_env()}
     env.pop(WORKER_SECRET_ENV, None)
@@ -212,8 +227,10 @@ def worker(
     model: Model = None,
     threads: Threads = None,
     dtype: Annotated[str, typer.Option(envvar="ANCHORCACHE_DTYPE")] = "float32",
-    anchor_slots: AnchorSlots = 256,
-    anchor_bytes: AnchorBytes = 4 << 30,
+    anchor_slots: AnchorSlots = ANCHOR_SLOTS,
+    anchor_bytes: AnchorBytes = ANCHOR_BYTES,
+    anchor_disk_dir: AnchorDiskDir = None,
+    anchor_disk_bytes: AnchorDiskBytes = None,
     fault_injection: FaultInjection = False,
     worker_secret: WorkerSecret = None,
     log_level: LogLevel = "info",
@@ -225,7 +242,8 @@ def worker(
     if backend == "sglang":
         _require_sglang()
         _sglang_worker(host, port, model, anchor_slots, anchor_bytes, sglang_log_level,
-                       list(ctx.args), fault_injection, worker_secret)
+                       list(ctx.args), fault_injection, worker_secret, anchor_disk_dir,
+                       anchor_disk_bytes)
         return
     if backend != "embedded":
         raise typer.BadParameter(f"unknown backend {backend!r} (available: embedded, sglang)")
@@ -238,7 +256,8 @@ def worker(
     config = WorkerConfig(model=model, threads=threads, dtype=dtype, anchor_slots=anchor_slots,
                           anchor_capacity_bytes=anchor_bytes,
                           pinned_slots=anchor_slots // 4, fault_injection=fault_injection,
-                          secret=worker_secret)
+                          secret=worker_secret, anchor_disk_dir=anchor_disk_dir,
+                          anchor_disk_bytes=anchor_disk_bytes)
     try:
         asyncio.run(_serve_forever(create_app(config), host, port,
                                    "anchorcache worker listening on http://{host}:{port}"))
@@ -269,7 +288,7 @@ def proxy(
     anchors: Anchors = True,
     adapter: Adapter = "auto",
     canonical_tools: CanonicalTools = False,
-    tool_anchor_gap: ToolAnchorGap = 512,
+    tool_anchor_gap: ToolAnchorGap = TOOL_ANCHOR_GAP_TOKENS,
     max_body_bytes: MaxBody = 32 << 20,
     max_tokens_policy: MaxTokensPolicy = "clamp",
     state_dir: StateDir = str(default_state_dir()),
@@ -278,7 +297,7 @@ def proxy(
     strict_keys: StrictKeys = False,
     max_in_flight: MaxInFlight = 64,
     max_pinned_toolsets: MaxPinned = 8,
-    pin_budget_bytes: PinBudget = 1 << 30,
+    pin_budget_bytes: PinBudget = PIN_BUDGET_BYTES,
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     worker_secret: WorkerSecret = None,
@@ -356,10 +375,12 @@ def serve(
     anchors: Anchors = True,
     adapter: Adapter = "auto",
     canonical_tools: CanonicalTools = False,
-    tool_anchor_gap: ToolAnchorGap = 512,
+    tool_anchor_gap: ToolAnchorGap = TOOL_ANCHOR_GAP_TOKENS,
     threads: Threads = None,
-    anchor_slots: AnchorSlots = 256,
-    anchor_bytes: AnchorBytes = 4 << 30,
+    anchor_slots: AnchorSlots = ANCHOR_SLOTS,
+    anchor_bytes: AnchorBytes = ANCHOR_BYTES,
+    anchor_disk_dir: AnchorDiskDir = None,
+    anchor_disk_bytes: AnchorDiskBytes = None,
     max_body_bytes: MaxBody = 32 << 20,
     max_tokens_policy: MaxTokensPolicy = "clamp",
     state_dir: StateDir = str(default_state_dir()),
@@ -395,6 +416,10 @@ def serve(
            "--anchor-bytes", str(anchor_bytes), "--log-level", log_level, "--backend", backend]
     if threads and backend == "embedded":
         cmd += ["--threads", str(threads)]
+    # the disk tier lives in the state dir unless told otherwise: a restarted worker is warm
+    cmd += ["--anchor-disk-dir", anchor_disk_dir or os.path.join(state_dir, "anchor-disk")]
+    if anchor_disk_bytes is not None:
+        cmd += ["--anchor-disk-bytes", str(anchor_disk_bytes)]
     if backend == "sglang":
         cmd += ["--sglang-log-level", sglang_log_level, "--", *ctx.args]
     elif ctx.args:

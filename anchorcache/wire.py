@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -56,10 +56,7 @@ def anchor_keys(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.n
     wanted = sorted(set(depths))
     if wanted and (wanted[0] < 1 or wanted[-1] > len(ids)):
         raise ValueError(f"anchor depths {wanted} outside [1, {len(ids)}]")
-    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
-    model = model_id.encode()
-    h.update(len(namespace).to_bytes(4, "little") + namespace)
-    h.update(len(model).to_bytes(4, "little") + model)
+    h = key_hasher(namespace, model_id)
     buf = ids.tobytes()
     keys: dict[int, bytes] = {}
     done = 0
@@ -68,6 +65,17 @@ def anchor_keys(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.n
         done = d
         keys[d] = h.copy().digest()
     return keys
+
+
+def key_hasher(namespace: bytes, model_id: str) -> Any:
+    """The BLAKE2b state `anchor_keys` starts from: fed the int64 bytes of a prefix, its
+    digest is that prefix's key. A caller that keeps copies at depths it verified resumes
+    from them instead of hashing the prefix again (proxy/planner.py)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
+    model = model_id.encode()
+    h.update(len(namespace).to_bytes(4, "little") + namespace)
+    h.update(len(model).to_bytes(4, "little") + model)
+    return h
 
 
 def anchor_key(namespace: bytes, model_id: str, input_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -618,21 +626,41 @@ class SlotEntry:
     hits: int
     last_use: int
     state: str  # committed | reserved
+    tier: str = "host"  # where its slab is: host (a slot's slab in memory)
 
     def to_json(self) -> dict[str, Any]:
         return {"slot": self.slot, "key": self.key.hex(), "depth": self.depth,
                 "parent": self.parent.hex() if self.parent else None, "nbytes": self.nbytes,
                 "pinned": self.pinned, "hits": self.hits, "last_use": self.last_use,
-                "state": self.state}
+                "state": self.state, "tier": self.tier}
+
+
+@dataclass(frozen=True)
+class DiskSlotEntry:
+    """An anchor the worker's disk tier holds and its memory does not (tier `disk`): no
+    slot; a restore or a late lookup that names it loads it (docs/disk-tier.md)."""
+
+    key: bytes
+    depth: int
+    parent: bytes | None
+    nbytes: int
+    pinned: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key.hex(), "depth": self.depth,
+                "parent": self.parent.hex() if self.parent else None, "nbytes": self.nbytes,
+                "pinned": self.pinned, "tier": "disk"}
 
 
 @dataclass(frozen=True)
 class SlotsReply:
     slots: tuple[SlotEntry, ...]
     epoch: str
+    disk: tuple[DiskSlotEntry, ...] = ()  # on disk only (not in `slots`)
 
     def to_json(self) -> dict[str, Any]:
-        return {"slots": [s.to_json() for s in self.slots], "epoch": self.epoch}
+        return {"slots": [s.to_json() for s in self.slots],
+                "disk": [d.to_json() for d in self.disk], "epoch": self.epoch}
 
 
 def parse_slots(obj: Any) -> SlotsReply:
@@ -647,8 +675,15 @@ def parse_slots(obj: Any) -> SlotsReply:
         out.append(SlotEntry(_int(s, "slot", lo=0), _key(s.get("key"), "key"), _int(s, "depth", lo=1),
                              _key(parent, "parent") if parent else None, _int(s, "nbytes", lo=0),
                              bool(s.get("pinned")), _int(s, "hits", 0, lo=0),
-                             _int(s, "last_use", 0), state))
-    return SlotsReply(tuple(out), _epoch(d))
+                             _int(s, "last_use", 0), state, str(s.get("tier", "host"))))
+    disk = []
+    for e in _list(d.get("disk", []), "disk"):
+        e = _obj(e, "disk[]")
+        parent = e.get("parent")
+        disk.append(DiskSlotEntry(_key(e.get("key"), "key"), _int(e, "depth", lo=1),
+                                  _key(parent, "parent") if parent else None,
+                                  _int(e, "nbytes", lo=0), bool(e.get("pinned"))))
+    return SlotsReply(tuple(out), _epoch(d), tuple(disk))
 
 
 @dataclass(frozen=True)
@@ -770,6 +805,20 @@ class CallTime:
 
 
 @dataclass(frozen=True)
+class DiskStatsRecord:
+    """The disk tier's figures in `/anchor/stats` (`disk`; null without a disk tier)."""
+
+    enabled: bool  # false once a full or read-only disk turned it off
+    bytes: int
+    files: int
+    budget_bytes: int
+    writes: int
+    loads: int
+    skips: int  # files refused (truncated, bad checksum, other model/version/TP) and quarantined
+    evictions: int
+
+
+@dataclass(frozen=True)
 class StatsReply:
     """`/anchor/stats`: the slot table's counters (`STATS_COUNTERS`, ext/slots.py's
     SlotStats), the staged anchors, and what pins lock on the device (SGLang; 0 on a worker
@@ -781,6 +830,7 @@ class StatsReply:
     device_pinned_tokens: int = 0
     device_pin_budget_tokens: int = 0
     scheduler_calls: tuple[CallTime, ...] = ()  # a worker with a scheduler loop (SGLang)
+    disk: DiskStatsRecord | None = None  # the disk tier's figures, when it has one
 
     @classmethod
     def of(cls, counters: dict[str, int], staged: int, epoch: str, **device: int) -> StatsReply:
@@ -792,6 +842,7 @@ class StatsReply:
                 "device_pinned_tokens": self.device_pinned_tokens,
                 "device_pin_budget_tokens": self.device_pin_budget_tokens,
                 "scheduler_calls": [c.to_json() for c in self.scheduler_calls],
+                "disk": asdict(self.disk) if self.disk is not None else None,
                 "epoch": self.epoch}
 
 
@@ -805,7 +856,12 @@ def parse_stats(obj: Any) -> StatsReply:
                           _int(d, "staged", lo=0), _epoch(d),
                           **{name: _int(d, name, 0, lo=0) for name in (
                               "device_pinned_tokens", "device_pin_budget_tokens")})
-    return replace(reply, scheduler_calls=calls)
+    disk = None
+    if d.get("disk") is not None:
+        dd = _obj(d["disk"], "disk")
+        disk = DiskStatsRecord(bool(dd.get("enabled")), *(_int(dd, name, lo=0) for name in (
+            "bytes", "files", "budget_bytes", "writes", "loads", "skips", "evictions")))
+    return replace(reply, scheduler_calls=calls, disk=disk)
 
 
 PIN_DEVICE = ("none", "locked", "over_budget", "no_device_space", "no_tokens", "unsupported")

@@ -28,6 +28,15 @@ it just wrote, though the proxy planned both before either ran.
 Tips: per request, the deepest anchor restored, held or written so far; a new snapshot
 stores only the rows past it and names it as parent.
 
+Disk tier (ext/disk_tier.py, optional): every confirmed slab is also queued to a file (the
+tier's writer thread writes it, never this loop). A restore or late-lookup link that misses
+in memory is loaded from its file (header and checksum checked) and promoted into the slot
+table as a committed host slab, then restored like any other; a file that fails a check is
+quarantined, and the chain ends there (the request prefills more). The late lookup keys
+every depth the disk holds as well as the plan's snapshot depths, so a restarted worker
+restores its files before any proxy plans on them, and reports them as held. Evicting from memory
+keeps the file; an admin `evict` or a flush deletes it too.
+
 Thread model: one owner. Every call runs on the worker's own loop (embedded: the engine
 thread, to which the contract's calls are queued; SGLang: the scheduler, through the
 scheduler RPC), so the store takes no lock: nothing else may call it.
@@ -39,11 +48,12 @@ import logging
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
 
+from anchorcache.ext.disk_tier import DiskTier, SlabRecord
 from anchorcache.ext.held_chain import deepest_held_chain
 from anchorcache.ext.slots import Region, SlotTable
 from anchorcache.wire import (
@@ -54,6 +64,8 @@ from anchorcache.wire import (
     AnchorRef,
     AnchorReport,
     AnchorWritten,
+    DiskSlotEntry,
+    DiskStatsRecord,
     LookupHit,
     LookupReply,
     RestoreMiss,
@@ -123,14 +135,16 @@ class AnchorStore:
     """Slabs by slot, staged and committed; see the module docstring.
 
     `kv_bytes_per_token` and `state_bytes` size a slab for the slot table's byte budget.
+    `disk`: the disk tier under it, or None.
     """
 
     def __init__(self, model_id: str, table: SlotTable, *, kv_bytes_per_token: int,
-                 state_bytes: int = 0) -> None:
+                 state_bytes: int = 0, disk: DiskTier | None = None) -> None:
         self.model_id = model_id
         self.table = table
         self.kv_bytes_per_token = kv_bytes_per_token
         self.state_bytes = state_bytes
+        self.disk = disk
         self.fault: Callable[[str], None] = lambda where: None
         self._live: dict[int, Slab] = {}
         self._slot_of: dict[bytes, int] = {}
@@ -158,7 +172,8 @@ class AnchorStore:
                 reason = "covers_prompt"  # at least the last token must be prefilled
             elif keys[ref] != ref.key:
                 reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
-            elif (slot := self.table.lookup(ref.key, ref.depth)) is None:
+            elif (slot := self.table.lookup(ref.key, ref.depth)) is None \
+                    and (slot := self._promote(ref.key, ref.depth)) is None:
                 reason = "not_resident"
             else:
                 slab = self._live.get(slot)
@@ -174,8 +189,13 @@ class AnchorStore:
         # Late lookup (ext/held_chain.py): a cut this request would snapshot may have
         # been written since the proxy planned it, by the request ahead of it in the
         # queue; restore it instead of prefilling it again.
-        late = deepest_held_chain(plan.namespace, self.model_id, ids,
-                                  [s.depth for s in plan.snapshot], self._held)
+        # With a disk tier, every depth it holds is keyed too: a restarted worker (or a new
+        # one sharing the directory) restores what its files hold although no proxy plans
+        # on them yet, and reports the links as held, so the proxy learns them.
+        depths = [s.depth for s in plan.snapshot]
+        if self.disk is not None:
+            depths += self.disk.depths_below(len(ids))
+        late = deepest_held_chain(plan.namespace, self.model_id, ids, depths, self._held)
         held: list[AnchorHeld] = []
         if late and late[-1].depth > prev.depth:
             planned = {r.key for r in plan.restore}
@@ -204,7 +224,42 @@ class AnchorStore:
         for slot, (slab, _) in self._staged.items():
             if slab.key == key and slab.depth == depth and slot in self._staged_deadline:
                 return slab
-        return None
+        promoted = self._promote(key, depth)
+        return self._live.get(promoted) if promoted is not None else None
+
+    def _promote(self, key: bytes, depth: int) -> int | None:
+        """Load the anchor `key` at `depth` from the disk tier into a committed host slot;
+        its slot, or None (no disk tier, no such file, a file that failed its checks, a
+        slab of another size than this worker's, no slot to be had)."""
+        if self.disk is None or not self.disk.has(key, depth):
+            return None
+        rec = self.disk.load(key, depth)
+        if rec is None:
+            return None
+        n = depth - rec.start
+        kv_bytes = rec.kv.numel() * rec.kv.element_size() if rec.kv is not None else 0
+        state_bytes = rec.state.numel() * rec.state.element_size() if rec.state is not None else 0
+        if rec.nbytes != self.kv_bytes_per_token * n + self.state_bytes \
+                or kv_bytes != self.kv_bytes_per_token * n or state_bytes != self.state_bytes:
+            self.disk.reject(key, "its slab sizes are not this worker's")
+            return None
+        try:
+            kind = AnchorKind(rec.kind)
+        except ValueError:
+            self.disk.reject(key, f"unknown kind {rec.kind!r}")
+            return None
+        region: Region = "thin" if kind in (AnchorKind.TOOL, AnchorKind.INSTRUCTION) else "thick"
+        res = self.table.reserve(key, depth, rec.nbytes, parent=rec.parent, region=region)
+        if res is None:
+            return None
+        tokens = array("q", rec.tokens.numpy().tobytes()) if rec.tokens is not None else None
+        slab = Slab(key, depth, rec.start, rec.parent, kind, rec.kv, rec.state, rec.nbytes,
+                    tokens)
+        self._commit(res.slot, slab)
+        self.table.lookup(key, depth)  # a hit, as a host restore counts one
+        if self.disk.pinned(key):
+            self.table.pin(key)
+        return res.slot
 
     def restore_chain(self, rid: str, ids: tuple[int, ...], plan: AnchorPlan,
                       load: Callable[[tuple[Slab, ...]], T]) -> tuple[T | None, int, AnchorReport]:
@@ -299,19 +354,25 @@ class AnchorStore:
             del self._staged[slot]
             self._staged_deadline.pop(slot, None)
             slab = entry[0]
-            gone = self.table.confirm(slot)
-            for key in gone:
-                old = self._slot_of.pop(key, None)
-                if old is not None and old != slot:
-                    self._live.pop(old, None)
-            prev = self._live.get(slot)
-            if prev is not None:
-                self._slot_of.pop(prev.key, None)
-            self._live[slot] = slab
-            self._slot_of[slab.key] = slot
+            evicted.extend(self._commit(slot, slab))
             confirmed.append(slot)
-            evicted.extend(gone)
+            if self.disk is not None:
+                self.disk.put(_record(slab))
         return confirmed, evicted
+
+    def _commit(self, slot: int, slab: Slab) -> list[bytes]:
+        """Confirm `slot`'s reservation in the table and hold `slab` there; keys evicted."""
+        gone = self.table.confirm(slot)
+        for key in gone:
+            old = self._slot_of.pop(key, None)
+            if old is not None and old != slot:
+                self._live.pop(old, None)
+        prev = self._live.get(slot)
+        if prev is not None:
+            self._slot_of.pop(prev.key, None)
+        self._live[slot] = slab
+        self._slot_of[slab.key] = slot
+        return gone
 
     def abort(self, slots: list[int]) -> list[int]:
         return self._abort_slots([s for s in slots if s in self._staged])
@@ -361,9 +422,36 @@ class AnchorStore:
         return LookupReply(tuple(LookupHit(d, keys[d], self.table.contains(keys[d], d))
                                  for d in depths), epoch)
 
-    def evict(self, key: bytes) -> bool:
-        if not self.table.evict(key):
+    def pin(self, key: bytes) -> bool:
+        """Pin a committed anchor (held in memory, else loaded from disk first) in the slot
+        table and the disk tier: neither evicts it or its ancestors."""
+        slot = self._slot_of.get(key)
+        if slot is None and self.disk is not None:
+            on_disk = next((e for e in self.disk.entries() if e.key == key), None)
+            if on_disk is not None:
+                self._promote_chain(key, on_disk.depth)
+        if not self.table.pin(key):
             return False
+        if self.disk is not None:
+            self.disk.pin(key)
+        return True
+
+    def _promote_chain(self, key: bytes, depth: int) -> None:
+        cur: tuple[bytes, int] | None = (key, depth)
+        while cur is not None and cur[0] not in self._slot_of:
+            slot = self._promote(*cur)
+            slab = self._live.get(slot) if slot is not None else None
+            cur = (slab.parent, slab.start) if slab is not None and slab.parent else None
+
+    def unpin(self, key: bytes) -> bool:
+        if self.disk is not None:
+            self.disk.unpin(key)
+        return self.table.unpin(key)
+
+    def evict(self, key: bytes) -> bool:
+        on_disk = self.disk.remove(key) if self.disk is not None else False
+        if not self.table.evict(key):
+            return on_disk
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             self._live.pop(slot, None)
@@ -375,18 +463,39 @@ class AnchorStore:
         n = len(self._live)
         self._live.clear()
         self._slot_of.clear()
+        if self.disk is not None:
+            self.disk.clear()
         return n
 
     def staged_count(self) -> int:
         return len(self._staged)
 
     def slots(self, epoch: str) -> SlotsReply:
-        return SlotsReply(tuple(SlotEntry(*e) for e in self.table.entries()), epoch)
+        """The slot table's entries (tier `host`) and, after them, the disk tier's anchors
+        that are not in memory (tier `disk`)."""
+        disk: tuple[DiskSlotEntry, ...] = ()
+        if self.disk is not None:
+            disk = tuple(DiskSlotEntry(e.key, e.depth, e.parent, e.nbytes,
+                                       self.disk.pinned(e.key))
+                         for e in self.disk.entries() if e.key not in self._slot_of)
+        return SlotsReply(tuple(SlotEntry(*e) for e in self.table.entries()), epoch, disk)
 
     def stats(self, epoch: str, **device: int) -> StatsReply:
         """The slot table's counters and the staged count; `device`: the worker's device
-        figures (StatsReply's `device_*`)."""
-        return StatsReply.of(self.table.stats()._asdict(), self.staged_count(), epoch, **device)
+        figures (StatsReply's `device_*`); the disk tier's figures when there is one."""
+        reply = StatsReply.of(self.table.stats()._asdict(), self.staged_count(), epoch, **device)
+        if self.disk is None:
+            return reply
+        d = self.disk.stats()
+        return replace(reply, disk=DiskStatsRecord(d.enabled, d.bytes, d.files, d.budget_bytes,
+                                                   d.writes, d.loads, d.skips, d.evictions))
+
+
+def _record(slab: Slab) -> SlabRecord:
+    tokens = (torch.frombuffer(bytearray(slab.tokens.tobytes()), dtype=torch.int64)
+              if slab.tokens is not None else None)
+    return SlabRecord(slab.key, slab.depth, slab.start, slab.parent, slab.kind.value, slab.kv,
+                      slab.state, slab.nbytes, tokens)
 
 
 def _link_keys(plan: AnchorPlan, model_id: str, ids: tuple[int, ...]) -> dict[AnchorRef, bytes]:

@@ -83,11 +83,13 @@ def slots(url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) ->
         data = AdminClient(url, token).get("/admin/slots")
         _emit(data, as_json, lambda: _table(
             f"slots (epoch {data['epoch'][:8]})",
-            ["worker", "slot", "kind", "tenant", "depth", "parent", "bytes", "pinned", "hits",
-             "last use", "state", "key"],
-            [[s.get("worker", "-"), s["slot"], s["kind"] or "?", s["tenant"] or "?", s["depth"],
-              _short(s["parent"]), _bytes(s["bytes"]), "yes" if s["pinned"] else "", s["hits"],
-              s["last_use"], s["state"], _short(s["key"])] for s in data["data"]]))
+            ["worker", "tier", "slot", "kind", "tenant", "depth", "parent", "bytes", "pinned",
+             "hits", "last use", "state", "key"],
+            [[s.get("worker", "-"), s.get("tier", "host"), "-" if s["slot"] is None else s["slot"],
+              s["kind"] or "?", s["tenant"] or "?", s["depth"], _short(s["parent"]),
+              _bytes(s["bytes"]), "yes" if s["pinned"] else "", s["hits"],
+              "-" if s["last_use"] is None else s["last_use"], s["state"], _short(s["key"])]
+             for s in data["data"]]))
     _run(go)
 
 
@@ -302,6 +304,13 @@ def _stats_view(data: dict[str, Any]) -> Table:
         ("worker bytes", f"{_bytes(worker.get('bytes_used'))} of {_bytes(worker.get('bytes_capacity'))}"),
         ("tenants / toolsets / pinned", f"{led['tenants']} / {led['toolsets']} / {led['pinned_toolsets']}"),
     ]
+    disk = worker.get("disk")
+    if disk:  # a worker with a disk tier (docs/disk-tier.md)
+        rows.append(("worker disk tier", (
+            f"{disk['files']} files, {_bytes(disk['bytes'])} of {_bytes(disk['budget_bytes'])}"
+            if disk["enabled"] else "off (disk full or read-only)")))
+        rows.append(("worker disk loads / skips / writes / evictions",
+                     f"{disk['loads']} / {disk['skips']} / {disk['writes']} / {disk['evictions']}"))
     size = led.get("size")
     if size:  # (a proxy that reports it)
         rows.append(("ledger on disk", f"{_bytes(size['file_bytes'])}: " + ", ".join(

@@ -341,7 +341,16 @@ async def slots(request: web.Request) -> web.Response:
                         "tenant": r.tenant if r else None,
                         "ledger_hits": r.hits if r else None,
                         "last_hit": r.last_hit if r else None, "epoch": listing.epoch,
-                        "worker": t.name})
+                        "worker": t.name, "tier": s.tier})
+        for d in listing.disk:  # on the worker's disk tier only (docs/disk-tier.md)
+            r = rows.get(d.key)
+            out.append({"slot": None, "key": d.key.hex(), "depth": d.depth,
+                        "parent": d.parent.hex() if d.parent else None, "bytes": d.nbytes,
+                        "state": "committed", "pinned": d.pinned, "hits": 0, "last_use": None,
+                        "kind": r.kind if r else None, "tenant": r.tenant if r else None,
+                        "ledger_hits": r.hits if r else None,
+                        "last_hit": r.last_hit if r else None, "epoch": listing.epoch,
+                        "worker": t.name, "tier": "disk"})
     if not epochs:
         raise ApiError("worker_unavailable", "no worker listed its slots")
     return json_response({"data": out, "epoch": next(iter(epochs.values())), "epochs": epochs})

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from anchorcache.ext import ops
+from anchorcache.ext.disk_tier import DiskTier
 from anchorcache.ext.slots import SlotTable
 from anchorcache.ext.store import STAGED_TTL_S, Slab
 from anchorcache.ext.store import AnchorStore as _Store
@@ -38,16 +39,18 @@ __all__ = ["STAGED_TTL_S", "AnchorHeld", "AnchorStore", "Slab", "cache_from_slab
 
 
 class AnchorStore(_Store):
-    def __init__(self, model_id: str, spec: cache_io.CacheSpec, table: SlotTable) -> None:
+    def __init__(self, model_id: str, spec: cache_io.CacheSpec, table: SlotTable, *,
+                 disk: DiskTier | None = None) -> None:
         super().__init__(model_id, table, kv_bytes_per_token=spec.kv_bytes_per_token,
-                         state_bytes=spec.state_bytes)
+                         state_bytes=spec.state_bytes, disk=disk)
         self.spec = spec
 
     @classmethod
     def create(cls, model: torch.nn.Module, model_id: str, spec: cache_io.CacheSpec, *,
-               num_slots: int, capacity_bytes: int, pinned_slots: int) -> AnchorStore:
+               num_slots: int, capacity_bytes: int, pinned_slots: int,
+               disk: DiskTier | None = None) -> AnchorStore:
         table = SlotTable(num_slots, capacity_bytes, slot_base=0, pinned_slots=pinned_slots)
-        return cls(model_id, spec, table)
+        return cls(model_id, spec, table, disk=disk)
 
     # ---- engine thread ------------------------------------------------------------------
     def restore(self, model: torch.nn.Module, rid: str, ids: tuple[int, ...],

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from anchorcache.defaults import ANCHOR_BYTES, ANCHOR_SLOTS, PINNED_SLOTS
 from anchorcache.wire import ModelInfo, check_secret
 
 from . import server
@@ -29,9 +30,11 @@ class WorkerConfig:
     dtype: str = "float32"
     max_context_tokens: int | None = None  # None: the model config's max_position_embeddings
     anchors: bool = True  # keep an anchor store (the proxy decides per request whether to use it)
-    anchor_slots: int = 256
-    anchor_capacity_bytes: int = 4 << 30
-    pinned_slots: int = 64  # the thin region: toolsets' instruction and tool anchors
+    anchor_slots: int = ANCHOR_SLOTS
+    anchor_capacity_bytes: int = ANCHOR_BYTES
+    pinned_slots: int = PINNED_SLOTS  # the thin region: toolsets' instruction and tool anchors
+    anchor_disk_dir: str | None = None  # the disk tier's directory; None: no disk tier
+    anchor_disk_bytes: int | None = None  # its budget; None: a share of free disk; 0: off
     fault_injection: bool = False  # expose POST /debug/fault (tests inject worker faults)
     prefill_chunk_tokens: int = 1024  # longest prefill forward; an abort waits at most one
     secret: str | None = None  # the worker secret every call but /health must carry
@@ -43,6 +46,8 @@ class WorkerConfig:
             raise ValueError("need anchor_slots >= 1 and 0 <= pinned_slots < anchor_slots")
         if self.anchor_capacity_bytes < 1:
             raise ValueError("anchor_capacity_bytes must be positive")
+        if self.anchor_disk_bytes is not None and self.anchor_disk_bytes < 0:
+            raise ValueError("anchor_disk_bytes must be 0 (off) or positive")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be positive")
         check_secret(self.secret, "worker secret")
@@ -64,6 +69,23 @@ def _vocab_size(model: Any) -> int:
     embeddings = model.get_input_embeddings()
     assert isinstance(embeddings, torch.nn.Embedding), type(embeddings)
     return int(embeddings.num_embeddings)
+
+
+def _disk_tier(config: WorkerConfig, path: Path, spec: Any) -> Any:
+    """The disk tier (ext/disk_tier.py) the config asks for, its directory indexed; None
+    when it asks for none."""
+    if config.anchor_disk_dir is None or config.anchor_disk_bytes == 0:
+        return None
+    from anchorcache.ext.disk_tier import DiskTier, default_budget_bytes, model_fingerprint
+
+    budget = config.anchor_disk_bytes or default_budget_bytes(config.anchor_disk_dir)
+    # the slab layout is part of the identity: another dtype or cache shape is another tier
+    fingerprint = model_fingerprint(path, config.dtype, spec.kv_dtype, spec.kv_layers,
+                                    spec.num_kv_heads, spec.head_dim, spec.state_bytes)
+    disk = DiskTier(config.anchor_disk_dir, fingerprint, budget_bytes=budget)
+    n = disk.index()
+    log.info("disk tier %s: %d anchors indexed, budget %d bytes", disk.dir, n, budget)
+    return disk
 
 
 def load_engine(config: WorkerConfig) -> tuple[Engine, ModelInfo]:
@@ -92,7 +114,8 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, ModelInfo]:
 
         anchors = AnchorStore.create(model, info.model_id, spec, num_slots=config.anchor_slots,
                                      capacity_bytes=config.anchor_capacity_bytes,
-                                     pinned_slots=config.pinned_slots)
+                                     pinned_slots=config.pinned_slots,
+                                     disk=_disk_tier(config, path, spec))
     from .grammar import Grammars
 
     vocab_size = int(model.get_output_embeddings().weight.shape[0])  # the logits' width
@@ -119,6 +142,8 @@ def create_app(config: WorkerConfig, *, engine: Engine | None = None,
         log.info("worker ready: %s (epoch %s)", info.model_id, app[server.EPOCH])
         yield
         engine.stop()
+        if engine.anchors is not None and engine.anchors.disk is not None:
+            engine.anchors.disk.close()  # queued writes land before the process ends
 
     app.cleanup_ctx.append(lifecycle)
     server.add_routes(app, fault_injection=config.fault_injection)

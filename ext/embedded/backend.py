@@ -132,11 +132,11 @@ class EmbeddedBackend(Backend):
     async def pin(self, key: bytes, cache_key: str | None, device: bool) -> KeyOpReply:
         # no device tier (and no engine cache to key): nothing is locked beyond the host
         # slot table
-        return KeyOpReply("pinned", await self._on_engine(lambda store: store.table.pin(key)),
+        return KeyOpReply("pinned", await self._on_engine(lambda store: store.pin(key)),
                           self._epoch, "none")
 
     async def unpin(self, key: bytes) -> KeyOpReply:
-        return KeyOpReply("unpinned", await self._on_engine(lambda s: s.table.unpin(key)),
+        return KeyOpReply("unpinned", await self._on_engine(lambda s: s.unpin(key)),
                           self._epoch)
 
     async def evict(self, key: bytes) -> KeyOpReply:

@@ -121,6 +121,28 @@ class _Pending:
     own_from: int | None = None  # its rows past what it matched in the tree (first checkpoint)
 
 
+def _disk_tier(cache: AnchorRadixCache, config: SGLangAnchorConfig, server_args: Any) -> Any:
+    """The disk tier the config asks for (its directory indexed), or None. Only at TP 1 and
+    DP 1: ranks would have to agree on every file's checks before any of them restores, and
+    data-parallel ranks would share one directory's bookkeeping."""
+    if config.anchor_disk_dir is None or config.anchor_disk_bytes == 0:
+        return None
+    tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+    if tp_size != 1 or dp_size != 1:
+        log.warning("disk tier off: it serves tensor and data parallel size 1 only")
+        return None
+    from anchorcache.ext.disk_tier import DiskTier, default_budget_bytes, model_fingerprint
+
+    k0 = cache._k[0]
+    fingerprint = model_fingerprint(server_args.model_path, "sglang", k0.dtype, len(cache._k),
+                                    k0.shape[1], k0.shape[2], cache.anchors.state_bytes)
+    budget = config.anchor_disk_bytes or default_budget_bytes(config.anchor_disk_dir)
+    disk = DiskTier(config.anchor_disk_dir, fingerprint, budget_bytes=budget)
+    log.info("disk tier %s: %d anchors indexed, budget %d bytes", disk.dir, disk.index(), budget)
+    return disk
+
+
 class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,valid-type]
     """SGLang's unified radix cache that also keeps anchors; see the module docstring."""
 
@@ -381,7 +403,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
         the requests carrying that key find it), placing it there first if it is not on
         the device."""
         key, extra_key = _key(body), parse_cache_key(body.get("cache_key"))
-        pinned = self.anchors.table.pin(key)
+        pinned = self.anchors.pin(key)  # (loaded from the disk tier first if need be)
         on_device = pinned and body.get("device", True)
         return KeyOpReply("pinned", pinned, self.epoch,
                           self._pin_device(key, extra_key) if on_device else "none").to_json()
@@ -389,7 +411,7 @@ class AnchorRadixCache(DeviceTree, UnifiedRadixCache):  # type: ignore[misc,vali
     def _op_unpin(self, body: dict[str, Any]) -> dict[str, Any]:
         key = _key(body)
         self._unpin_device(key)
-        return KeyOpReply("unpinned", self.anchors.table.unpin(key), self.epoch).to_json()
+        return KeyOpReply("unpinned", self.anchors.unpin(key), self.epoch).to_json()
 
     def _op_evict(self, body: dict[str, Any]) -> dict[str, Any]:
         key = _key(body)
@@ -777,5 +799,6 @@ def build(ctx: Any) -> AnchorRadixCache:
     cache.attach_anchors(config, Path(ctx.server_args.model_path).name)
     cache._tp_rank, cache._tp_group = int(ctx.tp_rank), ctx.tp_group
     cache.epoch = tp.shared_epoch(ctx.tp_group, cache._tp_rank)
+    cache.anchors.disk = _disk_tier(cache, config, ctx.server_args)
     log.info("anchorcache radix cache ready: %s, epoch %s", cache.model_id, cache.epoch)
     return cache

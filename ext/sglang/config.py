@@ -15,15 +15,17 @@ from dataclasses import asdict, dataclass, replace
 
 import orjson
 
+from anchorcache.defaults import ANCHOR_BYTES, ANCHOR_SLOTS, PINNED_SLOTS
+
 ENV = "ANCHORCACHE_SGLANG_CONFIG"
 DUMP_ENV = "ANCHORCACHE_SGLANG_SLAB_DUMP_DIR"
 
 
 @dataclass(frozen=True)
 class SGLangAnchorConfig:
-    anchor_slots: int = 256
-    anchor_capacity_bytes: int = 4 << 30  # host slabs
-    pinned_slots: int = 64  # the thin region: toolsets' instruction and tool anchors
+    anchor_slots: int = ANCHOR_SLOTS
+    anchor_capacity_bytes: int = ANCHOR_BYTES  # host slabs
+    pinned_slots: int = PINNED_SLOTS  # the thin region: toolsets' instruction and tool anchors
     # pinned anchors' prefixes stay locked in the tree; at most this share of the pool,
     # which the contract keeps out of every request's limit (0: pins stay host-only)
     pin_budget_fraction: float = 0.1
@@ -33,6 +35,10 @@ class SGLangAnchorConfig:
     # tests: TP rank 0 also saves every anchor it confirms, its chain's slabs and tokens, as
     # `<key hex>.pt` here, so a test can compare them with the embedded worker's
     slab_dump_dir: str | None = None
+    # the disk tier (ext/disk_tier.py, docs/disk-tier.md): its directory (None: none) and
+    # budget (None: a share of the free disk; 0: off); TP 1 and DP 1 only
+    anchor_disk_dir: str | None = None
+    anchor_disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.anchor_slots < 1 or not 0 <= self.pinned_slots < self.anchor_slots:

@@ -1,4 +1,4 @@
-"""`/health` latency while the proxy is handed a huge request body (issue 13).
+"""`/health` latency while the proxy is handed a huge request body.
 
 Starts one embedded worker and one proxy (`--max-body-bytes` 32 MiB), then, for each load,
 probes `GET /health` back to back while the load requests are in flight (sent from

@@ -1,5 +1,5 @@
 """Agent traffic through one proxy in front of two workers: affinity routing against
-round-robin and least-load, and a worker killed halfway (issue 22).
+round-robin and least-load, and a worker killed halfway.
 
 Starts two workers (SGLang with the CPU recipe by default, each with a KV pool about 1.2x
 the longest request; `--backend embedded` for the embedded worker) on the tiny Qwen3 (the

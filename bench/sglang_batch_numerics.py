@@ -1,4 +1,4 @@
-"""Why a batched SGLang run on CPU can differ from an unbatched one, measured (issue 18).
+"""Why a batched SGLang run on CPU can differ from an unbatched one, measured.
 
 1. The linear layers: each row of a batch multiplied alone (M = 1, a decode step of one
    request) against the whole batch at once (M = 8, one step of eight requests), with the

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from anchorcache.cli import free_port, wait_ready
+from anchorcache.testing.servers import kill_tree
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +65,7 @@ def _serve(*args: str, env: dict[str, str] | None = None, timeout_s: float = 300
         wait_ready(serve.url + "/health", proc, timeout_s=timeout_s)
         yield serve
     finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
-        proc.wait(timeout=60)
+        kill_tree(proc)
 
 
 @dataclass

@@ -14,9 +14,8 @@ from typing import Any
 import httpx
 
 from anchorcache.testing.data import conversations, turn_requests
-from anchorcache.testing.servers import ADMIN_TOKEN, Server
+from anchorcache.testing.servers import ADMIN, Server
 
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 SYSTEM = "You are a file-system agent. Call the tools to do what the user asks, then say Done."
 
 

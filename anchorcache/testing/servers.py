@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from anchorcache.cli import free_port, wait_ready
 
@@ -85,7 +86,19 @@ def sglang_worker_process(*extra: str, model: str, anchor_slots: int = 64,
         server.stop()
 
 
+def kill_tree(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """SIGKILL `proc` and every process below it (a `serve` and its worker), then reap it."""
+    import psutil
+
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+    proc.wait(timeout=timeout_s)
+
+
 ADMIN_TOKEN = "test-admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}  # the headers of an admin request
 
 
 @contextmanager
@@ -115,3 +128,25 @@ def tenant_key(proxy: Server, name: str) -> str:
                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
     reply.raise_for_status()
     return reply.json()["api_key"]
+
+
+def admin(proxy: Server, path: str, method: str = "GET", **kw: Any) -> Any:
+    """An admin API call (`kw` goes to httpx) that must succeed; its JSON reply."""
+    import httpx
+
+    resp = httpx.request(method, proxy.url + path, headers=ADMIN, timeout=300, **kw)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def ask(proxy: Server, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+        **kw: Any) -> tuple[dict[str, Any], str]:
+    """A greedy 6-token chat completion as the anonymous tenant; (reply, the name of the
+    worker that served it: `X-Anchorcache-Worker`)."""
+    import httpx
+
+    resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=300, json={
+        "model": "default", "messages": messages, "tools": tools, "temperature": 0,
+        "max_tokens": 6, **kw})
+    assert resp.status_code == 200, resp.text
+    return resp.json(), resp.headers["X-Anchorcache-Worker"]

@@ -12,8 +12,7 @@ import pytest
 from anchorcache.proxy.planner import Planner
 from anchorcache.testing.data import conversations, turn_requests
 from anchorcache.testing.servers import proxy_process, worker_process
-
-from .conftest import Stack, tiny_model
+from anchorcache.testing.stacks import Stack, tiny_model
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from anchorcache.testing.data import conversations, turn_requests
-
-from .conftest import tiny_model
+from anchorcache.testing.stacks import tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +42,6 @@ def short_conversations(n):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_next", "qwen3_5", "mamba2", "falcon_h1",
                                   "bamba", "lfm2"])
 def test_tiny_models_on_equals_off(stack_factory, arch):
-    from anchorcache.ext.embedded.tiny_models import TINY_ARCHS
-
-    if arch not in TINY_ARCHS:
-        pytest.skip(f"{arch} not buildable with this transformers")
     stack = stack_factory(tiny_model(arch))
     for turns in replay(stack, short_conversations(2), max_turns=3, max_tokens=12):
         assert len(turns) >= 2

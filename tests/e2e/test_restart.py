@@ -14,11 +14,10 @@ import pytest
 
 from anchorcache.cli import free_port
 from anchorcache.testing.data import conversations, turn_requests
-from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
+from anchorcache.testing.servers import ADMIN, Server, proxy_process, worker_process
 
 pytestmark = pytest.mark.slow
 
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 MAX_TOKENS = 6
 
 

@@ -19,13 +19,19 @@ import pytest
 from typer.testing import CliRunner
 
 from anchorcache.testing.data import conversations, turn_requests
-from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
-from tests.e2e.conftest import tiny_model
+from anchorcache.testing.servers import (
+    ADMIN,
+    ADMIN_TOKEN,
+    Server,
+    admin,
+    ask,
+    proxy_process,
+    worker_process,
+)
+from anchorcache.testing.stacks import tiny_model
 
 pytestmark = pytest.mark.slow
 
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-MAX_TOKENS = 6
 TURNS = 3
 
 
@@ -63,20 +69,6 @@ def instruction_depth(proxy: Server) -> int:
     """The deepest instruction anchor the proxy's ledger ever recorded."""
     rows = admin(proxy, "/admin/anchors", params={"status": "all", "epoch": "all"})["data"]
     return max(r["depth"] for r in rows if r["kind"] == "instruction")
-
-
-def ask(proxy: Server, messages, tools, **kw) -> tuple[dict, str]:
-    resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=300, json={
-        "model": "default", "messages": messages, "tools": tools, "temperature": 0,
-        "max_tokens": MAX_TOKENS, **kw})
-    assert resp.status_code == 200, resp.text
-    return resp.json(), resp.headers["X-Anchorcache-Worker"]
-
-
-def admin(proxy: Server, path: str, method: str = "GET", **kw) -> dict:
-    resp = httpx.request(method, proxy.url + path, headers=ADMIN, timeout=300, **kw)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def prefilled(reply: dict) -> int:

@@ -15,8 +15,7 @@ import pytest
 
 from anchorcache.testing.data import conversations, turn_requests
 from anchorcache.testing.servers import proxy_process, sglang_worker_process
-from tests.proxy.test_stop_anchors import stop_then_next_turn
-from tests.proxy.test_structured_api import TRIP, agent_cases, validate_calls
+from anchorcache.testing.turns import TRIP, agent_cases, stop_then_next_turn, validate_calls
 
 pytestmark = pytest.mark.slow
 

@@ -30,7 +30,7 @@ TURNS = 3
 @pytest.fixture(scope="module")
 def sglang_stack(sglang):
     """(worker, anchors-on proxy, anchors-off proxy) over the session's SGLang server."""
-    w = sglang.server
+    w = sglang
     with proxy_process(w.url, "--anchors") as on, proxy_process(w.url, "--no-anchors") as off:
         yield w, on, off
 

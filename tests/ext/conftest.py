@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 
 
@@ -17,7 +16,3 @@ def qwen3_tokenizer() -> Any:
     from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
 
     return AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir()))
-
-
-def model_id(url: str) -> str:
-    return httpx.get(url + "/model_info", timeout=30).json()["model_id"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from anchorcache.ext import ops
-from tests.ext.test_ops_reference import fresh_generator, make_cache, rand, same
+from anchorcache.testing.ops_reference import fresh_generator, make_cache, rand, same
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from anchorcache.ext import ops  # noqa: F401  (registers the fake implementations)
-from tests.ext.test_ops_reference import DEVICES, fresh_generator, make_cache, rand
+from anchorcache.testing.ops_reference import DEVICES, fresh_generator, make_cache, rand
 
 _ops = torch.ops.anchorcache
 

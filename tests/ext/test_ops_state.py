@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from anchorcache.ext import ops
-from tests.ext.test_ops_reference import (
+from anchorcache.testing.ops_reference import (
     DEVICES,
     fresh_generator,
     make_cache,

@@ -28,9 +28,9 @@ from anchorcache.proxy.splitter.reasoning import effort_template_kwargs
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.splitter.types import SplitError
 from anchorcache.proxy.state import STATE
+from anchorcache.testing.adapters import template_input
+from anchorcache.testing.sdk import run_client
 from anchorcache.testing.servers import tenant_key
-from tests.proxy.splitter.test_split_fidelity import template_input
-from tests.proxy.test_current_sdk import run_client
 
 CLAUDE_CODE_TOOLS = [
     {"name": name, "description": f"The {name} tool.", "input_schema": {

@@ -2,7 +2,7 @@
 Anthropic error object, and the proxy keeps answering.
 
 Hypothesis draws Anthropic bodies (mostly well-formed, fields sometimes replaced by any JSON:
-tests/proxy/test_anthropic_schema.py), deeply nested tool schemas and tool inputs, raw bytes
+anchorcache.testing.bodies), deeply nested tool schemas and tool inputs, raw bytes
 and bodies labelled gzip that are not, derandomized. A real proxy runs in-process in front
 of the real default worker; valid bodies generate one token.
 """
@@ -18,14 +18,14 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from anchorcache.testing.bodies import ANTHROPIC_WEATHER as WEATHER
+from anchorcache.testing.bodies import anthropic_bodies
 from anchorcache.testing.fuzz import FUZZ as BASE_FUZZ
 from anchorcache.testing.fuzz import deep_schema, fuzz_route
-from anchorcache.testing.servers import ADMIN_TOKEN
-from tests.proxy.test_anthropic_schema import WEATHER, _body
+from anchorcache.testing.servers import ADMIN
 
 pytestmark = pytest.mark.slow
 
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -43,10 +43,10 @@ deep_body = st.integers(40, 400).map(lambda n: {
                                                     "name": "get_weather", "input": deep_schema(n)}]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]})
 encoded = st.one_of(
-    _body.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
-    _body.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
-    _body.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
-    _body.map(lambda b: (gzip.compress(json.dumps(_one_token(b)).encode()),
+    anthropic_bodies.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
+    anthropic_bodies.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
+    anthropic_bodies.map(lambda b: (json.dumps(_one_token(b)).encode(), JSON_HEADERS)),
+    anthropic_bodies.map(lambda b: (gzip.compress(json.dumps(_one_token(b)).encode()),
                          {**JSON_HEADERS, "Content-Encoding": "gzip"})),
     deep_body.map(lambda b: (json.dumps(b).encode(), JSON_HEADERS)),
     st.binary(max_size=64).map(lambda b: (b, JSON_HEADERS)),

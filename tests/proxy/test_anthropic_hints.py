@@ -14,7 +14,7 @@ from anchorcache.proxy.planner import Planner
 from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.splitter.types import CutKind
-from tests.proxy.test_anthropic_schema import split_fn
+from anchorcache.testing.adapters import split_fn
 
 CC = {"type": "ephemeral"}
 TOOL = {"name": "lookup", "input_schema": {"type": "object", "properties": {}}}

@@ -5,12 +5,10 @@ content-block event sequence."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from anchorcache.proxy.anthropic_api import BlockFramer, usage_json
 from anchorcache.proxy.anthropic_messages import fold_system_messages
@@ -18,13 +16,12 @@ from anchorcache.proxy.anthropic_schema import parse_messages_request
 from anchorcache.proxy.cut_hints import with_hint_cuts
 from anchorcache.proxy.errors import ApiError, anthropic_body
 from anchorcache.proxy.pipeline import Usage
-from anchorcache.proxy.splitter import get_adapter
-from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.splitter.types import OutputDelta, SplitError, ToolCallDelta
+from anchorcache.testing.adapters import chatml_adapter, split_fn
+from anchorcache.testing.bodies import ANTHROPIC_WEATHER, CACHE_CONTROL, anthropic_bodies
 
-CC = {"type": "ephemeral"}
-WEATHER = {"name": "get_weather", "description": "Current weather for a city.",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CC = CACHE_CONTROL
+WEATHER = ANTHROPIC_WEATHER
 
 
 def _parse(**body):
@@ -435,77 +432,8 @@ def test_usage_splits_the_prompt_into_read_created_and_uncached_tokens():
 
 # ---- any body: a 400 or a chat the splitter renders, never another exception ----------
 
-_leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=4),
-                  st.floats(allow_nan=False, allow_infinity=False))
-_json = st.recursive(_leaf, lambda c: st.lists(c, max_size=3)
-                     | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6)
-
-
-def _mostly(valid, bad=_json, one_in=8):
-    """Mostly well-formed, sometimes anything: so that many bodies get deep into parsing."""
-    return st.sampled_from(range(one_in)).flatmap(lambda i: bad if i == one_in - 1 else valid)
-
-
-_cc = _mostly(st.sampled_from([CC, {"type": "ephemeral", "ttl": "1h"}]), one_in=20)
-_text = st.fixed_dictionaries({"type": st.just("text"),
-                               "text": _mostly(st.text(min_size=1, max_size=6))},
-                              optional={"cache_control": _cc})
-_use = st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.sampled_from(["t1", "t2"]),
-                              "name": _mostly(st.just("get_weather")),
-                              "input": _mostly(st.just({"city": "Oslo"}))},
-                             optional={"cache_control": _cc})
-_result = st.fixed_dictionaries(
-    {"type": st.just("tool_result"), "tool_use_id": _mostly(st.sampled_from(["t1", "t2"]))},
-    optional={"content": _mostly(st.one_of(st.text(max_size=6), st.lists(_text, max_size=2))),
-              "is_error": _mostly(st.booleans()), "cache_control": _cc})
-_other = st.one_of(_json, st.fixed_dictionaries(
-    {"type": st.sampled_from(["image", "thinking", "document"])}))
-
-
-def _turn(role, blocks):
-    content = st.one_of(st.text(min_size=1, max_size=6), st.lists(blocks, min_size=1, max_size=3))
-    return st.fixed_dictionaries({"role": _mostly(st.just(role), st.just("system"), 40),
-                                  "content": _mostly(content, one_in=30)})
-
-
-_user = _turn("user", _mostly(st.one_of(_text, _result), _other, 30))
-_assistant = _turn("assistant", _mostly(st.one_of(_text, _use), _other, 30))
-_messages = st.tuples(st.lists(st.tuples(_user, _assistant), max_size=3), _user).map(
-    lambda t: [m for pair in t[0] for m in pair] + [t[1]])
-_body = st.fixed_dictionaries(
-    {"model": st.just("default"), "max_tokens": _mostly(st.just(16), one_in=30),
-     "messages": _mostly(_messages, one_in=30)},
-    optional={"system": _mostly(st.one_of(st.text(max_size=6), st.lists(_text, max_size=2))),
-              "tools": _mostly(st.sampled_from([[WEATHER], [{**WEATHER, "cache_control": CC}]])),
-              "tool_choice": _mostly(st.sampled_from([
-                  {"type": "any"}, {"type": "auto"}, {"type": "none"},
-                  {"type": "tool", "name": "get_weather"}])),
-              "stop_sequences": _mostly(st.lists(st.text(min_size=1, max_size=3), max_size=2)),
-              "temperature": _mostly(st.floats(0, 1)), "top_k": _mostly(st.integers(0, 50)),
-              "stream": _mostly(st.booleans()), "metadata": _mostly(st.just({"user_id": "u"})),
-              "cache_control": _cc, "thinking": _mostly(st.sampled_from([
-                  {"type": "disabled"}, {"type": "adaptive"},
-                  {"type": "enabled", "budget_tokens": 1024}])),
-              "output_config": _mostly(st.just({"effort": "high"}))})
-
-
-def split_fn(adapter):
-    """The adapter's split as the proxy's split thread offers it (async, ApiError)."""
-    async def split(messages, tools, template_kwargs):
-        try:
-            return adapter.split(messages, tools, template_kwargs=template_kwargs)
-        except SplitError as e:
-            raise ApiError("invalid_request", str(e)) from None
-    return split
-
-
-@functools.cache
-def _chatml():
-    return get_adapter("auto", load_tokenizer("smollm2"))
-
-
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(body=_body)
+@given(body=anthropic_bodies)
 def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
     try:
         req = parse_messages_request(body)
@@ -520,10 +448,10 @@ def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
     assert gen.messages[-1]["role"] in ("user", "tool", "system")
     msgs, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
     try:
-        split = _chatml().split(msgs, tools)
+        split = chatml_adapter().split(msgs, tools)
     except SplitError:
         return
-    hinted = asyncio.run(with_hint_cuts(split_fn(_chatml()), split, msgs, tools, None,
+    hinted = asyncio.run(with_hint_cuts(split_fn(chatml_adapter()), split, msgs, tools, None,
                                         req.generation.cut_after))
     assert hinted.input_ids == split.input_ids
     positions = [c.position for c in hinted.cuts]

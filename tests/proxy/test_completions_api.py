@@ -13,8 +13,8 @@ import pytest
 from anchorcache.proxy.completions_api import raw_split
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.splitter.types import CutKind
+from anchorcache.testing.sdk import run_client
 from anchorcache.testing.servers import tenant_key
-from tests.proxy.test_current_sdk import run_client
 
 pytestmark = pytest.mark.slow
 

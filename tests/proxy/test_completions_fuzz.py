@@ -4,7 +4,7 @@ Derandomized hypothesis bodies (the same every run): near-valid requests with fi
 replaced by arbitrary JSON, prompts as text, token ids (in and out of the vocabulary, huge,
 negative, booleans), nested and batched lists, odd sampling values, raw bytes and bodies
 labelled gzip that are not. A real proxy in-process in front of the session's real worker
-(test_schema_fuzz.py's, and its settings); valid bodies generate one token.
+(tests/proxy/conftest.py's `refusing_client`); valid bodies generate one token.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from anchorcache.testing.bodies import any_json, maybe, temperature, text
+from anchorcache.testing.fuzz import FUZZ as BASE_FUZZ
 from anchorcache.testing.fuzz import fuzz_route
-from anchorcache.testing.servers import ADMIN_TOKEN
-from tests.proxy import test_schema_fuzz as chat_fuzz
-from tests.proxy.test_schema_fuzz import any_json, maybe, temperature, text
+from anchorcache.testing.servers import ADMIN
 
 pytestmark = pytest.mark.slow
-client = chat_fuzz.client  # the in-process proxy, in front of the session's worker
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 # no accepted max_tokens above 1: text prompts are mostly valid here, and a large max_tokens
@@ -70,10 +69,10 @@ hostile = st.one_of(
 encoded = st.integers(0, 7).flatmap(
     lambda i: valid_body.map(lambda b: (_encode(b), JSON_HEADERS)) if i == 0 else hostile)
 
-FUZZ = settings(chat_fuzz.FUZZ, max_examples=250)
+FUZZ = settings(BASE_FUZZ, max_examples=250)
 
 
-async def test_no_completions_body_gets_a_5xx_and_the_proxy_keeps_answering(client):
+async def test_no_completions_body_gets_a_5xx_and_the_proxy_keeps_answering(refusing_client):
     def check(status: int, raw: bytes, data: bytes) -> None:
         if raw.startswith(b"data: "):  # a stream: whole, no error in it
             assert status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw
@@ -86,11 +85,11 @@ async def test_no_completions_body_gets_a_5xx_and_the_proxy_keeps_answering(clie
         else:
             assert reply["object"] == "text_completion", raw[:300]
 
-    seen = await fuzz_route(client, "/v1/completions", encoded, FUZZ, check)
+    seen = await fuzz_route(refusing_client, "/v1/completions", encoded, FUZZ, check)
     assert seen.get(200, 0) >= 30, seen
     assert sum(n for s, n in seen.items() if 400 <= s < 500) >= 150, seen
-    ok = await client.post("/v1/completions", json={"model": "default", "prompt": "hi",
-                                                    "max_tokens": 1})
+    ok = await refusing_client.post("/v1/completions", json={
+        "model": "default", "prompt": "hi", "max_tokens": 1})
     assert ok.status == 200
-    health = await (await client.get("/health", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})).json()
+    health = await (await refusing_client.get("/health", headers=ADMIN)).json()
     assert health["worker"]["running_requests"] == [] and health["worker"]["queued_requests"] == []

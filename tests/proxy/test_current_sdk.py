@@ -9,42 +9,21 @@ subprocess with that folder first on PYTHONPATH.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from anchorcache.testing.sdk import run_client
 from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-CURRENT_SDK = ROOT / ".venv" / "current-sdk"
 README_URL = "http://127.0.0.1:8000"
 HI = [{"role": "user", "content": "Say hi."}]
-VERSIONS = """
-import anthropic, openai
-print("versions", openai.__version__, anthropic.__version__)
-assert int(openai.__version__.split(".")[0]) >= 3, openai.__version__
-assert int(anthropic.__version__.split(".")[0]) >= 2, anthropic.__version__
-"""
-
-
-def run_client(script: str) -> subprocess.CompletedProcess[str]:
-    """`script` under the current SDKs; it fails the test if they are not installed."""
-    if not (CURRENT_SDK / ".installed").exists():
-        pytest.fail(f"the current client SDKs are not in {CURRENT_SDK}: run `make current-sdk`")
-    env = {**os.environ, "PYTHONPATH": str(CURRENT_SDK)}
-    return subprocess.run([sys.executable, "-c", VERSIONS + textwrap.dedent(script)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-
-
 def readme_examples(url: str) -> list[str]:
     """The README's Python examples, pointed at `url`."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)

@@ -15,35 +15,17 @@ import httpx
 import pytest
 from aiohttp import web
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from anchorcache.proxy.anchor_index import AnchorRecord
 from anchorcache.proxy.metrics import OTHER, ProxyMetrics, TenantLabels
 from anchorcache.proxy.planner import Plan
 from anchorcache.proxy.tenants import ANONYMOUS as DEFAULT_TENANT
 from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.metrics import delta, parse, scrape, total, value
 from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process
 from anchorcache.wire import AnchorKind, AnchorPlan, parse_generate_meta
 
 CHAT = "/v1/chat/completions"
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def parse(text: str) -> Samples:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """Sum over every series of `name` whose labels include `labels`."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
-
 
 # ---- bookkeeping, no server ---------------------------------------------------------------
 def test_tenant_labels_are_bounded_and_stable():
@@ -136,17 +118,6 @@ class View:
 def metered(worker: Server) -> Iterator[Server]:
     with proxy_process(worker.url) as server:  # its own ledger: tenants of its own
         yield server
-
-
-def scrape(proxy: Server) -> Samples:
-    resp = httpx.get(proxy.url + "/metrics", timeout=30)
-    assert resp.status_code == 200
-    assert resp.headers["content-type"].startswith("text/plain")
-    return parse(resp.text)
-
-
-def delta(after: Samples, before: Samples) -> Samples:
-    return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
 def chat(proxy: Server, messages, tools) -> dict:

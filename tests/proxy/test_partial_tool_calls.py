@@ -14,7 +14,7 @@ import pytest
 
 from anchorcache.proxy.splitter.partial_json import close_json
 from anchorcache.testing.servers import Server, tenant_key
-from tests.proxy.splitter.test_split_parsers import is_prefix
+from anchorcache.testing.strategies import is_prefix
 
 pytestmark = pytest.mark.slow
 

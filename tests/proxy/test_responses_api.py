@@ -13,8 +13,8 @@ import pytest
 
 from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
+from anchorcache.testing.sdk import run_client
 from anchorcache.testing.servers import Server, tenant_key
-from tests.proxy.test_current_sdk import run_client
 
 pytestmark = pytest.mark.slow
 

@@ -18,14 +18,14 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from anchorcache.testing.bodies import RESPONSES_WEATHER as WEATHER
+from anchorcache.testing.bodies import responses_bodies
 from anchorcache.testing.fuzz import FUZZ as BASE_FUZZ
 from anchorcache.testing.fuzz import deep_schema, fuzz_route
-from anchorcache.testing.servers import ADMIN_TOKEN
-from tests.proxy.test_responses_schema import WEATHER, _body
+from anchorcache.testing.servers import ADMIN
 
 pytestmark = pytest.mark.slow
 
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 JSON_HEADERS = {"Content-Type": "application/json"}
 FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n")
 
@@ -52,7 +52,7 @@ def _sent(body: Any, gzipped: bool) -> tuple[bytes, dict[str, str]]:
 
 # mostly valid bodies of one token (some continuing an unknown response), then deep
 # schemas, raw bytes, and bytes labelled gzip that are not
-bodies = st.one_of(_body, _body, _body.map(lambda b: {**b, "previous_response_id": "resp_no"})
+bodies = st.one_of(responses_bodies, responses_bodies, responses_bodies.map(lambda b: {**b, "previous_response_id": "resp_no"})
                    ).map(_one_token)
 encoded = st.one_of(
     st.tuples(bodies, st.sampled_from([False, False, False, True])),

@@ -8,7 +8,6 @@ import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from anchorcache.proxy.errors import ApiError
 from anchorcache.proxy.pipeline import Usage
@@ -17,11 +16,10 @@ from anchorcache.proxy.responses_items import encrypt_reasoning, parse_items, to
 from anchorcache.proxy.responses_schema import parse_responses_request
 from anchorcache.proxy.schema import ToolChoice
 from anchorcache.proxy.splitter.types import OutputDelta, SplitError, ToolCallDelta
-from tests.proxy.test_anthropic_schema import _chatml, _json, _mostly
+from anchorcache.testing.adapters import chatml_adapter
+from anchorcache.testing.bodies import RESPONSES_WEATHER, responses_bodies
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather.",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-           "strict": True}
+WEATHER = RESPONSES_WEATHER
 
 
 def _parse(**body):
@@ -155,7 +153,7 @@ def test_a_continued_conversation_renders_as_the_one_sent_whole():
                    ).generation()
     assert continued.messages == whole.messages
     assert continued.messages[2]["reasoning_content"] == "Easy."
-    adapter = _chatml()
+    adapter = chatml_adapter()
     assert adapter.split([dict(m) for m in continued.messages], [dict(t) for t in continued.tools]
                          ).input_ids == adapter.split([dict(m) for m in whole.messages],
                                                       [dict(t) for t in whole.tools]).input_ids
@@ -275,52 +273,8 @@ def test_usage_has_the_responses_fields_and_timings():
 
 # ---- any body: a 400 or a chat the splitter renders, never another exception ---------------
 
-_words = st.text(min_size=1, max_size=6)
-_part = st.fixed_dictionaries({"type": _mostly(st.sampled_from(["input_text", "output_text"]),
-                                               st.sampled_from(["input_image", "refusal"]), 20),
-                               "text": _mostly(_words)})
-_content = _mostly(st.one_of(_words, st.lists(_part, max_size=2)))
-_call_id = st.sampled_from(["call_1", "call_2"])
-_item = st.one_of(
-    st.fixed_dictionaries({"role": _mostly(st.sampled_from(["user", "assistant", "developer"]),
-                                           st.just("tool"), 30), "content": _content},
-                          optional={"type": st.just("message")}),
-    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": _mostly(_call_id),
-                           "name": _mostly(st.just("get_weather")),
-                           "arguments": _mostly(st.sampled_from(['{"city": "Oslo"}', "{}",
-                                                                 '{"city": "Os', "nope"]))}),
-    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": _mostly(_call_id),
-                           "output": _content}),
-    st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.just([])},
-                          optional={"content": _mostly(st.lists(st.fixed_dictionaries(
-                              {"type": st.just("reasoning_text"), "text": _words}), max_size=1)),
-                              "encrypted_content": _mostly(st.sampled_from(
-                                  ["opaque", encrypt_reasoning("r")]))}),
-    st.fixed_dictionaries({"type": st.sampled_from(["web_search_call", "custom_tool_call",
-                                                    "custom_tool_call_output", "item_reference"])},
-                          optional={"call_id": _call_id, "input": _words, "output": _words,
-                                    "name": st.just("apply_patch")}),
-    _json)
-_tools = st.lists(st.one_of(st.just(WEATHER), st.just({"type": "web_search"}),
-                            st.just({"type": "namespace", "name": "ns", "tools": [
-                                {"type": "function", "name": "lookup"}]}), _json), max_size=3)
-_body = st.fixed_dictionaries(
-    {"model": st.just("default"),
-     "input": _mostly(st.one_of(_words, st.lists(_item, min_size=1, max_size=5)), one_in=30)},
-    optional={"instructions": _mostly(_words), "tools": _mostly(_tools),
-              "tool_choice": _mostly(st.sampled_from(
-                  ["auto", "none", "required", {"type": "function", "name": "get_weather"}])),
-              "text": _mostly(st.sampled_from([{"format": {"type": "json_object"}},
-                                               {"format": {"type": "text"}}])),
-              "max_output_tokens": _mostly(st.integers(1, 64)),
-              "temperature": _mostly(st.floats(0, 2)), "store": _mostly(st.booleans()),
-              "stream": _mostly(st.booleans()), "include": _mostly(st.just(
-                  ["reasoning.encrypted_content"])),
-              "reasoning": _mostly(st.just({"effort": "low"}))})
-
-
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(body=_body)
+@given(body=responses_bodies)
 def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
     try:
         req = parse_responses_request(body, max_tokens_limit=8192)
@@ -333,6 +287,6 @@ def test_any_body_is_a_400_or_a_chat_the_splitter_renders(body):
     assert parse_items(stored) == req.input_items
     assert to_messages(parse_items(stored), req.instructions) == list(gen.messages)
     try:
-        _chatml().split([dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None)
+        chatml_adapter().split([dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None)
     except SplitError:
         return  # a 400 on the live route too

@@ -19,23 +19,15 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from anchorcache.proxy.app import create_app
-from anchorcache.proxy.config import ProxyConfig
+from anchorcache.testing.bodies import any_json, maybe, scalars, temperature, text
 from anchorcache.testing.fuzz import FUZZ as BASE_FUZZ
 from anchorcache.testing.fuzz import fuzz_route
-from anchorcache.testing.servers import ADMIN_TOKEN
+from anchorcache.testing.servers import ADMIN
 
 pytestmark = pytest.mark.slow
 
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 ROLES = ["system", "developer", "user", "assistant", "tool"]
-
-scalars = (st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
-           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
-any_json = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                        | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
-
 
 class Raw(str):
     """JSON text spliced into a body verbatim (json.dumps would recurse on deep values)."""
@@ -56,12 +48,6 @@ def json_string(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[str]:
     return strategy.map(lambda v: str(v) if isinstance(v, Raw) else json.dumps(v))
 
 
-def maybe(good: st.SearchStrategy[Any], weight_bad: bool = False) -> st.SearchStrategy[Any]:
-    """Mostly `good`, sometimes anything."""
-    return st.one_of(good, good, good, any_json) if not weight_bad else st.one_of(good, any_json)
-
-
-text = st.text(max_size=30)
 name = st.from_regex(r"[a-z_]{1,10}", fullmatch=True)
 arguments = st.one_of(json_string(st.dictionaries(name, scalars, max_size=3)), text,
                       json_string(deep()), deep(), any_json, st.just("{not json"))
@@ -87,8 +73,6 @@ tool_choice = st.one_of(st.sampled_from(["auto", "none", "required"]),
                         st.fixed_dictionaries({"type": st.just("function"),
                                                "function": st.fixed_dictionaries({"name": maybe(name)})}),
                         any_json)
-temperature = st.one_of(st.floats(0, 2), st.floats(0, 1e-30), st.just(5e-324),
-                        st.floats(allow_nan=False, allow_infinity=False), any_json)
 one_token = st.one_of(st.just(1), st.integers(-5, 0), st.integers(1 << 40, 1 << 70), any_json)
 
 body = st.fixed_dictionaries(
@@ -161,29 +145,20 @@ encoded = st.integers(0, 15).flatmap(lambda i: valid if i == 0 else hostile)
 FUZZ = settings(BASE_FUZZ, max_examples=1200)
 
 
-@pytest.fixture()
-async def client(aiohttp_client, worker, tmp_path):
-    # max_tokens past the context refused, not clamped: a valid body generates a token or
-    # two, never the context's worth (the clamp: tests/proxy/test_agent_bodies.py)
-    config = ProxyConfig(worker_urls=(worker.url,), default_max_tokens=1, state_dir=str(tmp_path),
-                         admin_token=ADMIN_TOKEN, max_tokens_policy="refuse")
-    return await aiohttp_client(create_app(config))
-
-
-async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(client, worker):
+async def test_no_body_gets_a_5xx_and_the_proxy_keeps_answering(refusing_client, worker):
     def check(status: int, raw: bytes, data: bytes) -> None:
         if status >= 400:
             err = orjson.loads(raw)["error"]
             assert err["type"] == "invalid_request_error" and err["message"], raw[:300]
 
-    seen = await fuzz_route(client, "/v1/chat/completions", encoded, FUZZ, check)
+    seen = await fuzz_route(refusing_client, "/v1/chat/completions", encoded, FUZZ, check)
     assert sum(seen.values()) >= 1000
     assert seen.get(200, 0) >= 30, seen  # some bodies were valid and generated
     assert sum(n for s, n in seen.items() if 400 <= s < 500) >= 500, seen
-    ok = await client.post("/v1/chat/completions", json={
+    ok = await refusing_client.post("/v1/chat/completions", json={
         "model": "default", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert ok.status == 200
-    health = await client.get("/health", headers=ADMIN)  # (request ids: the admin's)
+    health = await refusing_client.get("/health", headers=ADMIN)  # (request ids: the admin's)
     assert health.status == 200
     worker_health = (await health.json())["worker"]
     assert worker_health["running_requests"] == [] and worker_health["queued_requests"] == []

@@ -5,19 +5,15 @@ up to the stop are confirmed, and the next turn restores the previous prompt and
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
-import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from anchorcache.proxy.tenants import ANONYMOUS
+from anchorcache.testing.metrics import delta, scrape, value
 from anchorcache.testing.servers import Server, proxy_process
-from tests.proxy.test_metrics import delta, scrape, value
+from anchorcache.testing.turns import chat, stop_then_next_turn
 
 pytestmark = pytest.mark.slow
 
@@ -30,72 +26,10 @@ def stopper(worker: Server) -> Iterator[Server]:
         yield server
 
 
-def chat(proxy: Server, messages: list[dict[str, Any]], *,
-         headers: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
-    resp = httpx.post(proxy.url + CHAT, timeout=300, headers=headers, json={
-        "model": "default", "messages": messages, "temperature": 0, **kw})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_the_turn_after_a_stop_string_restores_the_previous_prompt_and_reply(
         stopper, stream, default_model_dir):
     stop_then_next_turn(stopper, default_model_dir, stream)
-
-
-def stop_then_next_turn(stopper: Server, model_dir: Path, stream: bool,
-                        flush: Callable[[], None] = lambda: None) -> None:
-    """A greedy turn of the default model ended by a stop string, then the next turn.
-    `flush` runs before each anchored request (SGLang: empties its device tree, so what the
-    next turn finds comes from the host anchors)."""
-    # a system prompt of its own: no earlier anchor of this conversation exists
-    messages = [{"role": "system", "content": f"You are assistant {uuid.uuid4().hex[:8]}."},
-                {"role": "user", "content": "What is the capital of France?"}]
-    stop = " is"
-    # the same greedy reply without the stop string, anchors off (it saves nothing)
-    unstopped = chat(stopper, messages, max_tokens=64, headers={"X-Anchorcache-Anchors": "off"}
-                     )["choices"][0]["message"]["content"]
-    assert stop in unstopped, unstopped  # so the stop string ends the reply early
-    flush()
-    before = scrape(stopper)
-    body = {"max_tokens": 64, "stop": [stop]}
-    if stream:
-        events = []
-        with httpx.stream("POST", stopper.url + CHAT, timeout=300, json={
-                "model": "default", "messages": messages, "temperature": 0, **body,
-                "stream": True, "stream_options": {"include_usage": True}}) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[6:]))
-        answer = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
-        finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
-        usage = events[-1]["usage"]
-    else:
-        choice, usage = (reply := chat(stopper, messages, **body))["choices"][0], reply["usage"]
-        answer, finish = choice["message"]["content"], [choice["finish_reason"]]
-    assert finish == ["stop"]
-    assert answer == unstopped[:unstopped.index(stop)]
-    d = delta(scrape(stopper), before)
-    assert value(d, "anchorcache_reservations_total", tenant=ANONYMOUS, outcome="confirmed",
-                 reason="stop_sequence") == 1
-    assert value(d, "anchorcache_reservations_total", tenant=ANONYMOUS, outcome="aborted",
-                 reason="stop_sequence") == 0
-    assert value(d, "anchorcache_snapshots_total", tenant=ANONYMOUS, kind="response") == 1
-
-    flush()
-    before = scrape(stopper)
-    nxt = chat(stopper, [*messages, {"role": "assistant", "content": answer},
-                         {"role": "user", "content": "And of Italy?"}], max_tokens=1)
-    # the previous prompt, generation prompt included, and the reply up to the stop string
-    # are where the next one starts: the response anchor holds exactly those tokens
-    reply_ids = AutoTokenizer.from_pretrained(model_dir)(answer, add_special_tokens=False
-                                                                 )["input_ids"]
-    assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] == \
-        usage["prompt_tokens"] + len(reply_ids)
-    assert value(delta(scrape(stopper), before), "anchorcache_anchor_hits_total",
-                 tenant=ANONYMOUS, kind="response") == 1
 
 
 def test_stop_strings_in_every_choice_keep_the_prompt_anchors(stopper):

@@ -12,18 +12,12 @@ from typing import Any
 import jsonschema
 import pytest
 
-from anchorcache.proxy.structured import normalize_schema
-from anchorcache.testing.data import conversations, turn_requests
 from anchorcache.testing.servers import Server, proxy_process
+from anchorcache.testing.turns import TRIP, agent_cases, validate_calls
 
 pytestmark = pytest.mark.slow
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-TRIP = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 30}},
-        "required": ["city", "days"], "additionalProperties": False}
-
-
 @pytest.fixture(scope="module")
 def proxy_off(worker: Server) -> Iterator[Server]:
     with proxy_process(worker.url, "--no-anchors") as server:
@@ -36,32 +30,6 @@ def client_off(proxy_off: Server) -> Any:
 
     return openai.OpenAI(base_url=proxy_off.url + "/v1", api_key="", max_retries=0,
                          timeout=300)
-
-
-def agent_cases(k: int) -> list[tuple[list[dict], list[dict], str]]:
-    """(messages, tools, name of the tool the data calls next): one turn of each of the
-    first k BFCL conversations whose next assistant turn calls a tool; the tools are that
-    tool and three others of the conversation, so prompts stay ~700 tokens."""
-    out = []
-    for conv in conversations("base"):
-        for msgs in turn_requests(conv, 3):
-            calls = conv["messages"][len(msgs)].get("tool_calls")
-            if calls:
-                name = calls[0]["function"]["name"]
-                tools = [t for t in conv["tools"] if t["function"]["name"] == name]
-                tools += [t for t in conv["tools"] if t["function"]["name"] != name][:3]
-                out.append((msgs, tools, name))
-                break
-        if len(out) == k:
-            return out
-    raise AssertionError("not enough agent turns in the shared data")
-
-
-def validate_calls(message: Any, tools: list[dict]) -> None:
-    assert message.tool_calls, message
-    schemas = {t["function"]["name"]: normalize_schema(t["function"]["parameters"]) for t in tools}
-    for call in message.tool_calls:
-        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 def test_forced_calls_over_agent_tools_parse_and_validate(openai_client) -> None:

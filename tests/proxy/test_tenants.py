@@ -10,11 +10,10 @@ import httpx
 import openai
 import pytest
 
-from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process, worker_process
+from anchorcache.testing.servers import ADMIN, Server, proxy_process, worker_process
 
 pytestmark = pytest.mark.slow
 
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import random
 
 import httpx
@@ -33,6 +34,7 @@ def worker():
     model = build_tiny_model("qwen3_next", tiny_model_dir("qwen3_next"))
     with worker_process(model=str(model)) as server:
         server.info = httpx.get(server.url + "/model_info").json()
+        server.config = json.loads((model / "config.json").read_text())
         yield server
 
 
@@ -65,7 +67,12 @@ def assert_400(resp):
 # ---- malformed input is a 4xx ---------------------------------------------------------
 
 def test_model_info_reports_the_vocabulary(worker):
-    assert worker.info["vocab_size"] > 1000
+    """The model's own vocabulary size, and its last id is a valid input (the next one, a 400
+    below, is the first outside it)."""
+    assert worker.info["vocab_size"] == worker.config["vocab_size"]
+    last = worker.info["vocab_size"] - 1
+    out = generate(worker, [1, 2, last], sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+    assert len(out["output_ids"]) == 1
 
 
 @pytest.mark.parametrize("bad", ["vocab", "negative", "int64"])

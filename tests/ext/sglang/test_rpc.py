@@ -12,9 +12,6 @@ import orjson
 import pytest
 import zmq
 import zmq.asyncio
-
-pytest.importorskip("sglang")
-
 from sglang.srt.managers.io_struct import (
     RpcReqOutput,
     async_sock_recv,

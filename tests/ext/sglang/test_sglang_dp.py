@@ -20,10 +20,16 @@ import httpx
 import pytest
 
 from anchorcache.testing.data import conversations, turn_requests, two_turn_prompts
-from anchorcache.testing.servers import Server, proxy_process, sglang_worker_process
+from anchorcache.testing.servers import (
+    ADMIN,
+    Server,
+    admin,
+    ask,
+    proxy_process,
+    sglang_worker_process,
+)
+from anchorcache.testing.worker_api import NS, flush_device, generate, post, save, verify
 from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region
-from tests.e2e.test_routing import ADMIN, admin, ask
-from tests.ext.sglang.test_sglang_worker import NS, flush_device, generate, post, save, verify
 
 pytestmark = pytest.mark.slow
 

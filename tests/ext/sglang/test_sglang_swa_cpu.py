@@ -32,9 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from anchorcache.testing.data import conversations, two_turn_prompts
-from anchorcache.testing.servers import sglang_worker_process
-from anchorcache.wire import AnchorKind, AnchorPlan, Region, SnapshotSpec
-from tests.ext.sglang.test_sglang_hybrid_cpu import (
+from anchorcache.testing.exactness import (
     NEW,
     NS,
     equal_to_transformers,
@@ -43,7 +41,9 @@ from tests.ext.sglang.test_sglang_hybrid_cpu import (
     restore,
     save,
 )
-from tests.ext.sglang.test_sglang_worker import flush_device, post
+from anchorcache.testing.servers import sglang_worker_process
+from anchorcache.testing.worker_api import flush_device, post
+from anchorcache.wire import AnchorKind, AnchorPlan, Region, SnapshotSpec
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """The SGLang worker against a real SGLang 0.5.23 server on CPU (tiny dense Qwen3 with
 the real Qwen3 tokenizer; prompts are real BFCL agent conversations rendered with its
-chat template). One server is shared by the session (tests/ext/conftest.py).
+chat template). One server is shared by the session (tests/conftest.py).
 
 Every check drops SGLang's own device cache first (`/flush_cache`), so a hit can only
 come from an anchor restored out of the host tier."""
@@ -15,6 +15,16 @@ import httpx
 import pytest
 
 from anchorcache.testing.data import two_turn_prompts
+from anchorcache.testing.servers import sglang_worker_process
+from anchorcache.testing.worker_api import (
+    NS,
+    flush_device,
+    generate,
+    post,
+    save,
+    snapshot_plan,
+    verify,
+)
 from anchorcache.wire import (
     AnchorKind,
     AnchorPlan,
@@ -28,7 +38,6 @@ from anchorcache.wire import (
 
 pytestmark = pytest.mark.slow
 
-NS = bytes(range(16, 32))
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
 
@@ -37,36 +46,6 @@ def conversations(qwen3_tokenizer):
     """Per conversation: (tool anchor depth, conversation anchor depth, turn-1 prompt ids,
     turn-2 prompt ids); see `anchorcache.testing.data.two_turn_prompts`."""
     return two_turn_prompts(qwen3_tokenizer, 8)
-
-
-def generate(url, ids, plan=None, max_new=6, logprobs=False):
-    req = GenerateRequest(input_ids=tuple(ids), anchor=plan, return_logprob=logprobs,
-                          sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0))
-    resp = httpx.post(url + "/generate", json=req.to_json(), timeout=300)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def post(url, path, body=None):
-    resp = httpx.post(url + path, json=body or {}, timeout=120)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def flush_device(url):
-    post(url, "/flush_cache")
-
-
-def snapshot_plan(*specs):
-    return AnchorPlan(NS, snapshot=tuple(SnapshotSpec(d, k, r) for d, k, r in specs))
-
-
-def save(url, ids, specs, max_new=6):
-    """Snapshot and confirm; {depth: key} of the anchors written or already held."""
-    out = generate(url, ids, snapshot_plan(*specs), max_new=max_new)
-    anchors = out["meta_info"]["anchors"]
-    post(url, "/anchor/confirm", {"slots": [w["slot"] for w in anchors["written"]]})
-    return {w["depth"]: bytes.fromhex(w["key"]) for w in anchors["written"] + anchors["held"]}, out
 
 
 def test_snapshot_flush_restore_equals_cold(sglang, conversations):
@@ -132,12 +111,6 @@ def _num_running(url) -> int:
     scheduler)."""
     loads = httpx.get(url + "/v1/loads", params={"include": "core"}, timeout=60).json()
     return int(loads["loads"][0]["num_running_reqs"])
-
-
-def verify(url, key: bytes) -> dict:
-    """The worker's byte-for-byte comparison of the device rows its tree holds for the
-    anchor `key`'s prefix with the anchor's host slabs."""
-    return post(url, "/anchor/verify", {"key": key.hex()})
 
 
 def test_eight_concurrent_restores_are_exact_and_batched(sglang, conversations):
@@ -293,20 +266,24 @@ def test_pins_stay_within_their_budget(sglang, conversations):
     assert httpx.get(url + "/anchor/stats").json()["device_pinned_tokens"] == 0
 
 
-def test_restart_gives_a_new_epoch_and_no_restore_from_the_old(sglang, conversations):
+def test_a_new_process_has_a_new_epoch_and_restores_nothing_of_the_old(
+        sglang, tiny_qwen3, conversations):
+    """A worker process started after another (as a restart does; a process of its own, so
+    the session's server is never restarted under other tests): another epoch, and the old
+    process's anchor, the same key, is not resident."""
     url = sglang.url
     _, depth, p1, p2 = conversations[5]
     keys, out = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
     old_epoch = out["meta_info"]["epoch"]
-    sglang.restart()
-    url = sglang.url
-    assert httpx.get(url + "/health").json()["epoch"] != old_epoch
-    warm = generate(url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
-    assert warm["meta_info"]["epoch"] != old_epoch
-    assert warm["meta_info"]["cached_tokens"] == 0
-    assert warm["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
-    key = anchor_keys(NS, httpx.get(url + "/model_info").json()["model_id"], p1, [depth])[depth]
-    assert key == keys[depth]  # same key, new epoch: the anchor itself is gone
+    with sglang_worker_process(model=str(tiny_qwen3)) as fresh:
+        assert httpx.get(fresh.url + "/health").json()["epoch"] != old_epoch
+        warm = generate(fresh.url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
+        assert warm["meta_info"]["epoch"] != old_epoch
+        assert warm["meta_info"]["cached_tokens"] == 0
+        assert warm["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
+        model_id = httpx.get(fresh.url + "/model_info").json()["model_id"]
+        key = anchor_keys(NS, model_id, p1, [depth])[depth]
+        assert key == keys[depth]  # same key, new epoch: the anchor itself is gone
 
 
 def test_prompt_over_the_pool_is_a_400_and_model_info_fits_the_pool(sglang, conversations):

@@ -39,7 +39,8 @@ def test_cpu_env_binds_the_ranks_unless_told(monkeypatch, tmp_path):
 def test_the_cpu_engine_hooks_only_on_the_cpu_engine(monkeypatch):
     """No PyNccl for TP groups, and a DP controller that waits on its socket: on the CPU
     engine only."""
-    hook_registry = pytest.importorskip("sglang.srt.plugins.hook_registry")
+    from sglang.srt.plugins import hook_registry
+
     registered = []
     monkeypatch.setattr(hook_registry.HookRegistry, "register",
                         classmethod(lambda cls, target, hook, kind: registered.append(
@@ -82,7 +83,6 @@ def test_the_cli_refuses_pipeline_parallelism_before_starting_anything():
     import subprocess
     import sys
 
-    pytest.importorskip("sglang")  # --backend sglang first checks that SGLang is installed
     for command in ("worker", "serve"):
         out = subprocess.run([sys.executable, "-m", "anchorcache.cli", command, "--backend",
                               "sglang", "--", "--pp-size", "2"],

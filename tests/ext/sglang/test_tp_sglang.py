@@ -25,8 +25,8 @@ import pytest
 from anchorcache.testing.data import two_turn_prompts
 from anchorcache.testing.isolation import check_tenants_stay_apart
 from anchorcache.testing.servers import Server, proxy_process, sglang_worker_process
+from anchorcache.testing.worker_api import flush_device, generate, post, save, verify
 from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region, anchor_keys
-from tests.ext.sglang.test_sglang_worker import flush_device, generate, post, save, verify
 
 pytestmark = pytest.mark.slow
 

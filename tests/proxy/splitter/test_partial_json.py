@@ -8,8 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from anchorcache.proxy.splitter.partial_json import close_json
-from tests.proxy.splitter.split_strategies import arguments
-from tests.proxy.splitter.test_split_parsers import is_prefix
+from anchorcache.testing.strategies import arguments, is_prefix
 
 
 @settings(max_examples=200, deadline=None)

@@ -21,7 +21,6 @@ the reference encodes each conversation once (`reference_ids`). Time: docs/split
 from __future__ import annotations
 
 import bisect
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -29,25 +28,10 @@ import pytest
 
 from anchorcache.proxy.splitter.hermes import lower_tools
 from anchorcache.proxy.splitter.normalize import normalize_messages
+from anchorcache.testing.adapters import template_input
 from anchorcache.testing.data import conversations, turn_requests
 
 DATASETS = ("base", "long_context")
-
-
-def template_input(messages: list[dict]) -> list[dict]:
-    """Messages as vLLM/SGLang pass them to a chat template (independent of the splitter)."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("content") is None:
-            m["content"] = ""
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": json.loads(
-                    c["function"]["arguments"]) if isinstance(c["function"]["arguments"], str)
-                    else c["function"]["arguments"]}} for c in m["tool_calls"]]
-        out.append(m)
-    return out
 
 
 @pytest.fixture(scope="module")

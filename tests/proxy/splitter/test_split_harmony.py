@@ -17,7 +17,8 @@ from anchorcache.proxy.splitter import CutKind, SplitError, get_adapter, run_spl
 from anchorcache.proxy.splitter.harmony import HarmonyAdapter, harmony_messages
 from anchorcache.proxy.splitter.normalize import normalize_messages, normalize_tools
 from anchorcache.proxy.splitter.tokenizers import HarmonyTokenizerHandle, load_tokenizer, o200k_dir
-from tests.proxy.splitter.split_strategies import conversation
+from anchorcache.testing.adapters import harmony_completion
+from anchorcache.testing.strategies import conversation
 
 SETTINGS = settings(max_examples=20, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -244,22 +245,13 @@ def test_run_split_gpt_oss(tmp_path):
 # -- output parsing ----------------------------------------------------------------------
 
 
-def _completion(adapter, *hmsgs) -> tuple[list[int], str]:
-    """Tokens a model would generate after `<|start|>assistant`, and their text."""
-    enc = adapter.tokenizer.encoding
-    ids = [t for m in hmsgs for t in enc.render(m)]
-    start = enc.encode("<|start|>assistant", allowed_special="all")
-    assert ids[: len(start)] == start
-    return ids[len(start):], enc.decode(ids[len(start):])
-
-
 def test_parser_agrees_with_openai_harmony(adapter):
     analysis = h.Message.from_role_and_content(h.Role.ASSISTANT, "User wants weather.") \
         .with_channel("analysis")
     call = h.Message.from_role_and_content(h.Role.ASSISTANT, '{"city":"Rome"}') \
         .with_channel("commentary").with_recipient("functions.get_weather") \
         .with_content_type("<|constrain|>json")
-    ids, text = _completion(adapter, analysis, call)
+    ids, text = harmony_completion(adapter, analysis, call)
     library = adapter.tokenizer.encoding.parse_messages_from_completion_tokens(
         ids, h.Role.ASSISTANT)
     parser = adapter.output_parser(TOOLS)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -12,7 +11,7 @@ from hypothesis import strategies as st
 from anchorcache.proxy.splitter.mistral import TOOL_CALLS
 from anchorcache.proxy.splitter.partial_json import close_json
 from anchorcache.proxy.splitter.types import SplitError
-from tests.proxy.splitter.split_strategies import arguments, names
+from anchorcache.testing.strategies import arguments, is_prefix, names
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
          for n in ("get_weather", "ls", "cd", "send_message", "book_flight", "mv")]
@@ -132,24 +131,6 @@ def test_stop_tokens(adapters, tokenizers_by_name):
     assert tokenizers_by_name["llama3"].token_to_id("<|eot_id|>") in \
         adapters["llama3"].stop_token_ids
     assert adapters["mistral"].stop_token_ids
-
-
-def is_prefix(part: Any, whole: Any) -> bool:
-    """Whether `part`, the value a JSON text cut short describes, is where `whole` starts."""
-    if isinstance(part, dict) and isinstance(whole, dict):
-        keys = list(part)
-        return keys == list(whole)[:len(keys)] and all(
-            is_prefix(part[k], whole[k]) if k == keys[-1] else part[k] == whole[k] for k in keys)
-    if isinstance(part, list) and isinstance(whole, list):
-        return not part or (len(part) <= len(whole) and part[:-1] == whole[:len(part) - 1]
-                            and is_prefix(part[-1], whole[len(part) - 1]))
-    if isinstance(part, str) and isinstance(whole, str):  # a cut may split a surrogate pair
-        return whole.encode("utf-16-le", "surrogatepass").startswith(
-            part.encode("utf-16-le", "surrogatepass"))
-    if isinstance(part, bool) or isinstance(whole, bool):
-        return part == whole
-    return part == whole or (isinstance(part, int | float) and isinstance(whole, int | float)
-                             and json.dumps(whole).startswith(json.dumps(part)))
 
 
 def _cut_parse(adapter, text: str, *, truncated: bool = True):

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from anchorcache.proxy.splitter import CutKind, SplitError, TextAdapter
-from tests.proxy.splitter.split_strategies import conversation, next_turn
+from anchorcache.testing.strategies import conversation, next_turn
 
 ADAPTERS = ["qwen3", "chatml", "llama3", "mistral", "harmony", "generic-qwen3",
             "generic-smollm2"]

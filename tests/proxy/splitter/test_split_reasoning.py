@@ -22,7 +22,7 @@ from anchorcache.proxy.splitter.reasoning import (
     response_parser,
     think_state,
 )
-from tests.proxy.splitter.test_split_harmony import _completion
+from anchorcache.testing.adapters import harmony_completion
 
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -214,7 +214,7 @@ def test_harmony_analysis_is_reasoning_token_by_token(adapters, ending):
                     .with_recipient("functions.get_weather").with_content_type("<|constrain|>json"))
     else:
         msgs.append(_assistant("Sunny.", "final"))
-    ids, _ = _completion(adapter, *msgs)
+    ids, _ = harmony_completion(adapter, *msgs)
     if ending == "cut":
         ids = ids[: ids.index(adapter.tokenizer.encode("<|end|>")[0]) - 2]
     library = h.StreamableParser(adapter.tokenizer.encoding, h.Role.ASSISTANT)
@@ -234,7 +234,7 @@ def test_harmony_analysis_is_reasoning_token_by_token(adapters, ending):
 
 def test_harmony_analysis_messages_are_joined_by_a_newline(adapters):
     adapter = adapters["harmony"]
-    _, text = _completion(adapter, _assistant("First.", "analysis"),
+    _, text = harmony_completion(adapter, _assistant("First.", "analysis"),
                                   _assistant("Second.", "analysis"), _assistant("Done.", "final"))
     deltas, parsed = _parse_stream(adapter.output_parser(None), list(text))
     assert parsed.reasoning == "First.\nSecond." == _joined(deltas, "reasoning")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 
 from anchorcache.proxy.splitter import SplitError, get_adapter, normalize_messages, normalize_tools
 from anchorcache.proxy.splitter.tokenizers import load_hf_dir
-from tests.proxy.splitter.split_strategies import conversation
+from anchorcache.testing.strategies import conversation
 
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,6 +1,5 @@
-"""Pure-torch reference for the anchorcache ops and random inputs for their tests.
-
-Shared by tests/ext/test_ops_*.py (holds no tests itself). Inputs are random and fresh per call (never zeros); every
+"""Pure-torch reference for the anchorcache ops and random inputs for their tests
+(tests/ext/test_ops_*.py). Inputs are random and fresh per call (never zeros); every
 comparison is bitwise (through a uint8 view), so fp8 and NaN-free floats compare alike.
 """
 

@@ -1,12 +1,15 @@
-"""Hypothesis strategies: random agent conversations in OpenAI format."""
+"""Hypothesis strategies of random agent conversations in OpenAI format (the splitter's
+property tests), and the prefix relation of a JSON value cut short (the partial JSON
+parsers' tests)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hypothesis import strategies as st
 
-text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=24)
+text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=24)
 nonempty = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc", "Z")),
                    min_size=1, max_size=16)
 names = st.sampled_from(["get_weather", "ls", "cd", "send_message", "book_flight", "mv"])
@@ -68,3 +71,21 @@ def conversation(draw, min_rounds: int = 1):
 def next_turn(draw_text: str = "more, please") -> list[dict]:
     return [{"role": "assistant", "content": "Done."},
             {"role": "user", "content": draw_text}]
+
+
+def is_prefix(part: Any, whole: Any) -> bool:
+    """Whether `part`, the value a JSON text cut short describes, is where `whole` starts."""
+    if isinstance(part, dict) and isinstance(whole, dict):
+        keys = list(part)
+        return keys == list(whole)[:len(keys)] and all(
+            is_prefix(part[k], whole[k]) if k == keys[-1] else part[k] == whole[k] for k in keys)
+    if isinstance(part, list) and isinstance(whole, list):
+        return not part or (len(part) <= len(whole) and part[:-1] == whole[:len(part) - 1]
+                            and is_prefix(part[-1], whole[len(part) - 1]))
+    if isinstance(part, str) and isinstance(whole, str):  # a cut may split a surrogate pair
+        return whole.encode("utf-16-le", "surrogatepass").startswith(
+            part.encode("utf-16-le", "surrogatepass"))
+    if isinstance(part, bool) or isinstance(whole, bool):
+        return part == whole
+    return part == whole or (isinstance(part, int | float) and isinstance(whole, int | float)
+                             and json.dumps(whole).startswith(json.dumps(part)))

@@ -1,0 +1,69 @@
+"""The suite is hermetic (tests/conftest.py, `anchorcache.testing.sandbox`): the processes
+the tests start see the sandbox's home, and a proxy started without a state dir of its own
+would open the seeded default ledger, be told by its tenants what an unknown key gets, and
+change the ledger folder, which is what the session's check compares."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from anchorcache import paths
+from anchorcache.cli import free_port, wait_ready
+from anchorcache.testing import sandbox
+from anchorcache.testing.sandbox import SENTINEL_TENANTS, fingerprint
+
+
+def test_a_subprocess_sees_the_sandbox_home_cache_and_no_user_settings(hermetic):
+    out = subprocess.run(
+        [sys.executable, "-c", "import os; from anchorcache import paths; "
+         "print(paths.default_state_dir()); print(paths.cache_dir()); "
+         "print(sorted(n for n in os.environ if n.startswith('ANCHORCACHE_')))"],
+        capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+    assert out == [str(hermetic.default_ledger), str(hermetic.cache), "['ANCHORCACHE_CACHE_DIR']"]
+    assert hermetic.default_ledger.is_relative_to(hermetic.home)
+    assert hermetic.default_ledger != hermetic.user_ledger
+    assert paths.default_state_dir() == hermetic.default_ledger  # this process too
+
+
+def test_the_default_ledger_holds_the_sentinel_tenants(hermetic, tmp_path):
+    copy = tmp_path / "ledger"
+    shutil.copytree(hermetic.default_ledger, copy)  # (opening the original would change it)
+    from anchorcache.state.ledger import Ledger
+
+    ledger = Ledger.open(copy)
+    try:
+        assert {t.name for t in ledger.tenants()} >= set(SENTINEL_TENANTS)
+    finally:
+        ledger.close()
+
+
+@pytest.mark.slow
+def test_a_proxy_without_a_state_dir_is_caught(hermetic, worker, tmp_path):
+    """A proxy started as the tests start theirs, less `--state-dir`, in a home seeded like
+    the sandbox's: an unknown key is refused (the default ledger's tenants decide), and the
+    ledger folder's fingerprint changes, so the session's check would fail the run."""
+    home = tmp_path / "home"
+    ledger = home / hermetic.default_ledger.relative_to(hermetic.home)
+    sandbox.seed_ledger(ledger)
+    before = fingerprint(ledger)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", "proxy", "--worker",
+                             worker.url, "--port", str(port), "--log-level", "warning"],
+                            env={**os.environ, "HOME": str(home)}, start_new_session=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout_s=120)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                           headers={"Authorization": "Bearer sk-placeholder"},
+                           json={"model": "default", "max_tokens": 1,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 401, reply.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert fingerprint(ledger) != before

@@ -816,6 +816,7 @@ class DiskStatsRecord:
     loads: int
     skips: int  # files refused (truncated, bad checksum, other model/version/TP) and quarantined
     evictions: int
+    imports: int = 0  # files another worker wrote into a shared directory, found on a miss
 
 
 @dataclass(frozen=True)
@@ -859,8 +860,9 @@ def parse_stats(obj: Any) -> StatsReply:
     disk = None
     if d.get("disk") is not None:
         dd = _obj(d["disk"], "disk")
-        disk = DiskStatsRecord(bool(dd.get("enabled")), *(_int(dd, name, lo=0) for name in (
-            "bytes", "files", "budget_bytes", "writes", "loads", "skips", "evictions")))
+        disk = DiskStatsRecord(bool(dd.get("enabled")), **{name: _int(dd, name, lo=0) for name in (
+            "bytes", "files", "budget_bytes", "writes", "loads", "skips", "evictions")},
+            imports=_int(dd, "imports", 0, lo=0))
     return replace(reply, scheduler_calls=calls, disk=disk)
 
 

@@ -16,6 +16,11 @@ header again, the tensors against the header's dtype and shapes, and the checksu
 that fails is moved to `DIR/quarantine/` and counted (`skips`), never returned; the caller
 then simply prefills more.
 
+Shared: workers of one model may share the directory (shared storage). A worker indexes what
+is there at start; a miss in its index then costs one stat of the exact file name for that
+key and depth (`has`), and a file another worker wrote since is indexed on the spot (header
+checked as at start, counted as an import) and loaded with every check as any file is.
+
 Bounded: LRU within `budget_bytes` (file sizes); a write or load touches the anchor, then its
 ancestors, so leaves go before the links they hang from; pinned anchors and their ancestors
 are never evicted. A disk that is full, read-only or otherwise failing turns the tier off with one log
@@ -110,6 +115,7 @@ class DiskStats:
     skips: int  # files quarantined: truncated, bad checksum, other model/version/TP layout
     evictions: int
     write_errors: int
+    imports: int  # files another worker wrote into the shared directory, found on a miss
 
 
 class CorruptSlab(Exception):
@@ -132,7 +138,8 @@ class DiskTier:
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()  # oldest use first
         self._pinned: set[bytes] = set()
-        self._counts = {"writes": 0, "loads": 0, "skips": 0, "evictions": 0, "write_errors": 0}
+        self._counts = {"writes": 0, "loads": 0, "skips": 0, "evictions": 0, "write_errors": 0,
+                        "imports": 0}
         self._queue: queue.Queue[SlabRecord | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         try:
@@ -184,9 +191,41 @@ class DiskTier:
             return sorted({e.depth for e in self._entries.values() if e.depth < limit})
 
     def has(self, key: bytes, depth: int) -> bool:
+        """Whether the tier holds `key` at `depth`: indexed, or (a directory other workers of
+        this model write too) a file of exactly that name found now, whose header checks out
+        (`_discover`)."""
         with self._lock:
             entry = self._entries.get(key)
-            return entry is not None and entry.depth == depth
+            if entry is not None:
+                return entry.depth == depth
+        return self._discover(key, depth)
+
+    def _discover(self, key: bytes, depth: int) -> bool:
+        """Index the file `<key hex>-<depth>.slab` if another worker sharing the directory
+        wrote it since `index`: one stat when there is none. Its header is checked as at
+        start (format, fingerprint, TP layout, name against key and depth); the payload when
+        it is loaded."""
+        if not self.enabled:
+            return False
+        path = self.dir / f"{key.hex()}-{depth}{SUFFIX}"
+        try:
+            if not path.is_file():
+                return False
+            entry = self._read_header(path)
+        except FileNotFoundError:
+            return False
+        except CorruptSlab as e:
+            self._quarantine(path, str(e))
+            return False
+        if entry.key != key or entry.depth != depth:  # `_check_header` checked the name
+            return False
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = entry
+                self._counts["imports"] += 1
+            self._touch(key)
+            self._evict_over_budget()
+            return key in self._entries and self._entries[key].depth == depth
 
     def load(self, key: bytes, depth: int) -> SlabRecord | None:
         """The slab of `key` at `depth` if its file is whole and checks out (LRU touch);

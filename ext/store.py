@@ -173,7 +173,7 @@ class AnchorStore:
             elif keys[ref] != ref.key:
                 reason = "key_mismatch"  # the proxy's key is not this prompt's prefix
             elif (slot := self.table.lookup(ref.key, ref.depth)) is None \
-                    and (slot := self._promote(ref.key, ref.depth)) is None:
+                    and (slot := self._promote(ref.key, ref.depth, ids)) is None:
                 reason = "not_resident"
             else:
                 slab = self._live.get(slot)
@@ -195,7 +195,8 @@ class AnchorStore:
         depths = [s.depth for s in plan.snapshot]
         if self.disk is not None:
             depths += self.disk.depths_below(len(ids))
-        late = deepest_held_chain(plan.namespace, self.model_id, ids, depths, self._held)
+        late = deepest_held_chain(plan.namespace, self.model_id, ids, depths,
+                                  lambda key, depth: self._held(key, depth, ids))
         held: list[AnchorHeld] = []
         if late and late[-1].depth > prev.depth:
             planned = {r.key for r in plan.restore}
@@ -211,7 +212,7 @@ class AnchorStore:
         return RestoreCheck(tuple(chain), restored, tuple(misses),
                             late_lookup=bool(late) and chain is late, held=tuple(held))
 
-    def _held(self, key: bytes, depth: int) -> Slab | None:
+    def _held(self, key: bytes, depth: int, ids: tuple[int, ...] | None = None) -> Slab | None:
         """The slab of `key` at `depth` if it may be restored: committed (slot-checked), or
         staged by a request that finished well and awaits the proxy's confirm. Such a slab is
         complete and was keyed by this worker over the prompt it prefilled; confirmation
@@ -224,13 +225,17 @@ class AnchorStore:
         for slot, (slab, _) in self._staged.items():
             if slab.key == key and slab.depth == depth and slot in self._staged_deadline:
                 return slab
-        promoted = self._promote(key, depth)
+        promoted = self._promote(key, depth, ids)
         return self._live.get(promoted) if promoted is not None else None
 
-    def _promote(self, key: bytes, depth: int) -> int | None:
+    def _promote(self, key: bytes, depth: int, ids: tuple[int, ...] | None = None
+                 ) -> int | None:
         """Load the anchor `key` at `depth` from the disk tier into a committed host slot;
         its slot, or None (no disk tier, no such file, a file that failed its checks, a
-        slab of another size than this worker's, no slot to be had)."""
+        slab of another size than this worker's, tokens other than `ids[start:depth]` (the
+        prompt the caller keyed `key` over), no slot to be had). The key already binds the
+        prefix; the tokens check is a second, independent one on a file this process did not
+        write (another worker's, a copy)."""
         if self.disk is None or not self.disk.has(key, depth):
             return None
         rec = self.disk.load(key, depth)
@@ -242,6 +247,10 @@ class AnchorStore:
         if rec.nbytes != self.kv_bytes_per_token * n + self.state_bytes \
                 or kv_bytes != self.kv_bytes_per_token * n or state_bytes != self.state_bytes:
             self.disk.reject(key, "its slab sizes are not this worker's")
+            return None
+        if ids is not None and rec.tokens is not None \
+                and (len(ids) < depth or rec.tokens.tolist() != list(ids[rec.start:depth])):
+            self.disk.reject(key, "its tokens are not the prompt's")
             return None
         try:
             kind = AnchorKind(rec.kind)
@@ -488,7 +497,8 @@ class AnchorStore:
             return reply
         d = self.disk.stats()
         return replace(reply, disk=DiskStatsRecord(d.enabled, d.bytes, d.files, d.budget_bytes,
-                                                   d.writes, d.loads, d.skips, d.evictions))
+                                                   d.writes, d.loads, d.skips, d.evictions,
+                                                   d.imports))
 
 
 def _record(slab: Slab) -> SlabRecord:

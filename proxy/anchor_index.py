@@ -21,7 +21,7 @@ class AnchorRecord:
     depth: int
     parent: bytes | None
     kind: AnchorKind
-    slot: int
+    slot: int | None  # None: on the worker's disk tier (it loads it when a restore names it)
     nbytes: int
     epoch: str
 

@@ -14,8 +14,10 @@ them for anchors:
   sequence ended is stopped on the worker (`/stop_request`) and settled like any other.
 - It watches the worker's epoch: the worker client passes it the epoch of every reply
   (`WorkerClient.on_epoch`, the one place epochs are observed); a new epoch forgets the
-  index, reconciles the ledger against the worker's slot listing and re-warms pinned
-  toolsets, in the background. `start()` reconciles once at proxy start, then loads the
+  index, reconciles the ledger against the worker's slot listing (its disk tier's anchors
+  included: those the ledger knows the tenant of are recovered under the new epoch) and
+  re-warms pinned toolsets, in the background (a toolset recovered from disk is pinned from
+  there, not prefilled). `start()` reconciles once at proxy start, then loads the
   committed anchors the worker still holds, so they are offered again after a proxy restart.
 - `warm()` makes an instruction prefix an anchor (a one-token request); `toolsets`
   (`toolsets.py`) warms, pins and re-warms toolsets with it and enforces the anchor-bytes
@@ -144,8 +146,11 @@ class AnchorLifecycle:
         except ApiError as e:
             log.warning("reconcile skipped, no slot listing: %s", e.message)
             return None
+        # the disk tier's anchors too: a restarted worker (or one sharing another's directory)
+        # lists them, and the ledger recovers those it knows the tenant of
         held = [HeldSlot(s.slot, s.key, s.depth, s.parent, s.nbytes)
                 for s in listing.slots if s.state == "committed"]
+        held += [HeldSlot(None, d.key, d.depth, d.parent, d.nbytes) for d in listing.disk]
         staged = [(s.slot, s.key) for s in listing.slots if s.state == "reserved"]
         report = self.ledger.reconcile(self.worker_id, listing.epoch, held, staged=staged,
                                        in_flight=self._in_flight, reason=reason)

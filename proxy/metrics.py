@@ -9,7 +9,8 @@ Three sources feed it:
   restore bytes) and `record_reservations` (how the request's reserved snapshot slots
   ended: confirmed, or aborted and why).
 - `WorkerCollector`, at scrape time: every worker's own `/anchor/stats` counters (label
-  `worker`), fetched at once with a short timeout so a dead or hung worker costs one gauge
+  `worker`; its disk tier's block as `anchorcache_worker_disk_*`: bytes, files, budget,
+  writes, loads, skips, evictions, imports, enabled), fetched at once with a short timeout so a dead or hung worker costs one gauge
   (`anchorcache_worker_up` 0), never the whole `/metrics` reply.
 
 Per-tenant series take their label from `TenantLabels`, the one place that maps a tenant id
@@ -42,7 +43,8 @@ _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
                  120.0, 300.0)
 # the worker's cumulative slot-table counters; every other number in /anchor/stats is a gauge
 _WORKER_COUNTERS = frozenset({"hits", "misses", "stale_evictions", "reservations", "confirms",
-                              "aborts", "evictions"})
+                              "aborts", "evictions", "disk_writes", "disk_loads", "disk_skips",
+                              "disk_evictions", "disk_imports"})
 
 
 class TenantLabels:
@@ -115,8 +117,13 @@ class WorkerCollector:
             return None
         if not isinstance(data, dict):
             return None
-        return {k: float(v) for k, v in data.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)}
+        out = {k: float(v) for k, v in data.items()
+               if isinstance(v, int | float) and not isinstance(v, bool)}
+        disk = data.get("disk")  # the disk tier's block (docs/disk-tier.md), as `disk_*`
+        if isinstance(disk, dict):
+            out.update({f"disk_{k}": float(v) for k, v in disk.items()
+                        if isinstance(v, int | float)})  # `enabled` (a bool) as 1 or 0
+        return out
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("anchorcache_worker_up",

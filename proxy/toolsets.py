@@ -4,9 +4,10 @@ A toolset (the leading system/developer messages and tool schemas a tenant's req
 with) is an instruction anchor in the tenant's namespace and, when an admin shares it, a copy
 in the shared namespace. `ToolsetAnchors` warms both (each warm-up a request through the
 anchor life cycle, `lifecycle.py`), pins and unpins them on the worker, re-warms the pinned
-ones at proxy start and after a worker restart, and keeps a tenant under its anchor-bytes
-quota by evicting its least recently hit anchors, never a pinned toolset's (nor the tool
-anchors it chains from). A tenant without a byte quota of its own may hold a share of each
+ones at proxy start and after a worker restart (one whose anchors reconcile recovered from the
+worker's disk tier is pinned from there, which loads it, rather than prefilled), and keeps a
+tenant under its anchor-bytes quota by evicting its least recently hit anchors, never a pinned
+toolset's (nor the tool anchors it chains from). A tenant without a byte quota of its own may hold a share of each
 worker's anchor memory (`ProxyConfig.tenant_anchor_share`, half by default), so no one
 tenant's traffic evicts every other tenant's anchors.
 """
@@ -70,7 +71,14 @@ class ToolsetAnchors:
             # worker's cache is keyed by namespace); no request runs in the shared namespace,
             # so the shared copy is pinned in the host tier only
             cache_key = engine_cache_key(ns) if tenant != SHARED_TENANT else None
-            if ts.pinned and not await self.worker.pin(key, cache_key):
+            pinned = not ts.pinned or await self.worker.pin(key, cache_key)
+            if not pinned and rec.slot is None:
+                # recovered from the worker's disk tier (reconcile), whose pin loads it from
+                # there; its file did not load (damaged, gone): prefill it after all
+                await self._evict(key)
+                rec = await self._warm(tenant, ns, ts.input_ids)
+                pinned = await self.worker.pin(key, cache_key)
+            if not pinned:
                 raise ApiError("worker_error", "the worker refused to pin the toolset anchor")
             first = first or rec
         assert first is not None

@@ -481,6 +481,16 @@ class Ledger:
         reach, not restarted); committed anchors the worker no longer lists become evicted; reserved anchors it
         lists as committed are adopted (a confirm whose reply was lost), the others aborted;
         open reservations not in flight are closed as abandoned.
+
+        Anchors listed on the worker's disk tier only (`held` with `slot` None) that the
+        ledger holds no live row of at this epoch are *recovered*: a restarted worker lists
+        the files it indexed, a worker sharing a directory lists another's. (One listed in a
+        memory slot under a new epoch was put there by this epoch's requests, whose replies
+        recorded it already; one the ledger lost track of stays out.) Each is committed
+        under this epoch for the namespace and tenant the ledger recorded it for, on any
+        worker at any epoch; the key is derived from that namespace, so no other tenant's
+        prompt can ever key it. A key the ledger never saw, or saw at another depth or for
+        more than one (namespace, tenant), is left out: nothing says whose it is.
         """
         now = self.clock()
         by_key = {h.key.hex(): h for h in held}
@@ -517,6 +527,9 @@ class Ledger:
                     aborted += 1
                     if (slot, key) in staged_set:
                         stale.append(slot)
+            seen = {key for key, *_ in rows}
+            recovered = self._recover(worker, epoch, [h for k, h in by_key.items()
+                                                      if k not in seen and h.slot is None], now)
             open_rids = [r for (r,) in self.db.execute(
                 "SELECT rid FROM reservations WHERE worker = ? AND outcome = 'open'", [worker])
                 if r not in keep]
@@ -524,9 +537,35 @@ class Ledger:
                 self.db.execute("UPDATE reservations SET outcome = 'abandoned', reason = ?, "
                                 "closed_at = ? WHERE rid = ?", [reason, now, rid])
         report = ReconcileReport(worker, epoch, kept, adopted, lost, evicted, aborted,
-                                 len(open_rids), tuple(sorted(stale)))
+                                 len(open_rids), tuple(sorted(stale)), recovered)
         self.event("reconcile", None, reason=reason, **report.to_json())
         return report
+
+    def _recover(self, worker: str, epoch: str, listed: Iterable[HeldSlot], now: float) -> int:
+        """Commit `listed` under (`worker`, `epoch`) for the one namespace and tenant the
+        ledger knows each key by (see `reconcile`); how many. In reconcile's transaction."""
+        n = 0
+        for h in listed:
+            owners = self.db.execute(
+                "SELECT DISTINCT namespace, tenant, depth FROM anchors WHERE key = ?",
+                [h.key.hex()]).fetchall()
+            if len(owners) != 1 or owners[0][2] != h.depth:
+                continue
+            namespace, tenant, _ = owners[0]
+            (kind,) = self.db.execute(
+                "SELECT kind FROM anchors WHERE key = ? ORDER BY updated_at DESC LIMIT 1",
+                [h.key.hex()]).fetchone()
+            self.db.execute(
+                "INSERT INTO anchors (worker, epoch, key, depth, parent, namespace, tenant, slot, "
+                "nbytes, kind, status, hits, last_hit, rid, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'committed', 0, NULL, NULL, ?, ?) "
+                "ON CONFLICT (worker, epoch, key) DO UPDATE SET status = 'committed', "
+                "slot = excluded.slot, nbytes = excluded.nbytes, parent = excluded.parent, "
+                "updated_at = excluded.updated_at",
+                [worker, epoch, h.key.hex(), h.depth, _hex(h.parent), namespace, tenant, h.slot,
+                 h.nbytes, kind, now, now])
+            n += 1
+        return n
 
 
 def _lock(path: Path) -> int:

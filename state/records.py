@@ -93,7 +93,7 @@ class AnchorRow:
     tenant: str
     worker: str
     epoch: str
-    slot: int
+    slot: int | None  # None: on the worker's disk tier only
     nbytes: int
     kind: str
     status: AnchorStatus
@@ -123,9 +123,10 @@ class NewAnchor:
 
 @dataclass(frozen=True)
 class HeldSlot:
-    """One committed entry of the worker's slot listing, as reconcile needs it."""
+    """One committed entry of the worker's slot listing, as reconcile needs it (`slot`
+    None: an anchor only its disk tier holds)."""
 
-    slot: int
+    slot: int | None
     key: bytes
     depth: int
     parent: bytes | None
@@ -143,8 +144,12 @@ class ReconcileReport:
     aborted: int  # reserved anchors the worker does not hold committed
     reservations_closed: int
     stale_reserved_slots: tuple[int, ...]  # slots to abort on the worker (staged, orphaned)
+    # anchors of an earlier epoch or another worker (its disk tier, a shared directory) that
+    # the worker lists under this epoch: committed again for the tenant they were recorded for
+    recovered: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"worker": self.worker, "epoch": self.epoch, "kept": self.kept,
                 "adopted": self.adopted, "lost": self.lost, "evicted": self.evicted,
-                "aborted": self.aborted, "reservations_closed": self.reservations_closed}
+                "aborted": self.aborted, "reservations_closed": self.reservations_closed,
+                "recovered": self.recovered}

@@ -50,7 +50,13 @@ def _v2(db: sqlite_utils.Database) -> None:
     db.table("responses").create_index(["expires_at"], if_not_exists=True)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2]
+def _v3(db: sqlite_utils.Database) -> None:
+    # reconcile looks an anchor up by key alone: a restarted worker's disk tier lists anchors
+    # of earlier epochs, a shared directory another worker's (Ledger._recover)
+    db.table("anchors").create_index(["key"], if_not_exists=True)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

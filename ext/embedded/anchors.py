@@ -65,20 +65,21 @@ class AnchorStore(_Store):
         """Save K/V rows up to `depth` (and, on recurrent models, the state: the cache must
         then end exactly at `depth`) as a staged anchor of `rid`."""
         key = anchor_keys(plan.namespace, self.model_id, ids, [depth])[depth]
-        return self._save(rid, cache, key, depth, spec.kind, spec.region.value)
+        return self._save(rid, cache, key, depth, spec.kind, spec.region.value, ids)
 
     def snapshot_response(self, rid: str, cache: Any, full_ids: tuple[int, ...],
                           plan: AnchorPlan) -> AnchorWritten | AnchorHeld | None:
         depth = len(full_ids)
         key = anchor_keys(plan.namespace, self.model_id, full_ids, [depth])[depth]
-        return self._save(rid, cache, key, depth, AnchorKind.RESPONSE, "thick")
+        return self._save(rid, cache, key, depth, AnchorKind.RESPONSE, "thick", full_ids)
 
     def _save(self, rid: str, cache: Any, key: bytes, depth: int, kind: AnchorKind,
-              region: Any) -> AnchorWritten | AnchorHeld | None:
+              region: Any, ids: tuple[int, ...]) -> AnchorWritten | AnchorHeld | None:
         # a cache that cannot be snapshot at `depth` is a bug of the caller: raise, uncaught
+        # `ids`: the slab keeps its tokens (a disk file is checked against the prompt's)
         return self.write(rid, key, depth, kind, region,
                           lambda start, depth: capture_slabs(self.spec, cache, start, depth),
-                          check=lambda: cache_io.check_snapshot_depth(cache, depth))
+                          check=lambda: cache_io.check_snapshot_depth(cache, depth), ids=ids)
 
 
 def capture_slabs(spec: cache_io.CacheSpec, cache: Any, start: int, depth: int

@@ -370,3 +370,80 @@ def test_no_file_ever_holds_a_name_of_a_temporary(tmp_path):
     assert s.disk is not None
     names = os.listdir(s.disk.dir)
     assert all(n.endswith(".slab") for n in names) and len(names) == 2
+
+
+# ---- a directory shared by workers of one model ------------------------------------------------
+
+def test_a_slab_another_worker_writes_later_is_imported_on_a_miss(tmp_path):
+    b = store(tmp_path)  # started (and indexed) before the other worker wrote anything
+    keys = write_chain(store(tmp_path), PROMPT, [20, 45])
+    assert b.slots("e").disk == ()  # not indexed: found only when a request names it
+    check = b.check_chain(PROMPT, plan(keys, [20, 45]))
+    assert [(s.key, s.depth) for s in check.chain] == [(keys[20], 20), (keys[45], 45)]
+    assert torch.equal(check.chain[1].kv.view(torch.int16), rows(20, 45).view(torch.int16))
+    st = b.stats("e")
+    assert st.disk is not None and (st.disk.imports, st.disk.loads, st.disk.skips) == (2, 2, 0)
+    # the late lookup imports too: a plan that names no anchor, only the cut
+    late_reader = store(tmp_path / "late")
+    write_chain(store(tmp_path / "late"), PROMPT, [20, 45])
+    late = late_reader.check_chain(PROMPT, AnchorPlan(NS, snapshot=(
+        SnapshotSpec(45, AnchorKind.CONVERSATION, Region.THICK),)))
+    assert late.late_lookup and [s.depth for s in late.chain] == [20, 45]
+    assert {(h.key, h.depth) for h in late.held} == {(keys[20], 20), (keys[45], 45)}
+
+
+def test_a_missing_file_costs_a_miss_and_nothing_else(tmp_path):
+    s = store(tmp_path)
+    assert s.disk is not None and not s.disk.has(key(9), 12)
+    assert s.check_chain(PROMPT, plan(anchor_keys(NS, MODEL, PROMPT, [20]), [20])).chain == ()
+    st = s.disk.stats()
+    assert (st.imports, st.skips, st.files) == (0, 0, 0)
+
+
+def test_a_file_copied_in_under_another_anchors_name_never_restores(tmp_path):
+    """The worst bug: a slab restored for a prefix it is not. Another tenant's file (same
+    tokens, another namespace), copied into the shared directory under this tenant's key's
+    name, is refused when the miss finds it; nothing is restored, the file is quarantined."""
+    other_ns = bytes(range(16, 32))
+    writer = store(tmp_path)
+    theirs = anchor_keys(other_ns, MODEL, PROMPT, [45])[45]
+    w = writer.write("r", theirs, 45, AnchorKind.CONVERSATION, "thick",
+                     lambda start, depth: (rows(start, depth, seed=3), state(3)), ids=PROMPT)
+    assert w is not None
+    writer.release_request("r", ok=True)
+    writer.confirm([w.slot])
+    assert writer.disk is not None
+    writer.disk.drain()
+    reader = store(tmp_path / "reader")
+    reader.disk = DiskTier(tmp_path, FP, budget_bytes=1 << 30)  # shares the directory, not indexed
+    mine = anchor_keys(NS, MODEL, PROMPT, [45])[45]
+    shutil.copy(reader.disk.dir / f"{theirs.hex()}-45.slab", reader.disk.dir / f"{mine.hex()}-45.slab")
+    check = reader.check_chain(PROMPT, AnchorPlan(NS, restore=(AnchorRef(mine, 45),), snapshot=(
+        SnapshotSpec(45, AnchorKind.CONVERSATION, Region.THICK),)))
+    assert check.chain == () and [m["reason"] for m in check.misses] == ["not_resident"]
+    assert reader.disk.stats().skips == 1 and reader.disk.stats().imports == 0
+    assert not (reader.disk.dir / f"{mine.hex()}-45.slab").exists()
+    # the other tenant's own file still answers for its own key only
+    assert reader.check_chain(PROMPT, AnchorPlan(other_ns, restore=(AnchorRef(theirs, 45),))
+                              ).depth == 45
+
+
+def test_a_file_whose_header_names_this_prefix_but_holds_another_prompts_tokens_is_refused(
+        tmp_path):
+    """A slab whose header was written for this key and depth (name, key, checksum all agree)
+    but whose rows are another prompt's: the tokens it carries are checked against the prompt
+    before it is promoted, so it is quarantined, never restored."""
+    s = store(tmp_path)
+    k = anchor_keys(NS, MODEL, PROMPT, [20])[20]
+    other = tuple(range(500, 520))
+    assert s.disk is not None
+    s.disk.put(SlabRecord(k, 20, 0, None, "conversation", rows(0, 20, seed=7), state(7),
+                          KV_BYTES_PER_TOKEN * 20 + STATE_BYTES,
+                          torch.tensor(other, dtype=torch.int64)))
+    s.disk.drain()
+    fresh = store(tmp_path)
+    for p in (plan({20: k}, [20]), AnchorPlan(NS, snapshot=(
+            SnapshotSpec(20, AnchorKind.CONVERSATION, Region.THICK),))):
+        assert fresh.check_chain(PROMPT, p).chain == ()
+    assert fresh.disk is not None and fresh.disk.stats().skips == 1
+    assert fresh.table.entries() == []

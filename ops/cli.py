@@ -309,8 +309,9 @@ def _stats_view(data: dict[str, Any]) -> Table:
         rows.append(("worker disk tier", (
             f"{disk['files']} files, {_bytes(disk['bytes'])} of {_bytes(disk['budget_bytes'])}"
             if disk["enabled"] else "off (disk full or read-only)")))
-        rows.append(("worker disk loads / skips / writes / evictions",
-                     f"{disk['loads']} / {disk['skips']} / {disk['writes']} / {disk['evictions']}"))
+        rows.append(("worker disk loads / imports / skips / writes / evictions",
+                     f"{disk['loads']} / {disk.get('imports', 0)} / {disk['skips']} / "
+                     f"{disk['writes']} / {disk['evictions']}"))
     size = led.get("size")
     if size:  # (a proxy that reports it)
         rows.append(("ledger on disk", f"{_bytes(size['file_bytes'])}: " + ", ".join(

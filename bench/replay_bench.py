@@ -59,11 +59,11 @@ def model_or_tiny(model: str | None) -> str:
 
 
 @contextmanager
-def spawn(*args: str, tail: tuple[str, ...] = ()):
-    """`anchorcache ARGS --port P ... TAIL` in its own session; its URL (a `Url`) once
-    healthy. On exit the whole session is killed (an SGLang worker's scheduler and
-    detokenizer too)."""
-    port = free_port()
+def spawn(*args: str, tail: tuple[str, ...] = (), port: int | None = None):
+    """`anchorcache ARGS --port P ... TAIL` in its own session (`port`: P, else a free
+    one); its URL (a `Url`) once healthy. On exit the whole session is killed (an SGLang
+    worker's scheduler and detokenizer too)."""
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
                              "--log-level", "warning", *tail], start_new_session=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

@@ -9,16 +9,21 @@ BFCL conversations over `--toolsets` toolsets run `--concurrent` at a time, each
 in order, as agents would. Per policy: prompt tokens prefilled against the ideal (tokens
 that no earlier request presented), TTFT p50/p99 per turn, requests/s, and the proxy's
 CPU milliseconds per request (user + system time of its process over the run). Then the
-affinity run again with the second worker SIGKILLed halfway: failed requests (only those
-streaming on it when it died may fail, with an error event; the agent retries them once),
-and the prefill it cost. Prints a table, writes bench/results/<name>.json and
-.png.
+affinity run again with the second worker SIGKILLed halfway and a replacement started on
+its port, as a supervisor restarts it (the second half of the requests sent once it is back),
+twice: a replacement that starts empty
+(`affinity_killed_halfway`), and one on the same disk-tier directory as the worker it
+replaces (`affinity_killed_halfway_disk`: it indexes the slab files, the proxy's reconcile
+recovers them, docs/disk-tier.md). Per kill run: failed requests (only those streaming on
+the worker when it died may fail, with an error event; the agent retries them once), and
+the prefill it cost. Prints a table, writes bench/results/<name>.json and .png.
+`--kill-only`: the kill runs alone (the routing policies' runs skipped).
 
 `--dp`: one SGLang server with `--dp-size 2` instead of two servers (each rank a target,
 `/dp/0` and `/dp/1`; same pool per rank). No kill run then: a rank cannot be killed alone.
 
     .venv/bin/python bench/route_replay.py [--backend sglang] [--dp] [--conversations 16]
-        [--concurrent 4] [--turns 4]
+        [--concurrent 4] [--turns 4] [--kill-only]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +51,7 @@ sys.path.insert(0, str(REPO))
 from replay_bench import model_or_tiny, spawn  # noqa: E402  (same folder: bench/ is sys.path[0])
 
 from anchorcache import bench  # noqa: E402
+from anchorcache.cli import free_port  # noqa: E402
 from anchorcache.proxy.config import ROUTES  # noqa: E402
 from anchorcache.proxy.splitter import get_adapter  # noqa: E402
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer  # noqa: E402
@@ -84,19 +91,27 @@ def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: 
         prompts: dict[tuple[int, int], list[int]],
         kill: tuple[int, Callable[[], None]] | None = None) -> dict:
     """Every conversation's turns in order, `concurrent` conversations at once. `kill`:
-    (at which request, what to call just before sending it)."""
+    (at which request, what to call just before sending it); no new request is sent while
+    it runs (the requests in flight go on)."""
     order: list[tuple[int, int]] = []  # (conversation, turn) in the order sent
     replies: dict[tuple[int, int], bench.Reply] = {}
     failures: list[str] = []
     lock = threading.Lock()
     sent = itertools.count(1)
+    gate = threading.Event()
+    gate.set()
 
     def one(c: int) -> None:
         with httpx.Client(timeout=900) as client:
             for t in range(turns):
+                gate.wait()
                 n = next(sent)
                 if kill is not None and n == kill[0]:
-                    kill[1]()
+                    gate.clear()
+                    try:
+                        kill[1]()
+                    finally:
+                        gate.set()
                 with lock:
                     order.append((c, t))
                 messages = turn_requests(convs[c], turns)[t]
@@ -149,6 +164,7 @@ def main() -> None:
     ap.add_argument("--dp", action="store_true",
                     help="one SGLang server with --dp-size 2 (its two ranks as the targets)")
     ap.add_argument("--name", default=None, help="default: route_replay_<backend>[_dp]")
+    ap.add_argument("--kill-only", action="store_true", help="only the kill runs")
     args = ap.parse_args()
     if args.dp and args.backend != "sglang":
         ap.error("--dp needs --backend sglang")
@@ -177,7 +193,7 @@ def main() -> None:
         else:
             workers = [stack.enter_context(spawn(*worker_args, tail=tail)) for _ in range(2)]
             given = list(workers)
-        for policy in ROUTES:
+        for policy in () if args.kill_only else ROUTES:
             flush(workers)
             with spawn("proxy", *itertools.chain(*(("--worker", w) for w in given)),
                        "--route", policy) as proxy:
@@ -205,26 +221,47 @@ def main() -> None:
     data = {"backend": args.backend, "model": model, "conversations": len(convs),
             "turns": args.turns, "concurrent": args.concurrent, "longest_prompt": longest,
             "runs": results}
-    bench.write_json(data, RESULTS / f"{name}.json")
+    bench.write_json(data, RESULTS / f"{name}{'_kill' if args.kill_only else ''}.json")
     behind = "2 DP ranks of one SGLang server" if args.dp else f"2 {args.backend} workers"
-    plot(results, args.turns, RESULTS / f"{name}.png",
+    plot(results, args.turns, RESULTS / f"{name}{'_kill' if args.kill_only else ''}.png",
          f"{behind}, {len(convs)} BFCL conversations, {args.concurrent} at a time")
 
 
 def kill_run(results: dict[str, dict], survivor: str, worker_args: tuple[str, ...],
              tail: tuple[str, ...], convs: list[dict], args: argparse.Namespace,
              prompts: dict) -> None:
-    """Affinity with the second worker SIGKILLed halfway (a fresh one: `survivor` stays)."""
-    flush([survivor])
-    with spawn(*worker_args, tail=tail) as doomed, \
-            spawn("proxy", "--worker", survivor, "--worker", doomed, "--route", "affinity",
-                  "--health-interval-s", "1") as proxy:
-        half = len(prompts) // 2
-        results["affinity_killed_halfway"] = run(
-            proxy, convs, args.turns, args.concurrent, args.max_tokens, prompts,
-            kill=(half, lambda: os.killpg(doomed.pid, signal.SIGKILL)))
-        print("killed", json.dumps({k: v for k, v in results["affinity_killed_halfway"].items()
-                                    if k != "per_turn"}), flush=True)
+    """Affinity with the second worker SIGKILLed halfway and a replacement started on its
+    port (`survivor` stays), once without a disk tier and once with the killed worker's."""
+    for name, disk in (("affinity_killed_halfway", False), ("affinity_killed_halfway_disk", True)):
+        flush([survivor])
+        with tempfile.TemporaryDirectory(prefix="route-replay-disk-") as folder:
+            results[name] = _kill_run(survivor, worker_args, tail, convs, args, prompts,
+                                      ("--anchor-disk-dir", folder) if disk else ())
+        print(name, json.dumps({k: v for k, v in results[name].items() if k != "per_turn"}),
+              flush=True)
+
+
+def _kill_run(survivor: str, worker_args: tuple[str, ...], tail: tuple[str, ...],
+              convs: list[dict], args: argparse.Namespace, prompts: dict,
+              disk: tuple[str, ...]) -> dict:
+    port = free_port()
+    with ExitStack() as stack:
+        doomed = stack.enter_context(spawn(*worker_args, *disk, tail=tail, port=port))
+        proxy = stack.enter_context(spawn("proxy", "--worker", survivor, "--worker", doomed,
+                                          "--route", "affinity", "--health-interval-s", "1"))
+
+        def restart() -> None:
+            """SIGKILL, then the supervisor's restart: the same port (and directory); the
+            second half is sent once the proxy has seen it come back (its health check)."""
+            os.killpg(doomed.pid, signal.SIGKILL)
+            stack.enter_context(spawn(*worker_args, *disk, tail=tail, port=port))
+            time.sleep(3)
+
+        out = run(proxy, convs, args.turns, args.concurrent, args.max_tokens, prompts,
+                  kill=(len(prompts) // 2, restart))
+        # what the replacement's disk tier did (null without one)
+        out["replacement_disk"] = httpx.get(doomed + "/anchor/stats", timeout=60).json()["disk"]
+        return out
 
 
 def plot(results: dict[str, dict], turns: int, path: Path, title: str) -> None:

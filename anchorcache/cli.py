@@ -72,6 +72,10 @@ MaxTokensPolicy = Annotated[str, typer.Option(
     help="A max_tokens beyond the room the prompt leaves in the context: clamp it to that room "
          "(the reply ends with finish_reason length / stop_reason max_tokens if it gets there) "
          "or refuse it (400).")]
+ServedModelName = Annotated[list[str] | None, typer.Option(
+    envvar="ANCHORCACHE_SERVED_MODEL_NAME",
+    help="Another name the model answers to besides its id and 'default' (repeatable; '*' for "
+         "any name), for clients that send their vendor's model names (docs/agents.md).")]
 StateDir = Annotated[str, typer.Option(envvar="ANCHORCACHE_STATE_DIR",
                                        show_default="~/.local/state/anchorcache",
                                        help="Directory of the proxy's ledger (SQLite: tenants, "
@@ -291,6 +295,7 @@ def proxy(
     tool_anchor_gap: ToolAnchorGap = TOOL_ANCHOR_GAP_TOKENS,
     max_body_bytes: MaxBody = 32 << 20,
     max_tokens_policy: MaxTokensPolicy = "clamp",
+    served_model_name: ServedModelName = None,
     state_dir: StateDir = str(default_state_dir()),
     admin_token: AdminToken = None,
     anonymous: Anonymous = None,
@@ -323,6 +328,7 @@ def proxy(
                              tool_anchor_gap=tool_anchor_gap,
                              max_body_bytes=max_body_bytes, state_dir=state_dir,
                              max_tokens_policy=max_tokens_policy,
+                             served_model_names=tuple(served_model_name or ()),
                              admin_token=admin_token or None, anonymous=anonymous,
                              strict_keys=strict_keys,
                              default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
@@ -383,6 +389,7 @@ def serve(
     anchor_disk_bytes: AnchorDiskBytes = None,
     max_body_bytes: MaxBody = 32 << 20,
     max_tokens_policy: MaxTokensPolicy = "clamp",
+    served_model_name: ServedModelName = None,
     state_dir: StateDir = str(default_state_dir()),
     admin_token: AdminToken = None,
     anonymous: Anonymous = None,
@@ -432,6 +439,7 @@ def serve(
                              canonical_tools=canonical_tools, tool_anchor_gap=tool_anchor_gap,
                              max_body_bytes=max_body_bytes,
                              max_tokens_policy=max_tokens_policy,
+                             served_model_names=tuple(served_model_name or ()),
                              state_dir=state_dir, admin_token=admin_token or None,
                              anonymous=anonymous, strict_keys=strict_keys,
                              metrics_max_tenants=metrics_max_tenants,

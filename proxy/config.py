@@ -39,6 +39,10 @@ class ProxyConfig:
     # max_tokens beyond the room the prompt leaves: "clamp" it to that room (the reply ends
     # with finish_reason "length" if it reaches it) or "refuse" it (400)
     max_tokens_policy: str = "clamp"
+    # more names the model answers to besides its own id and "default" (vLLM's
+    # --served-model-name): an agent CLI that sends its vendor's model names (Claude Code's
+    # "claude-sonnet-...") works unchanged; "*" answers to any name
+    served_model_names: tuple[str, ...] = ()
     worker_timeout_s: float = 600.0
     metrics_max_tenants: int = 100  # distinct tenant label values; later tenants → "other"
     metrics_worker_timeout_s: float = 1.0  # /metrics waits this long for the worker's stats

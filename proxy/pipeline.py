@@ -139,7 +139,10 @@ def max_new_tokens(max_tokens: int | None, *, default: int, prompt_tokens: int,
 
 
 def check_model(state: ProxyState, model: str) -> None:
-    if model not in (state.info.model_id, "default"):
+    """`model` names the served model: its id, "default", or one of the configured
+    `served_model_names` ("*": any name)."""
+    names = state.config.served_model_names
+    if model not in (state.info.model_id, "default") and model not in names and "*" not in names:
         raise ApiError("model_not_found", f"the model {model!r} does not exist; this proxy "
                        f"serves {state.info.model_id!r}", param="model")
 

@@ -19,6 +19,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -62,8 +63,13 @@ def model_or_tiny(model: str | None) -> str:
 def spawn(*args: str, tail: tuple[str, ...] = (), port: int | None = None):
     """`anchorcache ARGS --port P ... TAIL` in its own session (`port`: P, else a free
     one); its URL (a `Url`) once healthy. On exit the whole session is killed (an SGLang
-    worker's scheduler and detokenizer too)."""
+    worker's scheduler and detokenizer too). A proxy not given a `--state-dir` gets a
+    temporary one: never the user's own ledger (nor one ledger for two proxies)."""
     port = port or free_port()
+    state = None
+    if args[0] == "proxy" and "--state-dir" not in args:
+        state = tempfile.TemporaryDirectory(prefix="anchorcache-bench-")
+        args = (*args, "--state-dir", state.name)
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
                              "--log-level", "warning", *tail], start_new_session=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -82,6 +88,8 @@ def spawn(*args: str, tail: tuple[str, ...] = (), port: int | None = None):
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        if state is not None:
+            state.cleanup()
 
 
 def pick(n: int, max_turns: int, adapter, min_tokens: int, max_tokens: int) -> list[dict]:

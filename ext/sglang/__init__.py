@@ -62,7 +62,7 @@ def _prefill_adder(original, scheduler, *args, **kwargs):  # type: ignore[no-unt
     if not hasattr(cache, "admit_restore"):
         return base
     # a restore's copy stream waits for the forward stream (with the overlap schedule a
-    # batch may still run there when the copy starts: ext/sglang/device.py `_fence`), the
+    # batch may still run there when the copy starts: ext/sglang/kv.py `fence`), the
     # stream SGLang's HiCache fences its loads on too
     if cache.forward_stream is None:  # (once: the scheduler's runner keeps its stream)
         runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)

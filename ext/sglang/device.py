@@ -1,17 +1,16 @@
-"""Anchors on SGLang's device tree: rows put back into the KV pool, pins kept there.
+"""Anchors' prefixes put back into SGLang's tree: fresh pool slots, filled from host slabs.
 
-`DeviceTree` is a mixin of `AnchorRadixCache` (cache.py), so it runs on the scheduler's loop
-as all of it does, and uses SGLang's own tree operations (`match_prefix`, `insert`, `lock`,
-`evict`) and allocator. A prefix is placed whole pages at a time (`--page-size N`: the
-tail of an anchor past its last whole page is prefilled by the request). On a hybrid model
-(`_states` set) a prefix goes in with the recurrent state at its end, in a Mamba slot of
-its own (ext/sglang/hybrid.py).
+`Placer` runs on the scheduler's loop and uses SGLang's own tree operations
+(`match_prefix`, `insert`, `lock`, `evict`) and allocator. A prefix is placed whole pages
+at a time (`--page-size N`: the tail of an anchor past its last whole page is prefilled by
+the request). On a hybrid model a prefix goes in with the recurrent state at its end, in
+a Mamba slot of its own (ext/sglang/hybrid.py).
 
-Placing a prefix takes two steps, so that no copy runs on the scheduler's loop:
-`_place` allocates fresh slots (held out of the tree, so no one else can take or read them)
-and hands the slabs → slots copy to the copy thread (on CUDA its own stream); `_land`
-inserts the prefix once the copy is done. A request whose restore is in flight stays in
-the waiting queue until then (ext/sglang/admission.py); a pin waits for its copy.
+Placing a prefix takes two steps, so that no copy runs on the scheduler's loop: `place`
+allocates fresh slots (held out of the tree, so no one else can take or read them) and
+hands the slabs → slots copy to the copy thread (on CUDA its own stream); `land` inserts
+the prefix once the copy is done. A request whose restore is in flight stays in the
+waiting queue until then (ext/sglang/admission.py); a pin waits for its copy.
 """
 
 from __future__ import annotations
@@ -20,17 +19,19 @@ import logging
 import time
 from array import array
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext as _no_stream
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from anchorcache.ext import ops
-from anchorcache.ext.store import AnchorStore, Slab
+from anchorcache.ext.store import Slab
 
 from . import swa, tp
+from .faults import RESTORE_SLOW_S, Faults
+from .kv import DeviceKV
+from .timing import CallTimes
 
 try:  # SGLang is an optional dependency of the package; this module runs inside it
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -41,22 +42,10 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("anchorcache.sglang")
 
-RESTORE_SLOW_S = 1.0  # the `restore_slow` fault's delay of one restore copy (tests)
-
-
-@dataclass
-class DevicePin:
-    """A pinned anchor's prefix, held in SGLang's tree by a lock reference, under the
-    engine cache key (SGLang's `extra_key`) of the namespace whose requests it serves."""
-
-    lock: Any
-    tokens: int
-    extra_key: str | None
-
 
 @dataclass
 class Placement:
-    """A prefix on its way into the tree (`DeviceTree._place`, then `_land`)."""
+    """A prefix on its way into the tree (`Placer.place`, then `land`)."""
 
     key: Any  # the prefix's RadixKey
     depth: int
@@ -68,97 +57,45 @@ class Placement:
     fresh: swa.Fresh | None = None  # on the sliding-window pool: `rows`, some with a window
 
 
-class DeviceTree:
-    """Placing anchors' prefixes in SGLang's tree (restores, pins); see the module docstring.
-    The attributes below are `AnchorRadixCache`'s (set in `attach_anchors`) and SGLang's."""
+Landed = tuple[Any, int, int]  # (lock, tokens scattered, tokens found on the device)
 
-    anchors: AnchorStore
-    page_size: int
-    token_to_kv_pool_allocator: Any
-    _k: list[torch.Tensor]
-    _v: list[torch.Tensor]
-    _pins: dict[bytes, DevicePin]
-    _pinned_tokens: int
-    _pin_budget: int
-    _pin_states: int | None  # a hybrid model's bound on pins (each holds a Mamba slot)
-    _repin: dict[bytes, str | None]  # pins a device flush dropped → their extra_key
-    _fault: str | None
-    _states: list[torch.Tensor] | None  # a hybrid model's state tensors (hybrid.state_views)
-    _window: swa.WindowPool | None  # SGLang's sliding-window pool (ext/sglang/swa.py)
-    _copier: ThreadPoolExecutor
-    _copy_stream: torch.cuda.Stream | None
-    forward_stream: Any  # SGLang's (CUDA), which the copy stream waits for (`_fence`)
-    _placing_rows: int  # slots (Mamba slots, window slots) held by placements in flight
-    _placing_states: int
-    _placing_windows: int
-    _tp_group: Any
-    _timed: Any
-    req_to_token_pool: Any
-    tree_core: Any
-    match_prefix: Any
-    insert: Any
-    lock: Any
-    unlock: Any
-    evict: Any
-    evictable_size: Any
-    path_device_indices: Any
 
-    # ---- device pins --------------------------------------------------------------------
-    def _pin_device(self, key: bytes, extra_key: str | None) -> str:
-        """Lock the committed anchor `key`'s prefix in the tree, under `extra_key` (where
-        requests of that cache key find it); how it went: `locked`, or why not
-        (`over_budget`, `no_device_space`, `no_tokens`). An anchor is pinned on the device
-        under one key: pinned again under another, it stays where it is."""
-        if key in self._pins:
-            return "locked"
-        found = self.anchors.prefix_of(key)
-        if found is None:
-            return "no_tokens"
-        chain, ids = found
-        ids = ids[:self._paged(len(ids))]
-        if not ids:
-            return "no_tokens"  # shorter than one page: nothing the tree can hold
-        if self._pinned_tokens + len(ids) > self._pin_budget or (
-                self._pin_states is not None and len(self._pins) >= self._pin_states):
-            return "over_budget"
-        placed = self._to_device(chain, ids, extra_key)
-        if placed is None:
-            return "no_device_space"
-        self._pins[key] = DevicePin(placed[0], len(ids), extra_key)
-        self._pinned_tokens += len(ids)
-        return "locked"
+class Placer:
+    """Placing anchors' prefixes in SGLang's tree `tree` (restores, pins); see the module
+    docstring. It owns the count of slots its placements in flight hold out of the tree."""
 
-    def _unpin_device(self, key: bytes) -> None:
-        self._repin.pop(key, None)
-        pin = self._pins.pop(key, None)
-        if pin is not None:
-            self.unlock(pin.lock)
-            self._pinned_tokens -= pin.tokens
+    def __init__(self, tree: Any, kv: DeviceKV, faults: Faults, times: CallTimes,
+                 tp_group: Any) -> None:
+        self._tree = tree  # the AnchorRadixCache: SGLang's tree operations
+        self._kv = kv
+        self._faults = faults
+        self._times = times
+        self._tp_group = tp_group
+        # slots (Mamba slots, window slots) held by placements in flight: SGLang's idle
+        # memory check counts them (`AnchorRadixCache.protected_size`)
+        self.placing_rows = self.placing_states = self.placing_windows = 0
 
-    def _pin_again(self) -> None:
-        keys, self._repin = self._repin, {}
-        pinned = {e.key for e in self.anchors.table.entries() if e.pinned}
-        for key, extra_key in keys.items():
-            if key in pinned:
-                self._pin_device(key, extra_key)
+    def forget(self) -> None:
+        """A flush: the allocator's own reset takes back what placements held."""
+        self.placing_rows = self.placing_states = self.placing_windows = 0
 
-    def _paged(self, depth: int) -> int:
+    def paged(self, depth: int) -> int:
         """The page-aligned part of a prefix of `depth` tokens."""
-        return depth - depth % self.page_size
+        return depth - depth % self._tree.page_size
 
-    def _to_device(self, chain: tuple[Slab, ...], ids: tuple[int, ...], extra_key: str | None
-                   ) -> tuple[Any, int, int] | None:
+    def to_device(self, chain: tuple[Slab, ...], ids: tuple[int, ...], extra_key: str | None
+                  ) -> Landed | None:
         """Put the prefix `ids` (the rows of `chain`) into the tree and lock it, waiting for
-        the copy (pins; a request's restore waits in the queue instead: `_place`, `_land`).
+        the copy (pins; a request's restore waits in the queue instead: `place`, `land`).
         (lock, tokens scattered, tokens found on the device), or None without room."""
-        room = self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
-        placement = self._place(chain, ids, extra_key, lambda: room)
-        return self._land(placement) if isinstance(placement, Placement) else None
+        room = self._kv.allocator.available_size() + self._tree.evictable_size()
+        placement = self.place(chain, ids, extra_key, lambda: room)
+        return self.land(placement) if isinstance(placement, Placement) else None
 
-    def _place(self, chain: tuple[Slab, ...], ids: tuple[int, ...], extra_key: str | None,
-               room: Callable[[], int]) -> Placement | str:
+    def place(self, chain: tuple[Slab, ...], ids: tuple[int, ...], extra_key: str | None,
+              room: Callable[[], int]) -> Placement | str:
         """Start putting the prefix `ids` (the rows of `chain`) into the tree: what SGLang
-        still holds stays (locked until `_land`), the rest is written from the slabs into
+        still holds stays (locked until `land`), the rest is written from the slabs into
         fresh pool slots, held out of the tree, by the copy thread; on a hybrid model the
         chain's state at `len(ids)` goes into a fresh Mamba slot the same way (SGLang's own
         match finds a prefix only where a state is). Why not, instead: `no_room` when the
@@ -168,30 +105,31 @@ class DeviceTree:
         nowhere else). `ids` is whole pages; the chain may reach further (its rows past
         `ids` stay put). The prefix goes in under `extra_key`, the engine cache key of the
         requests it is for: SGLang's match finds it for those only."""
+        tree, kv, faults = self._tree, self._kv, self._faults
         depth = len(ids)
         tip = chain[-1] if chain else None
-        hybrid = self._states is not None
-        if (hybrid or self._window is not None) and (
+        hybrid = kv.states is not None
+        if (hybrid or kv.window is not None) and (
                 tip is None or tip.depth != depth or tip.state is None):
             return "no_state"
         key = RadixKey(array("q", ids), extra_key)
         if hybrid:  # the KV the tree holds, with or without states (SGLang's match stops at
-            n_full, node, _ = self.tree_core.match_full_device_prefix(key)  # the last one)
+            n_full, node, _ = tree.tree_core.match_full_device_prefix(key)  # the last one)
         else:
-            match = self.match_prefix(MatchPrefixParams(key=key))
+            match = tree.match_prefix(MatchPrefixParams(key=key))
             n_full, node = match.device_prefix_len, match.last_device_node
-        path = self.path_device_indices(node).to(torch.int64)
+        path = tree.path_device_indices(node).to(torch.int64)
         on_device = min(int(n_full), len(path), depth)
         need = depth - on_device
         # the tree's part stays until the insert (its KV; a state there is not ours to hold),
         # and the fresh slots' allocation below cannot evict it
-        head_lock = self.lock(node, (ComponentType.MAMBA,)) if on_device else None
+        head_lock = tree.lock(node, (ComponentType.MAMBA,)) if on_device else None
         if need > room():
-            self.unlock(head_lock)
+            tree.unlock(head_lock)
             return "no_room"
         fresh = None
-        if self._window is not None:  # window slots for the tokens in the tip's window only
-            windowed = min(need, depth - self._window.span(depth)[0])
+        if kv.window is not None:  # window slots for the tokens in the tip's window only
+            windowed = min(need, depth - kv.window.span(depth)[0])
             fresh = self._alloc_windowed(need, windowed)
             rows = fresh.rows if fresh is not None else None
         else:
@@ -199,15 +137,14 @@ class DeviceTree:
         slot = self._alloc_state() if hybrid else None
         if rows is None or (hybrid and slot is None):
             self._free(rows, slot)
-            self.unlock(head_lock)
+            tree.unlock(head_lock)
             return "no_device_space"
         slabs, where = self._slabs(chain, on_device, depth, rows)
         state, index = None, 0
         if tip is not None and (slot is not None or fresh is not None):
-            index = int(self.req_to_token_pool.translate_mamba_indices(slot)[0]) if slot else 0
+            index = int(kv.req_to_token_pool.translate_mamba_indices(slot)[0]) if slot else 0
             state = tip.state
-            if self._fault == "restore_state_flip":
-                self._fault = None
+            if faults.take("restore_state_flip"):
                 state = state.clone()
                 at = 1 if fresh is None else len(state) - 3  # (a window's last row is live)
                 state[at] ^= 0x40  # an exponent bit of a value (float32 or bf16)
@@ -215,19 +152,19 @@ class DeviceTree:
         copy = None
         if slabs or state is not None:
             delay, fail = 0.0, False
-            if self._fault == "restore_slow":
-                self._fault, delay = None, RESTORE_SLOW_S
-            elif self._fault == "restore_copy_fail":
-                self._fault, fail = None, True
-            self._fence()
+            if faults.take("restore_slow"):
+                delay = RESTORE_SLOW_S
+            elif faults.take("restore_copy_fail"):
+                fail = True
+            kv.fence()
             # the tip's window goes to its fresh tokens only: the head's part of it is the
             # tree's, live (SGLang's match ends only after a whole live window)
             window_rows = rows[need - fresh.windowed:] if fresh is not None else None
-            copy = self._copier.submit(self._write, slabs, where, state, index, delay,
-                                       window_rows, fail)
-        self._placing_rows += need
-        self._placing_states += slot is not None
-        self._placing_windows += fresh.windowed if fresh is not None else 0
+            copy = kv.copier.submit(self._write, slabs, where, state, index, delay,
+                                    window_rows, fail)
+        self.placing_rows += need
+        self.placing_states += slot is not None
+        self.placing_windows += fresh.windowed if fresh is not None else 0
         return Placement(key, depth, path[:on_device], head_lock, rows, slot, copy, fresh)
 
     def _write(self, slabs: list[torch.Tensor], where: list[torch.Tensor],
@@ -240,111 +177,101 @@ class DeviceTree:
         time.sleep(delay)
         if fail:
             raise RuntimeError("injected fault: restore_copy_fail")
+        kv = self._kv
         t = time.perf_counter()
-        states = self._states if state is not None and window_rows is None else None
+        states = kv.states if state is not None and window_rows is None else None
         mamba = state if states is not None else None
-        with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None \
-                else _no_stream():
-            ops.restore_chain(slabs, where, self._k, self._v, layout="thd", state_slab=mamba,
+        with kv.on_copy_stream():
+            ops.restore_chain(slabs, where, kv.k, kv.v, layout="thd", state_slab=mamba,
                               states=states, state_index=index)
-            if window_rows is not None and state is not None and self._window is not None:
-                self._window.write(state, window_rows)
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()  # done means on the device
+            if window_rows is not None and state is not None and kv.window is not None:
+                kv.window.write(state, window_rows)
+        kv.synchronize()  # done means on the device
         return time.perf_counter() - t
 
-    def _landed(self, placement: Placement) -> bool:
+    def landed(self, placement: Placement) -> bool:
         """Whether `placement`'s copy is done, on every TP rank (each rank copies its own
         shard; they must admit the request in the same round)."""
         done = placement.copy is None or placement.copy.done()
         return bool(tp.all_ranks(self._tp_group, torch.tensor([done]))[0])
 
-    def _land(self, placement: Placement) -> tuple[Any, int, int] | None:
-        """Finish `_place`: wait for the copy (if it failed, the slots go back) and insert
+    def land(self, placement: Placement) -> Landed | None:
+        """Finish `place`: wait for the copy (if it failed, the slots go back) and insert
         the prefix, with its state on a hybrid model; (lock, tokens scattered, tokens
         found on the device), or None."""
-        pl = placement
-        self._placing_rows -= len(pl.rows)
-        self._placing_states -= pl.slot is not None
-        self._placing_windows -= pl.fresh.windowed if pl.fresh is not None else 0
+        tree, kv, pl = self._tree, self._kv, placement
+        self.placing_rows -= len(pl.rows)
+        self.placing_states -= pl.slot is not None
+        self.placing_windows -= pl.fresh.windowed if pl.fresh is not None else 0
         copied = True
         try:
             if pl.copy is not None:
-                self._timed("restore_copy", 0.0, 1e3 * pl.copy.result())
+                self._times.add("restore_copy", 0.0, 1e3 * pl.copy.result())
         except Exception:
             log.exception("a restore copy failed")
             copied = False
         # each rank wrote its shard: a prefix lands on every rank or on none (the ranks must
         # admit the request alike), so one rank's failed copy is every rank's
         if not bool(tp.all_ranks(self._tp_group, torch.tensor([copied]))[0]):
-            self.unlock(pl.head_lock)
+            tree.unlock(pl.head_lock)
             self._free(pl.rows if pl.fresh is None else None, pl.slot)
             if pl.fresh is not None:
-                pl.fresh.free(self.token_to_kv_pool_allocator)
+                pl.fresh.free(kv.allocator)
             return None
         on_device = len(pl.head)
         if len(pl.rows) or pl.slot is not None:
             params = InsertParams(
                 key=pl.key, value=torch.cat([pl.head, pl.rows]), prev_prefix_len=on_device,
                 **({} if pl.slot is None else {"mamba_value": pl.slot}))
-            if self._window is not None:  # the tokens before the window have no window rows
-                params.set_evicted_seqlen(ComponentType.SWA, self._window.span(pl.depth)[0])
-            result = self.insert(params)
+            if kv.window is not None:  # the tokens before the window have no window rows
+                params.set_evicted_seqlen(ComponentType.SWA, kv.window.span(pl.depth)[0])
+            result = tree.insert(params)
             # `prev_prefix_len`: the head is the tree's own slots, not duplicates to free
             # (the insert frees any other overlap itself); a state already there wins
             if pl.slot is not None and result.mamba_exist:
                 self._free(None, pl.slot)
-        self.unlock(pl.head_lock)
-        match = self.match_prefix(MatchPrefixParams(key=pl.key))
+        tree.unlock(pl.head_lock)
+        match = tree.match_prefix(MatchPrefixParams(key=pl.key))
         if int(match.device_prefix_len) != pl.depth:
             return None  # (never seen: SGLang dropped a hybrid state at once)
-        return self.lock(match.last_device_node), len(pl.rows), on_device
-
-    def _fence(self) -> None:
-        """On CUDA, order the copy stream after everything the scheduler queued so far:
-        its own stream and SGLang's forward stream (with the overlap schedule a batch may
-        still be running there, reading or writing slots that were just freed)."""
-        if self._copy_stream is None:
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream())
-        if self.forward_stream is not None:
-            self._copy_stream.wait_stream(self.forward_stream)
+        return tree.lock(match.last_device_node), len(pl.rows), on_device
 
     def _free(self, rows: torch.Tensor | None, slot: torch.Tensor | None) -> None:
         if rows is not None and len(rows):
-            self.token_to_kv_pool_allocator.free(rows)
+            self._kv.allocator.free(rows)
         if slot is not None:
-            self.req_to_token_pool.mamba_allocator.free(slot)
+            self._kv.req_to_token_pool.mamba_allocator.free(slot)
 
     def _alloc_state(self) -> torch.Tensor | None:
         """A free Mamba slot (`[1]`), evicting one unlocked tree state for it if need be."""
-        allocator = self.req_to_token_pool.mamba_allocator
+        allocator = self._kv.req_to_token_pool.mamba_allocator
         got = allocator.alloc(1)
         if got is None:
-            self.evict(EvictParams(num_tokens=0, mamba_num=1))
+            self._tree.evict(EvictParams(num_tokens=0, mamba_num=1))
             got = allocator.alloc(1)
         return None if got is None else got.view(1)
 
     def _alloc_windowed(self, n: int, windowed: int) -> swa.Fresh | None:
         """`_alloc` on the sliding-window pool: `n` fresh full slots, the last `windowed` with
         a window slot each, evicting unlocked tree nodes (either kind of slot) for them."""
-        assert self._window is not None
-        allocator = self.token_to_kv_pool_allocator
+        window = self._kv.window
+        assert window is not None
+        allocator = self._kv.allocator
         short_full = n - allocator.full_available_size()
         short_window = windowed - allocator.swa_available_size()
         if short_full > 0 or short_window > 0:
-            self.evict(EvictParams(num_tokens=max(0, short_full),
-                                   swa_num_tokens=max(0, short_window)))
-        return self._window.take(n, windowed)
+            self._tree.evict(EvictParams(num_tokens=max(0, short_full),
+                                         swa_num_tokens=max(0, short_window)))
+        return window.take(n, windowed)
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         """`n` fresh pool slots, evicting unlocked tree nodes for them; None (and nothing
         evicted) when even that would not make room."""
-        allocator = self.token_to_kv_pool_allocator
-        if allocator.available_size() + self.evictable_size() < n:
+        allocator = self._kv.allocator
+        if allocator.available_size() + self._tree.evictable_size() < n:
             return None
         if allocator.available_size() < n:
-            self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            self._tree.evict(EvictParams(num_tokens=n - allocator.available_size()))
         if allocator.available_size() < n:
             return None
         got = allocator.alloc(n)
@@ -364,8 +291,7 @@ class DeviceTree:
                 kv = kv[:, :, a - slab.start:b - slab.start].contiguous()
             slabs.append(kv)
             where.append(rows[a - skip: b - skip].contiguous())
-        if self._fault == "restore_shift_row" and slabs and slabs[-1].shape[2] > 1:
-            self._fault = None
+        if slabs and slabs[-1].shape[2] > 1 and self._faults.take("restore_shift_row"):
             kv = slabs[-1].clone()
             mid = kv.shape[2] // 2
             kv[:, :, mid] = kv[:, :, mid - 1]

@@ -10,7 +10,7 @@ nothing: the recurrent state for it is gone. So on a hybrid model:
   prefill chunk there. SGLang's own checkpoint at the chunk end then runs with the request's state
   at exactly that depth, and our checkpoint hook copies it (`state_slot`) with the KV rows.
 - A restore puts the rows into fresh token slots and the state into a fresh Mamba slot,
-  and inserts both under the anchor's tokens (`DeviceTree._place`), so SGLang's own
+  and inserts both under the anchor's tokens (`Placer.place`), so SGLang's own
   match finds the state and copies it into the request's slot (its copy-on-write).
 
 Layouts (SGLang 0.5.23, `HybridReqToTokenPool` + `HybridLinearKVPool`): KV rows live in

@@ -8,7 +8,7 @@ stores stay identical as long as nothing but the call sequence feeds their decis
 
 - the slot table's LRU is a logical clock (one tick per commit or hit);
 - the staged TTL reads the call's own time (`now`, stamped by the HTTP process), never the
-  rank's clock (`AnchorRadixCache.__call__` sets `AnchorStore.clock`);
+  rank's clock (`AnchorStore.clock` reads `RpcOps.call_time`, ext/sglang/rpc_ops.py);
 - the epoch is drawn once, on rank 0, and broadcast (`shared_epoch`);
 - only rank 0 pushes the reply of a call (`is_reply_rank`);
 - a check that reads the device (`verify`) combines every rank's shard (`all_ranks`).

@@ -38,7 +38,7 @@ class Rank:
         self.process_now = 0.0  # this rank's own clock during the current call
         table = SlotTable(6, 40 * BYTES_PER_TOKEN, pinned_slots=2)
         self.store = AnchorStore(MODEL, table, kv_bytes_per_token=BYTES_PER_TOKEN)
-        # the SGLang cache points the clock at the call's time (AnchorRadixCache._call_time);
+        # the SGLang cache points the clock at the call's time (RpcOps.call_time, ext/sglang/rpc_ops.py);
         # the control keeps the process clock, here the caller's time plus this rank's skew
         self.store.clock = (lambda: self.now) if call_clock else (lambda: self.process_now)
 

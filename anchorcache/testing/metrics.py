@@ -27,7 +27,7 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 
 
 def scrape(proxy: Any) -> Samples:
-    """`proxy`'s (a `Server`) `/metrics` now."""
+    """`proxy`'s (an `Endpoint`) `/metrics` now."""
     import httpx
 
     resp = httpx.get(proxy.url + "/metrics", timeout=30)

@@ -17,8 +17,16 @@ from anchorcache.cli import free_port, wait_ready
 
 
 @dataclass
-class Server:
+class Endpoint:
+    """A server the tests reach by URL, in this process or another."""
+
     url: str
+
+
+@dataclass
+class Server(Endpoint):
+    """A server in a process of its own, which a test may stop or kill."""
+
     proc: subprocess.Popen
 
     def kill(self) -> None:
@@ -120,7 +128,7 @@ def proxy_process(worker_url: str | list[str], *extra: str, env: dict[str, str] 
             server.stop()
 
 
-def tenant_key(proxy: Server, name: str) -> str:
+def tenant_key(proxy: Endpoint, name: str) -> str:
     """A new tenant on `proxy` (through its admin API) and that tenant's API key."""
     import httpx
 
@@ -130,7 +138,7 @@ def tenant_key(proxy: Server, name: str) -> str:
     return reply.json()["api_key"]
 
 
-def admin(proxy: Server, path: str, method: str = "GET", **kw: Any) -> Any:
+def admin(proxy: Endpoint, path: str, method: str = "GET", **kw: Any) -> Any:
     """An admin API call (`kw` goes to httpx) that must succeed; its JSON reply."""
     import httpx
 
@@ -139,7 +147,7 @@ def admin(proxy: Server, path: str, method: str = "GET", **kw: Any) -> Any:
     return resp.json()
 
 
-def ask(proxy: Server, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+def ask(proxy: Endpoint, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
         **kw: Any) -> tuple[dict[str, Any], str]:
     """A greedy 6-token chat completion as the anonymous tenant; (reply, the name of the
     worker that served it: `X-Anchorcache-Worker`)."""

@@ -15,7 +15,7 @@ import httpx
 from anchorcache.proxy.tenants import ANONYMOUS
 from anchorcache.testing.data import conversations, turn_requests
 from anchorcache.testing.metrics import delta, scrape, value
-from anchorcache.testing.servers import Server
+from anchorcache.testing.servers import Endpoint
 
 CHAT = "/v1/chat/completions"
 # a trip's arguments, as a response schema
@@ -24,7 +24,7 @@ TRIP = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
         "required": ["city", "days"], "additionalProperties": False}
 
 
-def chat(proxy: Server, messages: list[dict[str, Any]], *,
+def chat(proxy: Endpoint, messages: list[dict[str, Any]], *,
          headers: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
     """A greedy chat completion through `proxy` (`kw`: more of the body); its reply."""
     resp = httpx.post(proxy.url + CHAT, timeout=300, headers=headers, json={
@@ -64,7 +64,7 @@ def validate_calls(message: Any, tools: list[dict]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
-def stop_then_next_turn(stopper: Server, model_dir: Path, stream: bool,
+def stop_then_next_turn(stopper: Endpoint, model_dir: Path, stream: bool,
                         flush: Callable[[], None] = lambda: None) -> None:
     """A greedy turn of the default model ended by a stop string, then the next turn.
     `flush` runs before each anchored request (SGLang: empties its device tree, so what the

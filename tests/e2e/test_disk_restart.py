@@ -137,38 +137,49 @@ def test_a_restarted_worker_restores_from_disk_and_skips_corrupt_files(default_m
         kill_tree(proc)
 
 
-def test_a_restarted_sglang_worker_restores_a_chain_from_disk(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"], ids=["dense", "hybrid"])
+def test_a_restarted_sglang_worker_restores_a_chain_from_disk(arch, tmp_path):
     """SGLang with the plugin, SIGKILLed and started again on the same disk directory: a
-    tool + conversation chain comes back from the files with the cold run's output."""
+    tool + conversation chain comes back from the files (on the hybrid Qwen3.5, each slab
+    with its recurrent and conv state) with the tokens and logprobs of a cold run whose
+    prefill chunks end at the same depths."""
     from transformers import AutoTokenizer
 
-    from anchorcache.ext.embedded.tiny_models import qwen3_tokenizer_dir
+    from anchorcache.ext.embedded.tiny_models import (
+        build_tiny_model,
+        qwen3_tokenizer_dir,
+        tiny_model_dir,
+    )
     from anchorcache.testing.data import two_turn_prompts
+    from anchorcache.testing.exactness import cold_cut, generate, restore, same, save
     from anchorcache.testing.servers import sglang_worker_process
-    from anchorcache.testing.worker_api import NS, flush_device, generate, save
-    from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region
+    from anchorcache.testing.worker_api import flush_device
 
+    model = str(build_tiny_model(arch, tiny_model_dir(arch)))
     tool, conv, p1, p2 = two_turn_prompts(
         AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir())), 1)[0]
-    env = {"ANCHORCACHE_ANCHOR_DISK_DIR": str(tmp_path / "disk")}
-    with sglang_worker_process(model=str(tiny_qwen3), env=env) as w1:
-        keys, _ = save(w1.url, p1, [(tool, AnchorKind.INSTRUCTION, Region.THIN),
-                                    (conv, AnchorKind.CONVERSATION, Region.THICK)])
-        flush_device(w1.url)
-        cold = generate(w1.url, p2)
+    # float32 throughout (SGLang's --dtype auto serves the float32 model in float16 and keeps
+    # a hybrid's conv window in bfloat16 unless told)
+    args = ("--dtype", "float32", "--max-total-tokens", "6000")
+    env = {"ANCHORCACHE_ANCHOR_DISK_DIR": str(tmp_path / "disk"),
+           "SGLANG_MAMBA_CONV_DTYPE": "float32"}
+    with sglang_worker_process(*args, model=model, env=env) as w1:
+        cold = cold_cut(w1.url, p2, tool, conv)  # staged, then aborted: no file
         assert cold["meta_info"]["cached_tokens"] == 0
+        flush_device(w1.url)  # a hybrid's snapshot needs its prefix prefilled, not cached
+        keys = save(w1.url, p1, tool, conv)
         deadline = time.monotonic() + 60
         while len(list((tmp_path / "disk").glob("*/*.slab"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         w1.kill()
-    with sglang_worker_process(model=str(tiny_qwen3), env=env) as w2:
+    with sglang_worker_process(*args, model=model, env=env) as w2:
         listing = httpx.get(w2.url + "/anchor/slots", timeout=60).json()
         assert {(d["key"], d["depth"]) for d in listing["disk"]} == \
             {(keys[tool].hex(), tool), (keys[conv].hex(), conv)}
-        chain = (AnchorRef(keys[tool], tool), AnchorRef(keys[conv], conv))
-        warm = generate(w2.url, p2, AnchorPlan(NS, restore=chain))
+        warm = generate(w2.url, p2, restore((tool, keys[tool]), (conv, keys[conv])),
+                        logprobs=True)
         assert [r["depth"] for r in warm["meta_info"]["anchors"]["restored"]] == [tool, conv]
         assert warm["meta_info"]["cached_tokens"] == conv
-        assert warm["output_ids"] == cold["output_ids"]
+        same(warm, cold)
         disk = httpx.get(w2.url + "/anchor/stats", timeout=60).json()["disk"]
         assert disk["loads"] == 2 and disk["skips"] == 0, disk

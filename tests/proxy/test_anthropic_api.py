@@ -11,7 +11,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from anchorcache.testing.servers import proxy_process, tenant_key
+from anchorcache.testing.inprocess import proxy_in_process
+from anchorcache.testing.servers import tenant_key
 
 pytestmark = pytest.mark.slow
 
@@ -217,7 +218,7 @@ def test_a_shared_cache_control_system_block_is_read_from_cache(client):
 @pytest.fixture(scope="module")
 def off_client(worker):
     """A second proxy on the same worker with anchors off: the reference outputs."""
-    with proxy_process(worker.url, "--no-anchors") as off:
+    with proxy_in_process(worker.url, anchors=False) as off:
         yield anthropic.Anthropic(base_url=off.url, api_key=tenant_key(off, "reference"),
                                   max_retries=0, timeout=120)
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from anchorcache.testing.inprocess import proxy_in_process
 from anchorcache.testing.sdk import run_client
-from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process
+from anchorcache.testing.servers import ADMIN_TOKEN, Endpoint, Server
 
 pytestmark = pytest.mark.slow
 
@@ -31,26 +32,27 @@ def readme_examples(url: str) -> list[str]:
     return [b.replace(README_URL, url) for b in blocks[:2]]
 
 
-def chat(proxy: Server, key: str | None) -> httpx.Response:
+def chat(proxy: Endpoint, key: str | None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     return httpx.post(proxy.url + "/v1/chat/completions", headers=headers, timeout=300,
                       json={"model": "default", "messages": HI, "max_tokens": 2})
 
 
 @pytest.fixture()
-def fresh(worker: Server) -> Iterator[Server]:
-    """A proxy with a ledger of its own: no tenant yet, as after `make serve`."""
-    with proxy_process(worker.url) as server:
+def fresh(worker: Server) -> Iterator[Endpoint]:
+    """A proxy with a ledger of its own: no tenant yet, as after `make serve` (in this
+    process: the SDKs' subprocess reaches it by URL)."""
+    with proxy_in_process(worker.url) as server:
         yield server
 
 
-def test_the_readme_examples_run_as_written_with_the_current_sdks(fresh: Server):
+def test_the_readme_examples_run_as_written_with_the_current_sdks(fresh: Endpoint):
     done = run_client("\n".join(readme_examples(fresh.url)))
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("Paris") >= 2, done.stdout  # the OpenAI and the Anthropic answer
 
 
-def test_placeholder_keys_until_the_first_tenant_then_a_401_with_a_hint(fresh: Server):
+def test_placeholder_keys_until_the_first_tenant_then_a_401_with_a_hint(fresh: Endpoint):
     before = run_client(f"""
         import anthropic, openai
         client = openai.OpenAI(base_url="{fresh.url}/v1", api_key="EMPTY", max_retries=0)
@@ -97,7 +99,7 @@ def test_placeholder_keys_until_the_first_tenant_then_a_401_with_a_hint(fresh: S
 
 
 def test_strict_keys_refuse_placeholder_keys_from_the_start(worker: Server):
-    with proxy_process(worker.url, "--strict-keys") as strict:
+    with proxy_in_process(worker.url, strict_keys=True) as strict:
         refused = chat(strict, "EMPTY")
         assert refused.status_code == 401
         error = refused.json()["error"]

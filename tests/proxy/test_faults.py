@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from anchorcache.testing.servers import proxy_process, worker_process
+from anchorcache.testing.inprocess import proxy_in_process
+from anchorcache.testing.servers import worker_process
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +32,14 @@ def _wait_idle(worker_url: str, timeout_s: float = 30) -> list[str]:
 
 @pytest.fixture()
 def own_worker(default_model_dir):
-    """A worker this test may kill."""
+    """A worker this test may kill (a process of its own; the proxy in front of it runs in
+    this one)."""
     with worker_process(model=str(default_model_dir)) as server:
         yield server
 
 
 def test_worker_down_is_503(own_worker):
-    with proxy_process(own_worker.url) as proxy:
+    with proxy_in_process(own_worker.url) as proxy:
         own_worker.kill()
         resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=30,
                           json={"model": "default", "messages": LONG, "max_tokens": 5})
@@ -50,7 +52,7 @@ def test_worker_down_is_503(own_worker):
 
 
 def test_worker_dying_mid_stream_ends_with_error_event(own_worker):
-    with proxy_process(own_worker.url) as proxy:
+    with proxy_in_process(own_worker.url) as proxy:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="", max_retries=0, timeout=60)
         stream = client.chat.completions.create(model="default", messages=LONG, max_tokens=400,
                                                 temperature=0, stream=True)
@@ -68,7 +70,7 @@ def test_worker_dying_mid_stream_ends_with_error_event(own_worker):
 def test_a_worker_dying_mid_stream_fails_the_response(own_worker):
     """The Responses API's stream ends with `response.failed` (what Codex waits for): the
     output so far, the error a `server_error`."""
-    with proxy_process(own_worker.url) as proxy:
+    with proxy_in_process(own_worker.url) as proxy:
         events: list[dict] = []
         body = {"model": "default", "input": LONG[0]["content"], "max_output_tokens": 400,
                 "temperature": 0, "stream": True, "store": False}

@@ -21,8 +21,9 @@ from anchorcache.proxy.metrics import OTHER, ProxyMetrics, TenantLabels
 from anchorcache.proxy.planner import Plan
 from anchorcache.proxy.tenants import ANONYMOUS as DEFAULT_TENANT
 from anchorcache.testing.data import conversations, turn_requests
+from anchorcache.testing.inprocess import proxy_in_process
 from anchorcache.testing.metrics import delta, parse, scrape, total, value
-from anchorcache.testing.servers import ADMIN_TOKEN, Server, proxy_process
+from anchorcache.testing.servers import ADMIN_TOKEN, Endpoint, Server
 from anchorcache.wire import AnchorKind, AnchorPlan, parse_generate_meta
 
 CHAT = "/v1/chat/completions"
@@ -115,12 +116,12 @@ class View:
 
 # ---- a real proxy and worker --------------------------------------------------------------
 @pytest.fixture(scope="module")
-def metered(worker: Server) -> Iterator[Server]:
-    with proxy_process(worker.url) as server:  # its own ledger: tenants of its own
+def metered(worker: Server) -> Iterator[Endpoint]:
+    with proxy_in_process(worker.url) as server:  # its own ledger: tenants of its own
         yield server
 
 
-def chat(proxy: Server, messages, tools) -> dict:
+def chat(proxy: Endpoint, messages, tools) -> dict:
     body = {"model": "default", "messages": messages, "tools": tools, "temperature": 0,
             "max_tokens": 4}
     resp = httpx.post(proxy.url + CHAT, json=body, timeout=600)
@@ -133,7 +134,7 @@ def short_conversations(n: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_counters_move_by_the_exact_amounts_of_a_replay(metered: Server, worker: Server):
+def test_counters_move_by_the_exact_amounts_of_a_replay(metered: Endpoint, worker: Server):
     before = scrape(metered)
     usages = [chat(metered, messages, conv["tools"])["usage"]
               for conv in short_conversations(2) for messages in turn_requests(conv, 2)]
@@ -179,7 +180,7 @@ def test_counters_move_by_the_exact_amounts_of_a_replay(metered: Server, worker:
 
 
 @pytest.mark.slow
-def test_a_miss_is_counted_with_its_kind_and_reason(metered: Server, worker: Server):
+def test_a_miss_is_counted_with_its_kind_and_reason(metered: Endpoint, worker: Server):
     conv = short_conversations(2)[1]
     messages = turn_requests(conv, 2)[-1]
     chat(metered, messages, conv["tools"])  # its anchors committed (if no earlier test did)
@@ -208,7 +209,7 @@ def test_a_miss_is_counted_with_its_kind_and_reason(metered: Server, worker: Ser
 
 
 @pytest.mark.slow
-def test_errors_and_unknown_routes_are_counted_by_status(metered: Server):
+def test_errors_and_unknown_routes_are_counted_by_status(metered: Endpoint):
     before = scrape(metered)
     assert httpx.get(metered.url + "/no/such/route", timeout=30).status_code == 404
     assert httpx.post(metered.url + CHAT, content=b"{not json", timeout=30).status_code == 400
@@ -227,7 +228,7 @@ def test_errors_and_unknown_routes_are_counted_by_status(metered: Server):
 
 
 @pytest.mark.slow
-def test_a_failed_request_aborts_its_reservation_with_the_reason(metered: Server, worker: Server):
+def test_a_failed_request_aborts_its_reservation_with_the_reason(metered: Endpoint, worker: Server):
     messages = [{"role": "system", "content": "You answer in one word."},
                 {"role": "user", "content": "Name a colour."}]
     before = scrape(metered)
@@ -250,7 +251,7 @@ def test_a_failed_request_aborts_its_reservation_with_the_reason(metered: Server
 
 
 @pytest.mark.slow
-def test_the_anthropic_route_feeds_the_same_metrics(metered: Server):
+def test_the_anthropic_route_feeds_the_same_metrics(metered: Endpoint):
     before = scrape(metered)
     resp = httpx.post(metered.url + "/v1/messages", timeout=120,
                       headers={"anthropic-version": "2023-06-01"},
@@ -271,7 +272,7 @@ def test_the_anthropic_route_feeds_the_same_metrics(metered: Server):
 
 
 @pytest.mark.slow
-def test_completion_tokens_count_every_choice_of_n(metered: Server):
+def test_completion_tokens_count_every_choice_of_n(metered: Endpoint):
     before = scrape(metered)
     resp = httpx.post(metered.url + CHAT, timeout=300, json={
         "model": "default", "n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 6,

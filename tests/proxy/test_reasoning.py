@@ -27,7 +27,8 @@ from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.reasoning import response_parser
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.worker_client import Chunk
-from anchorcache.testing.servers import Server, proxy_process, worker_process
+from anchorcache.testing.inprocess import proxy_in_process
+from anchorcache.testing.servers import Endpoint, worker_process
 from anchorcache.wire import GenerateMeta
 
 USER = [{"role": "user", "content": "Weather in Rome?"}]
@@ -103,19 +104,20 @@ def test_reasoning_effort_is_validated():
 # -- end to end -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def stack(tiny_qwen3: Path) -> Iterator[Server]:
-    with worker_process(model=str(tiny_qwen3)) as worker, proxy_process(worker.url) as proxy:
+def stack(tiny_qwen3: Path) -> Iterator[Endpoint]:
+    """The tiny Qwen3 (a model of its own: a worker of its own) behind a proxy."""
+    with worker_process(model=str(tiny_qwen3)) as worker, proxy_in_process(worker.url) as proxy:
         yield proxy
 
 
-def _post(proxy: Server, **body: Any) -> dict[str, Any]:
+def _post(proxy: Endpoint, **body: Any) -> dict[str, Any]:
     body = {"model": "default", "messages": USER, "temperature": 0, "max_tokens": 48, **body}
     resp = httpx.post(proxy.url + "/v1/chat/completions", json=body, timeout=600)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
 
-def _stream(proxy: Server, **body: Any) -> list[dict[str, Any]]:
+def _stream(proxy: Endpoint, **body: Any) -> list[dict[str, Any]]:
     body = {"model": "default", "messages": USER, "temperature": 0, "max_tokens": 48,
             "stream": True, "stream_options": {"include_usage": True}, **body}
     events = []

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from anchorcache.proxy.tenants import ANONYMOUS
+from anchorcache.testing.inprocess import proxy_in_process
 from anchorcache.testing.metrics import delta, scrape, value
-from anchorcache.testing.servers import Server, proxy_process
+from anchorcache.testing.servers import Endpoint, Server
 from anchorcache.testing.turns import chat, stop_then_next_turn
 
 pytestmark = pytest.mark.slow
@@ -21,8 +22,8 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def stopper(worker: Server) -> Iterator[Server]:
-    with proxy_process(worker.url) as server:  # its own ledger and metrics
+def stopper(worker: Server) -> Iterator[Endpoint]:
+    with proxy_in_process(worker.url) as server:  # its own ledger and metrics
         yield server
 
 

@@ -12,20 +12,21 @@ from typing import Any
 import jsonschema
 import pytest
 
-from anchorcache.testing.servers import Server, proxy_process
+from anchorcache.testing.inprocess import proxy_in_process
+from anchorcache.testing.servers import Endpoint, Server
 from anchorcache.testing.turns import TRIP, agent_cases, validate_calls
 
 pytestmark = pytest.mark.slow
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
-def proxy_off(worker: Server) -> Iterator[Server]:
-    with proxy_process(worker.url, "--no-anchors") as server:
+def proxy_off(worker: Server) -> Iterator[Endpoint]:
+    with proxy_in_process(worker.url, anchors=False) as server:
         yield server
 
 
 @pytest.fixture()
-def client_off(proxy_off: Server) -> Any:
+def client_off(proxy_off: Endpoint) -> Any:
     import openai
 
     return openai.OpenAI(base_url=proxy_off.url + "/v1", api_key="", max_retries=0,

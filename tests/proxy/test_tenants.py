@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from anchorcache.testing.servers import ADMIN, Server, proxy_process, worker_process
+from anchorcache.testing.inprocess import proxy_in_process
+from anchorcache.testing.servers import ADMIN, Endpoint, worker_process
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +25,11 @@ def system(tag: str) -> list[dict]:
     return [{"role": "system", "content": f"You are the {tag} assistant. Answer briefly."}]
 
 
-def admin(proxy: Server, method: str, path: str, **kw) -> httpx.Response:
+def admin(proxy: Endpoint, method: str, path: str, **kw) -> httpx.Response:
     return httpx.request(method, proxy.url + path, headers=ADMIN, timeout=300, **kw)
 
 
-def tenant(proxy: Server, name: str) -> str:
+def tenant(proxy: Endpoint, name: str) -> str:
     resp = admin(proxy, "POST", "/admin/tenants", json={"name": name})
     assert resp.status_code == 200, resp.text
     body = resp.json()
@@ -36,7 +37,7 @@ def tenant(proxy: Server, name: str) -> str:
     return body["api_key"]
 
 
-def chat(proxy: Server, key: str | None, messages, tools=TOOLS, **kw) -> httpx.Response:
+def chat(proxy: Endpoint, key: str | None, messages, tools=TOOLS, **kw) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": "default", "messages": messages, "tools": tools, "temperature": 0,
             "max_tokens": 4, **kw}
@@ -53,9 +54,9 @@ def user(text: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def closed(worker) -> Iterator[Server]:
+def closed(worker) -> Iterator[Endpoint]:
     """A proxy with anonymous access off."""
-    with proxy_process(worker.url, "--no-anonymous") as server:
+    with proxy_in_process(worker.url, anonymous=False) as server:
         yield server
 
 
@@ -166,10 +167,10 @@ def test_a_burst_of_one_new_toolset_writes_one_instruction_anchor(closed):
 
 
 @pytest.fixture()
-def small_stack(default_model_dir) -> Iterator[Server]:
+def small_stack(default_model_dir) -> Iterator[Endpoint]:
     """A worker with 8 slots (2 thin) and a proxy in front."""
     with worker_process("--anchor-slots", "8", model=str(default_model_dir)) as w, \
-            proxy_process(w.url) as p:
+            proxy_in_process(w.url) as p:
         yield p
 
 
@@ -300,7 +301,7 @@ def test_one_tenants_traffic_cannot_evict_every_other_tenants_anchors(tmp_path):
 
     model = build_tiny_model("qwen3", tiny_model_dir("qwen3"))
     with worker_process("--anchor-slots", "64", "--anchor-bytes", str(1 << 20),
-                        model=str(model)) as w, proxy_process(w.url) as proxy:
+                        model=str(model)) as w, proxy_in_process(w.url) as proxy:
         quiet, noisy = tenant(proxy, "quiet"), tenant(proxy, "noisy")
         words = " ".join(f"word{i}" for i in range(150))
         asked = system("quiet") + user(f"Summarize: {words}")
@@ -319,17 +320,19 @@ def test_one_tenants_traffic_cannot_evict_every_other_tenants_anchors(tmp_path):
 
 def test_a_second_proxy_on_one_ledger_refuses_to_start(worker, tmp_path):
     """Two proxies on one ledger would each close the other's open reservations as their
-    own leftovers: the second refuses to start, with a message, and exit code 2."""
+    own leftovers: the second (a process: its exit code is the subject) refuses to start,
+    with a message naming the first's process (this one), and exit code 2."""
+    import os
     import subprocess
     import sys
 
     from anchorcache.cli import free_port
 
-    with proxy_process(worker.url, state_dir=str(tmp_path)) as first:
+    with proxy_in_process(worker.url, state_dir=str(tmp_path)) as first:
         done = subprocess.run([sys.executable, "-m", "anchorcache.cli", "proxy", "--worker",
                                worker.url, "--state-dir", str(tmp_path), "--port",
                                str(free_port())], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr
-        assert "in use by another proxy" in done.stderr and str(first.proc.pid) in done.stderr
+        assert "in use by another proxy" in done.stderr and f"(pid {os.getpid()})" in done.stderr
         assert "Traceback" not in done.stderr
         assert httpx.get(first.url + "/health", timeout=30).status_code == 200

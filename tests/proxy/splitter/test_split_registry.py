@@ -6,11 +6,10 @@ import ast
 import io
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from anchorcache.proxy.splitter import (
     AdapterRegistry,
@@ -140,8 +139,10 @@ def test_split_output_names_the_deviation(tmp_path):
     assert smollm2["adapter"] == "chatml" and "ignores tools" in smollm2["deviation"]
     assert "canonical" in run_split("qwen3", "auto", str(path),
                                     canonical_tools=True)["deviation"]
-    cli = subprocess.run([sys.executable, "-m", "anchorcache.cli", "split", str(path)],
-                         capture_output=True, text=True, check=True, timeout=120)
+    from anchorcache.cli import app
+
+    cli = CliRunner().invoke(app, ["split", str(path)])
+    assert cli.exit_code == 0, cli.output
     assert json.loads(cli.stdout)["deviation"] == smollm2["deviation"]
 
 

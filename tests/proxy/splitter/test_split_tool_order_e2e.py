@@ -12,7 +12,7 @@ import pytest
 
 from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
-from anchorcache.testing.servers import proxy_process
+from anchorcache.testing.inprocess import proxy_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,10 @@ ORDER_B = [_tool(n, True) for n in ("move_files", "zip_files", "list_files")]
 
 @pytest.fixture(scope="module")
 def proxies(worker):
-    with proxy_process(worker.url) as client_on, \
-            proxy_process(worker.url, "--no-anchors") as client_off, \
-            proxy_process(worker.url, env={"ANCHORCACHE_CANONICAL_TOOLS": "1"}) as canon_on, \
-            proxy_process(worker.url, "--no-anchors", "--canonical-tools") as canon_off:
+    with proxy_in_process(worker.url) as client_on, \
+            proxy_in_process(worker.url, anchors=False) as client_off, \
+            proxy_in_process(worker.url, canonical_tools=True) as canon_on, \
+            proxy_in_process(worker.url, anchors=False, canonical_tools=True) as canon_off:
         yield {"client": (client_on, client_off), "canonical": (canon_on, canon_off)}
 
 

@@ -190,15 +190,15 @@ class DiskTier:
         with self._lock:
             return sorted({e.depth for e in self._entries.values() if e.depth < limit})
 
-    def has(self, key: bytes, depth: int) -> bool:
-        """Whether the tier holds `key` at `depth`: indexed, or (a directory other workers of
-        this model write too) a file of exactly that name found now, whose header checks out
-        (`_discover`)."""
+    def has(self, key: bytes, depth: int, discover: bool = True) -> bool:
+        """Whether the tier holds `key` at `depth`: indexed, or (`discover`, a directory
+        other workers of this model write too) a file of exactly that name found now, whose
+        header checks out (`_discover`)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 return entry.depth == depth
-        return self._discover(key, depth)
+        return discover and self._discover(key, depth)
 
     def _discover(self, key: bytes, depth: int) -> bool:
         """Index the file `<key hex>-<depth>.slab` if another worker sharing the directory

@@ -192,11 +192,18 @@ class AnchorStore:
         # With a disk tier, every depth it holds is keyed too: a restarted worker (or a new
         # one sharing the directory) restores what its files hold although no proxy plans
         # on them yet, and reports the links as held, so the proxy learns them.
+        # A key missing from the index at one of those scanned depths is simply not on disk
+        # (this worker's files are indexed): only the plan's own depths and the links a
+        # chain names look for a file another worker wrote (one stat each), so the scan
+        # costs no stat per disk depth on every request.
         depths = [s.depth for s in plan.snapshot]
+        scanned: set[int] = set()
         if self.disk is not None:
-            depths += self.disk.depths_below(len(ids))
-        late = deepest_held_chain(plan.namespace, self.model_id, ids, depths,
-                                  lambda key, depth: self._held(key, depth, ids))
+            scanned = set(self.disk.depths_below(len(ids))) - set(depths)
+            depths += sorted(scanned)
+        late = deepest_held_chain(
+            plan.namespace, self.model_id, ids, depths,
+            lambda key, depth: self._held(key, depth, ids, discover=depth not in scanned))
         held: list[AnchorHeld] = []
         if late and late[-1].depth > prev.depth:
             planned = {r.key for r in plan.restore}
@@ -212,7 +219,8 @@ class AnchorStore:
         return RestoreCheck(tuple(chain), restored, tuple(misses),
                             late_lookup=bool(late) and chain is late, held=tuple(held))
 
-    def _held(self, key: bytes, depth: int, ids: tuple[int, ...] | None = None) -> Slab | None:
+    def _held(self, key: bytes, depth: int, ids: tuple[int, ...] | None = None,
+              discover: bool = True) -> Slab | None:
         """The slab of `key` at `depth` if it may be restored: committed (slot-checked), or
         staged by a request that finished well and awaits the proxy's confirm. Such a slab is
         complete and was keyed by this worker over the prompt it prefilled; confirmation
@@ -225,18 +233,19 @@ class AnchorStore:
         for slot, (slab, _) in self._staged.items():
             if slab.key == key and slab.depth == depth and slot in self._staged_deadline:
                 return slab
-        promoted = self._promote(key, depth, ids)
+        promoted = self._promote(key, depth, ids, discover)
         return self._live.get(promoted) if promoted is not None else None
 
-    def _promote(self, key: bytes, depth: int, ids: tuple[int, ...] | None = None
-                 ) -> int | None:
+    def _promote(self, key: bytes, depth: int, ids: tuple[int, ...] | None = None,
+                 discover: bool = True) -> int | None:
         """Load the anchor `key` at `depth` from the disk tier into a committed host slot;
         its slot, or None (no disk tier, no such file, a file that failed its checks, a
         slab of another size than this worker's, tokens other than `ids[start:depth]` (the
         prompt the caller keyed `key` over), no slot to be had). The key already binds the
         prefix; the tokens check is a second, independent one on a file this process did not
-        write (another worker's, a copy)."""
-        if self.disk is None or not self.disk.has(key, depth):
+        write (another worker's, a copy). `discover` False: the index only, no stat for
+        a file another worker may have written since."""
+        if self.disk is None or not self.disk.has(key, depth, discover):
             return None
         rec = self.disk.load(key, depth)
         if rec is None:

@@ -54,8 +54,9 @@ def test_the_cpu_engine_hooks_only_on_the_cpu_engine(monkeypatch):
              if kind == hook_registry.HookType.AROUND}
     from anchorcache.ext.sglang import cpu_attention
 
-    assert set(hooks) == {cpu.NO_PYNCCL_TARGET, cpu.DP_LOOP_TARGET, cpu_attention.EXTEND_TARGET,
-                          cpu_attention.DECODE_TARGET} and len(registered) == 4
+    assert set(hooks) == {cpu.NO_PYNCCL_TARGET, cpu.DP_LOOP_TARGET, cpu.QWEN3_NEXT_GDN_TARGET,
+                          cpu_attention.EXTEND_TARGET, cpu_attention.DECODE_TARGET}
+    assert len(registered) == 5
     hook = hooks[cpu.NO_PYNCCL_TARGET]
     seen = {}
     hook(lambda *a, **k: seen.update(k), [[0, 1]], 0, "gloo", use_pynccl=True)

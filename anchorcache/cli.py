@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -26,6 +27,7 @@ import typer
 from anchorcache.defaults import (
     ANCHOR_BYTES,
     ANCHOR_SLOTS,
+    LEASE_BUDGET_BYTES,
     PIN_BUDGET_BYTES,
     TOOL_ANCHOR_GAP_TOKENS,
 )
@@ -106,6 +108,10 @@ MaxPinned = Annotated[int, typer.Option(envvar="ANCHORCACHE_MAX_PINNED_TOOLSETS"
                                         help="Default per-tenant pinned toolsets.")]
 PinBudget = Annotated[int, typer.Option(envvar="ANCHORCACHE_PIN_BUDGET_BYTES", min=0,
                                         help="Anchor bytes all pinned toolsets may hold together.")]
+LeaseBudget = Annotated[int, typer.Option(
+    envvar="ANCHORCACHE_LEASE_BUDGET_BYTES", min=0,
+    help="Anchor bytes all cache_control TTL leases on one worker may keep together (and "
+         "at most half of its anchor memory).")]
 MetricsMaxTenants = Annotated[int, typer.Option(envvar="ANCHORCACHE_METRICS_MAX_TENANTS", min=1,
                                                 help="Distinct tenant labels in /metrics; "
                                                      "later tenants count as 'other'.")]
@@ -303,6 +309,7 @@ def proxy(
     max_in_flight: MaxInFlight = 64,
     max_pinned_toolsets: MaxPinned = 8,
     pin_budget_bytes: PinBudget = PIN_BUDGET_BYTES,
+    lease_budget_bytes: LeaseBudget = LEASE_BUDGET_BYTES,
     metrics_max_tenants: MetricsMaxTenants = 100,
     metrics_worker_timeout_s: MetricsWorkerTimeout = 1.0,
     worker_secret: WorkerSecret = None,
@@ -334,6 +341,7 @@ def proxy(
                              default_quotas=Quotas(max_pinned_toolsets=max_pinned_toolsets,
                                                    max_in_flight=max_in_flight),
                              pin_budget_bytes=pin_budget_bytes,
+                             lease_budget_bytes=lease_budget_bytes,
                              metrics_max_tenants=metrics_max_tenants,
                              metrics_worker_timeout_s=metrics_worker_timeout_s,
                              worker_secret=worker_secret,
@@ -352,7 +360,28 @@ def proxy(
 
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port of the kernel's ephemeral range (outgoing connections and bind(0))."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a server we start. Chosen below the ephemeral range: an SGLang
+    worker binds its port only after loading its model, up to a minute later, and a port from
+    that range can meanwhile be taken by any outgoing connection on the machine."""
+    floor = _ephemeral_floor()
+    rng = random.SystemRandom()
+    for _ in range(64 if floor > 4096 else 0):
+        port = rng.randrange(floor // 2, floor)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -557,9 +586,9 @@ def bench(
     except (b.BenchError, ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    on = b.Target(url, api_key=api_key)
-    off = b.Target(baseline_url, api_key=api_key) if baseline_url else \
-        b.Target(url, anchors_off=True, api_key=api_key)
+    on = b.BenchTarget(url, api_key=api_key)
+    off = b.BenchTarget(baseline_url, api_key=api_key) if baseline_url else \
+        b.BenchTarget(url, anchors_off=True, api_key=api_key)
     total = sum(len(b.turn_requests(c, max_turns)) for c in convs)
     try:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -22,6 +22,10 @@ ANCHOR_BYTES = 4 << 30
 # crowd out the conversations' anchors.
 PIN_BUDGET_BYTES = 1 << 30
 
+# Anchor bytes all `cache_control` TTL leases on one worker may protect together (and never
+# more than half of its anchor memory): like the pins, a quarter of ANCHOR_BYTES.
+LEASE_BUDGET_BYTES = 1 << 30
+
 # The thin region of the slot table: slots for toolsets' instruction and tool anchors, which
 # pins keep; the rest (the thick region) hold conversation, prompt-end and response anchors.
 PINNED_SLOTS = ANCHOR_SLOTS // 4

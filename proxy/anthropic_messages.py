@@ -22,7 +22,9 @@ message and every `tool_result` must answer a `tool_use` of the message before i
 holding the marked block (for `system` and `tools`: the end of the system part) becomes a
 cut, verified by the splitter like every cut. A block inside a message that the template
 merges with its neighbours (say, one of several tool results) hints at a boundary the
-splitter cannot verify, and no cut is made there.
+splitter cannot verify, and no cut is made there. The mark's `ttl` (`5m` when it has none)
+is how long the anchor there is kept at least (`leases.py`); a boundary marked twice keeps
+the longer.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from .leases import CACHE_TTL_S, DEFAULT_CACHE_TTL
 from .pipeline import Generation
 from .schema import BodyLimits, bad, string
 
 MAX_CACHE_BREAKPOINTS = 4  # what Anthropic's API accepts per request
-CACHE_TTLS = frozenset({"5m", "1h"})
 CLEAR_AT = frozenset({"never", "next_user_message"})  # a system message's `clear_at`
 
 
@@ -44,20 +46,25 @@ def as_object(value: Any, param: str) -> dict[str, Any]:
     return value
 
 
-def _cache_control(block: dict[str, Any], param: str) -> bool:
-    """Whether `block` carries a (valid) cache_control marker."""
+def _cache_control(block: dict[str, Any], param: str) -> float | None:
+    """The TTL in seconds of `block`'s (valid) cache_control marker; None without one."""
     cc = block.get("cache_control")
     if cc is None:
-        return False
+        return None
     at = f"{param}.cache_control" if param else "cache_control"
     if not isinstance(cc, dict) or cc.get("type") != "ephemeral":
         raise bad("cache_control must be {'type': 'ephemeral'}", at)
-    ttl = cc.get("ttl")
-    if ttl is not None and ttl not in CACHE_TTLS:
-        raise bad(f"cache_control.ttl must be one of {sorted(CACHE_TTLS)}", f"{at}.ttl")
+    ttl = cc.get("ttl", DEFAULT_CACHE_TTL)
+    if ttl not in CACHE_TTL_S:
+        raise bad(f"cache_control.ttl must be one of {sorted(CACHE_TTL_S)}", f"{at}.ttl")
     if set(cc) - {"type", "ttl"}:
         raise bad(f"unknown cache_control fields {sorted(set(cc) - {'type', 'ttl'})}", at)
-    return True
+    return CACHE_TTL_S[ttl]
+
+
+def longest(a: float | None, b: float | None) -> float | None:
+    """The longer of two marks' TTLs (None: no mark)."""
+    return b if a is None else a if b is None else max(a, b)
 
 
 def _blocks(content: Any, param: str, *, allow_string: bool = True) -> list[dict[str, Any]]:
@@ -91,50 +98,61 @@ class Conversion:
     def __init__(self, limits: BodyLimits) -> None:
         self.limits = limits
         self.messages: list[dict[str, Any]] = []
-        self.hints: set[int] = set()
+        self.hints: dict[int, float] = {}  # k → the TTL of a mark at the end of message k
         self.breakpoints = 0
         self.seen_ids: set[str] = set()
         self.pending: dict[str, str] = {}  # tool_use id → tool name, awaiting a tool_result
-        self.tools_hinted = False
+        self.tools_hinted: float | None = None  # the TTL of a mark on a tool
 
-    def mark(self, block: dict[str, Any], param: str) -> bool:
-        if not _cache_control(block, param):
-            return False
+    def mark(self, block: dict[str, Any], param: str) -> float | None:
+        """The TTL of `block`'s mark (None: unmarked), counted against the breakpoints."""
+        ttl = _cache_control(block, param)
+        if ttl is None:
+            return None
         self.breakpoints += 1
         if self.breakpoints > MAX_CACHE_BREAKPOINTS:
             raise bad(f"at most {MAX_CACHE_BREAKPOINTS} blocks may carry cache_control",
                        param or "cache_control")
-        return True
+        return ttl
+
+    def hint(self, k: int, ttl: float | None) -> None:
+        """A mark (of `ttl`; None: none) at the end of the first `k` messages."""
+        if ttl is not None:
+            self.hints[k] = max(ttl, self.hints.get(k, 0.0))
 
     def system(self, system: Any) -> None:
         """The system part; a marked tool or system block hints at its end (the tools render
-        there or before it). Without system text there is no message to end: the
-        splitter's instruction cut covers the tools on its own."""
-        if system is None or system == "":
-            return
+        there or before it). Without system text there is no message to end: a marked tool
+        hints after 0 messages, the instruction prefix (the splitter's instruction cut
+        covers the tools on its own)."""
+        hinted: float | None = None
+        parts: list[str] = []
         if isinstance(system, str):
-            parts, hinted = [system], False
-        else:
+            parts = [system] if system else []
+        elif system is not None:
             blocks = _blocks(system, "system", allow_string=False)
             parts, hinted = self._system_texts([(b, f"system.{j}") for j, b in enumerate(blocks)])
-            if not parts:
-                return
-        self._append({"role": "system", "content": _join(parts)}, hinted or self.tools_hinted)
+        if not parts:
+            self.hint(0, self.tools_hinted)
+            return
+        self._append({"role": "system", "content": _join(parts)},
+                     longest(hinted, self.tools_hinted))
 
-    def _system_texts(self, blocks: list[tuple[dict[str, Any], str]]) -> tuple[list[str], bool]:
-        """The texts of system blocks, and whether one is marked."""
-        parts, hinted = [], False
+    def _system_texts(self, blocks: list[tuple[dict[str, Any], str]]
+                      ) -> tuple[list[str], float | None]:
+        """The texts of system blocks, and the longest TTL of their marks."""
+        parts: list[str] = []
+        hinted: float | None = None
         for block, p in blocks:
             if block["type"] != "text":
                 raise bad(f"system blocks must be text blocks, not {block['type']!r}", p)
             parts.append(_string_field(block, "text", p))
-            hinted |= self.mark(block, p)
+            hinted = longest(hinted, self.mark(block, p))
         return parts, hinted
 
-    def _append(self, message: dict[str, Any], hinted: bool) -> None:
+    def _append(self, message: dict[str, Any], hinted: float | None) -> None:
         self.messages.append(message)
-        if hinted:
-            self.hints.add(len(self.messages))
+        self.hint(len(self.messages), hinted)
 
     def turn(self, role: str, blocks: list[tuple[dict[str, Any], str]]) -> None:
         """One turn: the blocks of consecutive messages of one role, with their params. A
@@ -157,21 +175,19 @@ class Conversion:
         expected, self.pending = self.pending, {}
         answered: set[str] = set()
         texts: list[str] = []
-        hint_text = False
+        hint_text: float | None = None
 
         def flush_text() -> None:
             nonlocal texts, hint_text
             if texts:
-                self.messages.append({"role": "user", "content": _join(texts)})
-                if hint_text:
-                    self.hints.add(len(self.messages))
-            texts, hint_text = [], False
+                self._append({"role": "user", "content": _join(texts)}, hint_text)
+            texts, hint_text = [], None
 
         for block, p in blocks:
             kind = block["type"]
             if kind == "text":
                 texts.append(_string_field(block, "text", p))
-                hint_text |= self.mark(block, p)
+                hint_text = longest(hint_text, self.mark(block, p))
             elif kind == "tool_result":
                 flush_text()
                 use_id = string(block.get("tool_use_id"), f"{p}.tool_use_id",
@@ -188,10 +204,8 @@ class Conversion:
                     raise bad("'is_error' must be a boolean", f"{p}.is_error")
                 hinted = self.mark(block, p)
                 parts, inner_hinted = self._result_parts(block, p)
-                self.messages.append({"role": "tool", "tool_call_id": use_id,
-                                      "name": expected[use_id], "content": _join(parts)})
-                if hinted or inner_hinted:
-                    self.hints.add(len(self.messages))
+                self._append({"role": "tool", "tool_call_id": use_id, "name": expected[use_id],
+                              "content": _join(parts)}, longest(hinted, inner_hinted))
             elif kind == "tool_use":
                 raise bad("tool_use blocks belong in assistant messages", f"{p}.type")
             else:
@@ -202,26 +216,28 @@ class Conversion:
             self.pending = {k: v for k, v in expected.items() if k not in answered}
             raise bad(self.unanswered(), blocks[0][1].rsplit(".content", 1)[0])
 
-    def _result_parts(self, block: dict[str, Any], param: str) -> tuple[list[str], bool]:
-        """A tool_result's content as texts, and whether an inner block is marked."""
+    def _result_parts(self, block: dict[str, Any], param: str
+                      ) -> tuple[list[str], float | None]:
+        """A tool_result's content as texts, and the longest TTL of its inner blocks' marks."""
         content = block.get("content", "")
         if isinstance(content, str):
-            return [content], False
-        parts, hinted = [], False
+            return [content], None
+        parts: list[str] = []
+        hinted: float | None = None
         for k, inner in enumerate(_blocks(content, f"{param}.content", allow_string=False)):
             p = f"{param}.content.{k}"
             if inner["type"] != "text":
                 raise bad(f"unsupported tool_result content block type {inner['type']!r} "
                            "(supported: 'text')", f"{p}.type")
             parts.append(_string_field(inner, "text", p))
-            hinted |= self.mark(inner, p)
+            hinted = longest(hinted, self.mark(inner, p))
         return parts, hinted
 
     def _assistant(self, blocks: list[tuple[dict[str, Any], str]]) -> None:
         texts: list[str] = []
         thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
-        hinted = False
+        hinted: float | None = None
         for block, p in blocks:
             kind = block["type"]
             if kind == "text":
@@ -250,7 +266,7 @@ class Conversion:
                 raise bad(f"unsupported content block type {kind!r} in an assistant message "
                            "(supported: 'text', 'tool_use', 'thinking', 'redacted_thinking')",
                           f"{p}.type")
-            hinted |= self.mark(block, p)
+            hinted = longest(hinted, self.mark(block, p))
         out: dict[str, Any] = {"role": "assistant", "content": _join(texts) if texts else None}
         if thoughts:
             out["reasoning_content"] = _join(thoughts)
@@ -337,5 +353,12 @@ def fold_system_messages(gen: Generation) -> Generation | None:
     if held:
         out.append({"role": "user", "content": _join(held)})
         last_source.append(len(msgs) - 1)
-    hints = {sum(1 for s in last_source if s < k) for k in gen.cut_after}
-    return replace(gen, messages=tuple(out), cut_after=tuple(sorted(hints - {0})))
+    def moved(k: int) -> int:  # the folded messages the first `k` messages still hold whole
+        return sum(1 for s in last_source if s < k)
+
+    hints = {moved(k) for k in gen.cut_after}
+    ttls: dict[int, float] = {}
+    for k, ttl in gen.cut_ttl_s.items():
+        if moved(k) in hints:
+            ttls[moved(k)] = max(ttl, ttls.get(moved(k), 0.0))
+    return replace(gen, messages=tuple(out), cut_after=tuple(sorted(hints)), cut_ttl_s=ttls)

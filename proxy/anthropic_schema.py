@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .anthropic_messages import Conversion, as_object, message_turns
+from .anthropic_messages import Conversion, as_object, longest, message_turns
 from .pipeline import Generation
 from .schema import (
     DEFAULT_LIMITS,
@@ -53,7 +53,7 @@ class MessagesRequest:
     """An Anthropic request: the pipeline's `Generation`, plus what only Anthropic has."""
 
     model: str
-    generation: Generation  # cache_control marks: its `cut_after`
+    generation: Generation  # cache_control marks: its `cut_after` and `cut_ttl_s`
     stream: bool
     user_id: str | None  # metadata.user_id
     single_tool_use: bool  # tool_choice.disable_parallel_tool_use
@@ -85,7 +85,7 @@ def _tools(body: dict[str, Any], conv: Conversion) -> tuple[dict[str, Any], ...]
         fn["parameters"] = tool["input_schema"]
         out.append({"type": "function", "function": fn})
         params.append(p)
-        conv.tools_hinted |= conv.mark(tool, p)
+        conv.tools_hinted = longest(conv.tools_hinted, conv.mark(tool, p))
     check_function_tools(out, params=params, max_name_chars=conv.limits.max_name_chars,
                          error=bad)
     return tuple(out)
@@ -220,8 +220,8 @@ def parse_messages_request(body: Any, *, count_only: bool = False,
     if conv.pending:
         raise bad(conv.unanswered(), "messages")
     if body.get("cache_control") is not None:
-        # automatic caching marks the last block: the end of the messages, cut anyway
-        conv.mark(body, "")
+        # automatic caching marks the last block: the end of the messages (cut anyway)
+        conv.hint(len(conv.messages), conv.mark(body, ""))
     top_k = optional_int(body, "top_k", 0, 1 << 20)
     gen = Generation(
         messages=tuple(conv.messages),
@@ -235,6 +235,7 @@ def parse_messages_request(body: Any, *, count_only: bool = False,
         # no thinking, Anthropic's default, is "none" too: the template's switch turns it off
         reasoning_effort=effort if thinking else "none",
         cut_after=tuple(sorted(conv.hints)),
+        cut_ttl_s=dict(conv.hints),
         response_format=response_format,
         parallel_tool_calls=not single,
     )

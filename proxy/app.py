@@ -166,7 +166,8 @@ def create_app(config: ProxyConfig, *,
                 budget = TokenBudget.for_tokenizer(tokenizer, info.max_context_tokens)
                 shared = ledger.ensure_tenant(SHARED_TENANT)
                 targets = Targets(config, session, ledger, info,
-                                  tenant_namespace(shared.salt, shared.name))
+                                  tenant_namespace(shared.salt, shared.name),
+                                  on_lease=app[METRICS].record_lease)
                 app[METRICS].watch(session, lambda: targets.all)
                 app[STATE] = ProxyState(config, targets, info, tokenizer, adapter, splits, budget,
                                         ledger, app[METRICS])

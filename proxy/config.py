@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from anchorcache.defaults import PIN_BUDGET_BYTES, TOOL_ANCHOR_GAP_TOKENS
+from anchorcache.defaults import LEASE_BUDGET_BYTES, PIN_BUDGET_BYTES, TOOL_ANCHOR_GAP_TOKENS
 from anchorcache.paths import default_state_dir
 from anchorcache.state.records import Quotas
 from anchorcache.wire import check_secret
@@ -57,6 +57,9 @@ class ProxyConfig:
     default_quotas: Quotas = field(default_factory=lambda: Quotas(
         max_pinned_toolsets=8, max_anchor_bytes=None, max_in_flight=64))
     pin_budget_bytes: int = PIN_BUDGET_BYTES  # all pinned toolsets' anchors together
+    # what all cache_control TTL leases on a worker may protect together (and at most half
+    # of its anchor memory); past it a lease is refused, the anchor stays (proxy/leases.py)
+    lease_budget_bytes: int = LEASE_BUDGET_BYTES
     # a tenant without a byte quota of its own holds at most this share of each worker's
     # anchor memory (1: no limit), so one tenant's traffic cannot evict everyone else's
     tenant_anchor_share: float = 0.5
@@ -114,6 +117,8 @@ class ProxyConfig:
             raise ValueError("tenant_anchor_share must be in (0, 1]")
         if self.pin_budget_bytes < 0:
             raise ValueError("pin_budget_bytes must be >= 0")
+        if self.lease_budget_bytes < 0:
+            raise ValueError("lease_budget_bytes must be >= 0")
 
     @property
     def worker_url(self) -> str:

@@ -22,19 +22,26 @@ them for anchors:
 - `warm()` makes an instruction prefix an anchor (a one-token request); `toolsets`
   (`toolsets.py`) warms, pins and re-warms toolsets with it and enforces the anchor-bytes
   quota.
+- `leases` (`leases.py`) keeps the anchors a request's client marked with a TTL
+  (`cache_control`): `settle()` grants or refreshes them (a pin) within the tenant's budget,
+  and refreshes the tenant's leases the request restored; a background sweep (and every
+  settle) unpins the expired ones. A new epoch drops the old one's leases; `close()` unpins
+  the leases it still holds, and `start()` unpins what a proxy that stopped without doing
+  so left pinned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections import Counter
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from anchorcache.defaults import TOOL_ANCHOR_GAP_TOKENS
+from anchorcache.defaults import LEASE_BUDGET_BYTES, TOOL_ANCHOR_GAP_TOKENS
 from anchorcache.state.ledger import Ledger
 from anchorcache.state.records import (
     AnchorStatus,
@@ -55,12 +62,16 @@ from anchorcache.wire import (
 
 from .anchor_index import AnchorRecord
 from .errors import ApiError
+from .leases import LeaseTable
 from .planner import Plan, Planner
 from .splitter.types import SplitResult
 from .toolsets import SHARED_TENANT, ToolsetAnchors
 from .worker_client import WorkerClient
 
 log = logging.getLogger("anchorcache.proxy")
+
+LEASE_SWEEP_S = 1.0  # how often expired leases are looked for while there are any
+LEASE_RELEASE_S = 10.0  # how long `close()` tries to unpin the leases it holds
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,11 @@ class AnchorLifecycle:
     def __init__(self, worker: WorkerClient, ledger: Ledger, *, model_id: str, epoch: str,
                  worker_id: str, shared_namespace: bytes,
                  single_flight_wait_s: float = 60.0, hybrid: bool = False,
-                 tool_gap: int = TOOL_ANCHOR_GAP_TOKENS, tenant_anchor_share: float = 1.0) -> None:
+                 tool_gap: int = TOOL_ANCHOR_GAP_TOKENS, tenant_anchor_share: float = 1.0,
+                 lease_budget_bytes: int = LEASE_BUDGET_BYTES,
+                 on_lease: Callable[[str, str], None] | None = None) -> None:
+        """`on_lease(tenant, outcome)`: told each lease granted, refreshed, refused, expired
+        or dropped (metrics)."""
         self.worker = worker
         self.ledger = ledger
         self._planner = Planner(model_id, epoch, hybrid=hybrid, tool_gap=tool_gap)
@@ -108,11 +123,15 @@ class AnchorLifecycle:
         # settled requests since start: count, hits (restored anything), prompt/cached tokens
         self.counters: Counter[str] = Counter()
         worker.on_epoch = self.observe_epoch
+        self.leases = LeaseTable()  # cache_control TTLs kept
+        self.lease_budget_bytes = lease_budget_bytes  # all leases on this worker together
+        self._on_lease = on_lease
+        self._sweeper: asyncio.Task[None] | None = None  # while there are leases
         # warm, pin, re-warm; the anchor-bytes quota
         self.toolsets = ToolsetAnchors(
             worker, ledger, worker_id=worker_id, shared_namespace=shared_namespace,
             tenant_anchor_share=tenant_anchor_share, epoch=lambda: self.epoch, key=self.key,
-            warm=self.warm, evict=self.evict)
+            warm=self.warm, evict=self.evict, leased=self.leases.keys)
 
     @property
     def epoch(self) -> str:
@@ -124,9 +143,19 @@ class AnchorLifecycle:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        """Stop the background work and unpin the leased anchors (the leases end with this
+        proxy; a worker that does not answer in time keeps them pinned until `start()` of
+        the next proxy on this ledger, or its own restart)."""
+        tasks = [*self._tasks, *([self._sweeper] if self._sweeper is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            async with asyncio.timeout(LEASE_RELEASE_S):
+                await self.expire_leases(everything=True)
+        except TimeoutError:
+            log.warning("worker %s: %d anchor leases left pinned at close", self.worker_id,
+                        len(self.leases))
 
     async def idle(self) -> None:
         """Wait for background work (reconcile, re-warm) to finish (tests, admin)."""
@@ -137,8 +166,24 @@ class AnchorLifecycle:
     async def start(self) -> ReconcileReport | None:
         """Reconcile with the worker, load what it still holds, re-warm pinned toolsets."""
         report = await self.reconcile("proxy_start")
+        await self._unpin_strays()
         self._spawn(self.toolsets.rewarm_pinned())
         return report
+
+    async def _unpin_strays(self) -> None:
+        """Unpin what a proxy on this ledger that stopped without unpinning its leases left
+        pinned: only toolsets and leases pin, so an anchor the ledger knows on this worker
+        that no pinned toolset holds is a lease's (another ledger's anchors are left alone)."""
+        try:
+            listing = await self.worker.slots()
+            pinned = {s.key for s in listing.slots if s.pinned}
+            pinned |= {d.key for d in listing.disk if d.pinned}
+            known = {r.key for r in self.ledger.anchors(worker=self.worker_id, epoch=listing.epoch,
+                                                        status=AnchorStatus.COMMITTED)}
+            for key in (pinned & known) - self.toolsets.pinned_keys():
+                await self.worker.unpin(key)
+        except ApiError as e:
+            log.warning("could not unpin leftover leases: %s", e.message)
 
     async def reconcile(self, reason: str) -> ReconcileReport | None:
         try:
@@ -176,6 +221,8 @@ class AnchorLifecycle:
             return
         old = self.epoch
         dropped = self._planner.reset(epoch)
+        for lease in self.leases.keep_epoch(epoch):  # their anchors went with the old epoch
+            self._count(lease.tenant, "dropped")
         log.info("worker epoch %s → %s: %d anchors lost", old, epoch, dropped)
         self.ledger.event("epoch_changed", None, old=old, new=epoch, dropped=dropped)
 
@@ -270,16 +317,18 @@ class AnchorLifecycle:
         finally:
             self._release(flight)
 
-    async def settle(self, flight: Flight, meta: GenerateMeta, reason: str | None = None
-                     ) -> None:
+    async def settle(self, flight: Flight, meta: GenerateMeta, reason: str | None = None, *,
+                     leases: Mapping[int, float] | None = None) -> None:
         """The request succeeded: confirm what the worker wrote and record it all (`reason`:
-        why it ended, when not on its own, e.g. `stop_sequence`)."""
+        why it ended, when not on its own, e.g. `stop_sequence`); lease the anchors at the
+        prompt depths of `leases` (depth → TTL in seconds) for its tenant."""
         if flight.closed:
             return
         try:
             await self._settle(flight, meta, reason)
         finally:
             self._release(flight)
+        await self._lease(flight, meta, leases or {})
         await self.toolsets.enforce_quota(flight.caller.tenant, flight.caller.max_anchor_bytes)
 
     async def _settle(self, flight: Flight, meta: GenerateMeta, reason: str | None) -> None:
@@ -326,6 +375,96 @@ class AnchorLifecycle:
                 if rec.kind == AnchorKind.INSTRUCTION and rec.namespace == caller.namespace:
                     led.put_toolset(caller.tenant, rec.namespace, rec.key,
                                     flight.input_ids[:rec.depth])
+
+    # ---- leases --------------------------------------------------------------------------
+    def _count(self, tenant: str, outcome: str) -> None:
+        if self._on_lease is not None:
+            try:
+                self._on_lease(tenant, outcome)
+            except Exception:  # a metrics bug must not fail a settled request
+                log.exception("counting a lease failed")
+
+    async def _lease(self, flight: Flight, meta: GenerateMeta, depths: Mapping[int, float]
+                     ) -> None:
+        """Let the expired leases go; refresh the caller's leases on the anchors the request
+        restored; lease (or refresh) its own anchors at `depths`. A worker failure is
+        logged, not raised: the request succeeded."""
+        caller = flight.caller
+        try:
+            await self.expire_leases()
+            if meta.epoch != self.epoch:
+                return
+            report = meta.anchors
+            self.leases.refresh([h.key for h in report.restored], caller.tenant)
+            if not depths:
+                return
+            keys = {h.depth: h.key for h in report.restored}
+            keys |= {w.depth: w.key for w in (*report.written, *report.held)}
+            for depth, ttl_s in sorted(depths.items()):
+                rec = self.live(keys[depth]) if depth in keys else None
+                if rec is None or rec.namespace != caller.namespace:  # a shared toolset's
+                    rec = self.live(self.key(caller.namespace, flight.input_ids[:depth]))
+                if rec is not None:  # else not kept (no slot or memory): nothing to lease
+                    self._count(caller.tenant, await self._grant(caller, rec, ttl_s))
+        except ApiError as e:
+            log.warning("anchor leases of request %s: %s", flight.rid, e.message)
+
+    async def _grant(self, caller: Caller, rec: AnchorRecord, ttl_s: float) -> str:
+        """Lease `rec` (the caller's own anchor) for `ttl_s`; "granted", "refreshed" (it was
+        leased) or "refused" (past the budget, or the worker would not pin it)."""
+        if self.leases.get(rec.key) is not None:
+            self.leases.grant(rec.key, caller.tenant, self.epoch, {}, ttl_s)
+            return "refreshed"
+        chain = {r.key: r.nbytes for r in self._planner.index.chain(rec.key) or [rec]}
+        limit = await self.toolsets.limit(caller.max_anchor_bytes)
+        capacity = await self.toolsets.capacity()
+        budget = min(self.lease_budget_bytes, capacity // 2 if capacity else self.lease_budget_bytes)
+        if not self.leases.fits(caller.tenant, chain, tenant_limit=limit, budget=budget):
+            return "refused"
+        # in the table before the pin: a request settling meanwhile sees these bytes taken
+        lease = self.leases.grant(rec.key, caller.tenant, self.epoch, chain, ttl_s)
+        try:
+            pinned = await self.worker.pin(rec.key, None)  # the host tier: no device memory
+        except ApiError:
+            return "granted"  # it may have pinned it: the lease's expiry unpins it
+        if not pinned:  # gone, or claimed by a pending reservation
+            if self.leases.get(rec.key) is lease:
+                self.leases.drop(rec.key)
+            return "refused"
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return "granted"
+
+    async def _sweep(self) -> None:
+        while len(self.leases):
+            await asyncio.sleep(LEASE_SWEEP_S)
+            try:
+                await self.expire_leases()
+            except Exception:  # a bug here must not end the sweeps
+                log.exception("expiring anchor leases failed")
+
+    async def expire_leases(self, *, everything: bool = False) -> None:
+        """Unpin the anchors whose leases expired (`everything`: of every lease), but not a
+        pinned toolset's. A lease whose unpin the worker did not answer stays, due: an
+        anchor left pinned would never go."""
+        due = self.leases.due(math.inf if everything else None)
+        if not due:
+            return
+        toolsets = self.toolsets.pinned_keys()
+        for lease in due:
+            if self.leases.get(lease.key) is not lease:
+                continue  # refreshed or dropped meanwhile
+            self.leases.drop(lease.key)
+            if lease.key not in toolsets:
+                try:
+                    await self.worker.unpin(lease.key)
+                    if self.leases.get(lease.key) is not None:  # leased again meanwhile
+                        await self.worker.pin(lease.key, None)
+                except ApiError as e:
+                    self.leases.put_back(lease)
+                    log.warning("unpinning an expired lease failed: %s", e.message)
+                    return
+            self._count(lease.tenant, "expired")
 
     # ---- warming, evicting --------------------------------------------------------------
     def key(self, namespace: bytes, ids: tuple[int, ...]) -> bytes:
@@ -381,6 +520,7 @@ class AnchorLifecycle:
     async def evict(self, key: bytes) -> bool:
         """Evict an anchor from the worker now (pinned or not)."""
         ok = await self.worker.evict(key)
+        self.leases.drop(key)
         rec = self._planner.index.remove(key)
         self.ledger.mark(self.worker_id, self.epoch, [key], AnchorStatus.EVICTED)
         return ok or rec is not None

@@ -8,6 +8,7 @@ Three sources feed it:
   kind, misses by kind and reason, prompt tokens prefilled vs restored, snapshot and
   restore bytes) and `record_reservations` (how the request's reserved snapshot slots
   ended: confirmed, or aborted and why).
+- each worker's anchor life cycle, as its `cache_control` leases change: `record_lease`.
 - `WorkerCollector`, at scrape time: every worker's own `/anchor/stats` counters (label
   `worker`; its disk tier's block as `anchorcache_worker_disk_*`: bytes, files, budget,
   writes, loads, skips, evictions, imports, enabled), fetched at once with a short timeout so a dead or hung worker costs one gauge
@@ -208,6 +209,10 @@ class ProxyMetrics:
         self.reservations = Counter("anchorcache_reservations",
                                     "requests' staged anchors by how they ended",
                                     ["tenant", "outcome", "reason"], registry=r)
+        self.leases = Counter("anchorcache_anchor_leases",
+                              "cache_control TTL leases on anchors: granted, refreshed (marked again), refused "
+                              "(past the budget), expired, dropped (worker restarted)",
+                              ["tenant", "outcome"], registry=r)
         r.register(self.worker)
         # the workers `/metrics` scrapes: none until the app hands them over (`watch`)
         self._session: aiohttp.ClientSession | None = None
@@ -259,6 +264,10 @@ class ProxyMetrics:
         """The tokens one request generated, every choice of it (`n > 1`) together: the
         worker's meta info is per sample, so this count is the pipeline's."""
         self.completion_tokens.labels(self.tenant(tenant)).inc(num_tokens)
+
+    def record_lease(self, tenant: str, outcome: str) -> None:
+        """A lease (proxy/leases.py) granted, refreshed, refused, expired or dropped."""
+        self.leases.labels(self.tenant(tenant), outcome).inc()
 
     def record_reservations(self, tenant: str, outcome: str, reason: str, count: int = 1) -> None:
         """`outcome` "confirmed" (reason "ok") or "aborted" (reason: why)."""

@@ -32,6 +32,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import msgspec
+
 from anchorcache.wire import (
     AnchorKind,
     GenerateMeta,
@@ -48,7 +50,7 @@ from .choice import (
     Outcome,
     TokenLogprob,
 )
-from .cut_hints import with_hint_cuts
+from .cut_hints import add_hint_cuts, hint_positions
 from .errors import ApiError
 from .lifecycle import Caller, Flight
 from .planner import Plan
@@ -92,8 +94,11 @@ class Generation:
     # template's own kwargs in `Completion.create`; `template_kwargs` win over it
     reasoning_effort: str | None = None
     # anchor hints from the client (Anthropic cache_control): also cut after this many
-    # messages where that boundary verifies (cut_hints.py)
+    # messages where that boundary verifies (cut_hints.py; 0: the instruction prefix)
     cut_after: tuple[int, ...] = ()
+    # hint k (of `cut_after`) → seconds its anchor is kept at least after this request (a
+    # lease within the tenant's budget, leases.py); a hint not named here gets no lease
+    cut_ttl_s: dict[int, float] = field(default_factory=dict)
     cache_salt: str | None = None  # narrows anchor sharing inside the tenant (never widens)
     n: int = 1  # choices, sampled from one prefill
     logprobs: bool = False
@@ -161,10 +166,13 @@ class Completion:
     `deltas()` once (inside `contextlib.aclosing`), then read `outcome` and `usage()`."""
 
     def __init__(self, state: ProxyState, gen: Generation, split: SplitResult, *,
-                 caller: Caller, started: float | None = None) -> None:
+                 caller: Caller, started: float | None = None,
+                 leases: dict[int, float] | None = None) -> None:
         self.state = state
         self.gen = gen
         self.split = split
+        # prompt depth → seconds the anchor there is leased for (`gen.cut_ttl_s`, resolved)
+        self.leases = leases or {}
         self.caller = caller
         self.rid = uuid.uuid4().hex
         self.outcomes = [Outcome() for _ in range(gen.n)]
@@ -198,10 +206,15 @@ class Completion:
         splitter = functools.partial(state.splits.split, tenant=caller.tenant,
                                      scope=caller.namespace)
         split = await splitter(messages, tools, gen.template_kwargs or None)
+        leases: dict[int, float] = {}
         if gen.cut_after:
-            split = await with_hint_cuts(splitter, split, messages, tools,
+            found = await hint_positions(splitter, split, messages, tools,
                                          gen.template_kwargs or None, gen.cut_after)
-        return cls(state, gen, split, caller=caller, started=started)
+            split = add_hint_cuts(split, found.values())
+            for k, depth in found.items():
+                if k in gen.cut_ttl_s:
+                    leases[depth] = max(gen.cut_ttl_s[k], leases.get(depth, 0.0))
+        return cls(state, gen, split, caller=caller, started=started, leases=leases)
 
     def _constraint(self) -> Constraint | None:
         """The grammar for this request (a 400 `ApiError` for a bad schema)."""
@@ -230,7 +243,7 @@ class Completion:
             temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
             stop_token_ids=tuple(state.adapter.stop_token_ids), seed=gen.seed, n=gen.n)
         if self.constraint is not None:
-            params = dataclasses.replace(params, **self.constraint.sampling_fields())
+            params = msgspec.structs.replace(params, **self.constraint.sampling_fields())
         return params
 
     async def deltas(self) -> AsyncGenerator[OutputDelta, None]:
@@ -306,7 +319,8 @@ class Completion:
             if samples_done == len(choices) and self.meta is not None:
                 if flight is not None:
                     await asyncio.shield(target.lifecycle.settle(
-                        flight, self.meta, reason if reason == "stop_sequence" else None))
+                        flight, self.meta, reason if reason == "stop_sequence" else None,
+                        leases=self.leases))
                 settled = True
         except ApiError as e:
             reason = e.kind

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,13 +98,17 @@ class Target:
                 "bytes": lc.anchor_bytes(), "requests": n,
                 "hit_rate": round(lc.counters["hits"] / n, 4) if n else None,
                 "prompt_tokens": lc.counters["prompt_tokens"],
-                "cached_tokens": lc.counters["cached_tokens"]}
+                "cached_tokens": lc.counters["cached_tokens"], "leases": len(lc.leases),
+                "leased_bytes": lc.leases.protected_bytes()}
 
 
 class Targets:
     def __init__(self, config: ProxyConfig, session: aiohttp.ClientSession, ledger: Ledger,
-                 info: WorkerInfo, shared_namespace: bytes) -> None:
+                 info: WorkerInfo, shared_namespace: bytes, *,
+                 on_lease: Callable[[str, str], None] | None = None) -> None:
+        """`on_lease(tenant, outcome)`: each target's anchor leases, as they change (metrics)."""
         self.config = config
+        self.on_lease = on_lease
         self.session = session
         self.ledger = ledger
         self.info = info  # the first worker's: every other must serve the same model
@@ -135,7 +140,8 @@ class Targets:
             shared_namespace=self.shared_namespace,
             single_flight_wait_s=self.config.single_flight_wait_s, hybrid=self.info.hybrid,
             tool_gap=self.config.tool_anchor_gap,
-            tenant_anchor_share=self.config.tenant_anchor_share)
+            tenant_anchor_share=self.config.tenant_anchor_share,
+            lease_budget_bytes=self.config.lease_budget_bytes, on_lease=self.on_lease)
         return Target(f"w{next(self._names)}", worker.base_url, worker, lifecycle,
                       healthy=info is not None, verified=info is not None,
                       error=None if info is not None else "not reached yet")

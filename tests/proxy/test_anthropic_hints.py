@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from anchorcache.proxy.anthropic_schema import parse_messages_request
-from anchorcache.proxy.cut_hints import with_hint_cuts
+from anchorcache.proxy.cut_hints import hint_positions, with_hint_cuts
 from anchorcache.proxy.planner import Planner
 from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
@@ -98,3 +98,27 @@ def test_marks_on_system_tools_and_the_last_message_need_no_extra_cut(adapter):
             {"type": "text", "text": "Hi", "cache_control": CC}]}]})
     assert hinted == plain
     assert {CutKind.INSTRUCTION, CutKind.MESSAGES} <= {c.kind for c in plain.cuts}
+
+
+def test_every_verified_hint_has_a_position_for_its_lease(adapter):
+    """`hint_positions` places each mark's lease: a system or tool mark at the instruction
+    cut, a mark on the last message (or a top-level one) at the end of the messages, one in
+    between at its HINT cut; the marks' TTLs travel with them (5 minutes without one)."""
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    body = {"system": [{"type": "text", "text": "Be brief.", "cache_control": hour}],
+            "cache_control": CC, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": CC}]},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye."}]}
+    req = parse_messages_request({"model": "m", "max_tokens": 4, **body}, max_tokens_limit=10**6)
+    gen = req.generation
+    assert gen.cut_ttl_s == {1: 3600.0, 2: 300.0, 4: 300.0}
+    msgs, _, plain, hinted = _hinted(adapter, body)
+    found = asyncio.run(hint_positions(split_fn(adapter), plain, msgs, None, None, gen.cut_after))
+    end = next(c.position for c in plain.cuts if c.kind is CutKind.MESSAGES)
+    assert found == {1: plain.instruction_cut, 2: _hint_positions(hinted)[0], 4: end}
+    tools_only = {"tools": [{**TOOL, "cache_control": CC}],
+                  "messages": [{"role": "user", "content": "Hi"}]}
+    msgs, tools, plain, _ = _hinted(adapter, tools_only)
+    assert asyncio.run(hint_positions(split_fn(adapter), plain, msgs, tools, None, (0,))) == {
+        0: plain.instruction_cut}

@@ -81,11 +81,16 @@ def test_cache_control_marks_the_end_of_the_rendered_message_holding_the_block()
             {"type": "tool_result", "tool_use_id": "t1", "content": "x"},
             {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
     ]
-    # system (1 message) + user + assistant + tool + user: hints after 2, 3 and 5
-    assert _parse(system="s", tools=[WEATHER], messages=msgs).generation.cut_after == (2, 3, 5)
-    # a marked tool hints at the end of the system part, as a marked system block does
+    # system (1 message) + user + assistant + tool + user: hints after 2, 3 and 5, each
+    # with its mark's TTL (5 minutes without one)
+    gen = _parse(system="s", tools=[WEATHER], messages=msgs).generation
+    assert (gen.cut_after, gen.cut_ttl_s) == ((2, 3, 5), {2: 300.0, 3: 300.0, 5: 3600.0})
+    # a marked tool hints at the end of the system part, as a marked system block does;
+    # without system text, at the instruction prefix (after 0 messages)
     assert _parse(system="s", tools=[{**WEATHER, "cache_control": CC}],
                   messages=[{"role": "user", "content": "q"}]).generation.cut_after == (1,)
+    assert _parse(tools=[{**WEATHER, "cache_control": CC}],
+                  messages=[{"role": "user", "content": "q"}]).generation.cut_after == (0,)
     assert _parse(system=[{"type": "text", "text": "s", "cache_control": CC}],
                   messages=[{"role": "user", "content": "q"}]).generation.cut_after == (1,)
 
@@ -105,7 +110,9 @@ def test_consecutive_messages_of_one_role_are_one_turn():
 
 
 def test_top_level_cache_control_is_validated_and_counted():
-    assert _parse(cache_control=CC, messages=USER).generation.cut_after == ()
+    # automatic caching marks the end of the messages (a cut made anyway; the mark leases it)
+    gen = _parse(cache_control={"type": "ephemeral", "ttl": "1h"}, messages=USER).generation
+    assert (gen.cut_after, gen.cut_ttl_s) == ((1,), {1: 3600.0})
     with pytest.raises(ApiError, match="ephemeral"):
         _parse(cache_control={"type": "x"}, messages=USER)
     marked = [{"type": "text", "text": str(i), "cache_control": CC} for i in range(4)]
@@ -126,7 +133,8 @@ def test_a_system_message_in_messages_stays_in_place_and_can_be_folded():
     req = _parse(system="s", messages=[
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"},
         {"role": "system", "content": [{"type": "text", "text": "<reminder>", "cache_control": CC}]},
-        {"role": "user", "content": [{"type": "text", "text": "list files", "cache_control": CC}]}])
+        {"role": "user", "content": [{"type": "text", "text": "list files",
+                                      "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}])
     gen = req.generation
     assert [(m["role"], m["content"]) for m in gen.messages] == [
         ("system", "s"), ("user", "hi"), ("assistant", "Hello"), ("system", "<reminder>"),
@@ -139,7 +147,7 @@ def test_a_system_message_in_messages_stays_in_place_and_can_be_folded():
     assert [(m["role"], m["content"]) for m in folded.messages] == [
         ("system", "s"), ("user", "hi"), ("assistant", "Hello"),
         ("user", "<reminder>\nlist files")]
-    assert folded.cut_after == (3, 4)
+    assert (folded.cut_after, folded.cut_ttl_s) == ((3, 4), {3: 300.0, 4: 3600.0})
     assert fold_system_messages(_parse(system="s", messages=USER).generation) is None
 
 

@@ -85,7 +85,7 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class Target:
+class BenchTarget:
     """Where one side of the comparison is sent."""
 
     url: str
@@ -99,7 +99,7 @@ class Target:
         return h
 
 
-def ask(client: httpx.Client, target: Target, messages: Messages, tools: list[dict[str, Any]],
+def ask(client: httpx.Client, target: BenchTarget, messages: Messages, tools: list[dict[str, Any]],
         max_tokens: int) -> Reply:
     """Send one greedy streamed chat request; raises BenchError on any failure."""
     body: dict[str, Any] = {"model": "default", "messages": messages, "temperature": 0,
@@ -110,7 +110,7 @@ def ask(client: httpx.Client, target: Target, messages: Messages, tools: list[di
     return _stream(client, target, "/v1/chat/completions", body)
 
 
-def ask_tokens(client: httpx.Client, target: Target, input_ids: list[int],
+def ask_tokens(client: httpx.Client, target: BenchTarget, input_ids: list[int],
                max_tokens: int) -> Reply:
     """The same, as a `/v1/completions` request whose prompt is token ids: what an engine's
     own OpenAI server serves with no rendering in front of it."""
@@ -119,7 +119,7 @@ def ask_tokens(client: httpx.Client, target: Target, input_ids: list[int],
     return _stream(client, target, "/v1/completions", body)
 
 
-def _stream(client: httpx.Client, target: Target, path: str, body: dict[str, Any]) -> Reply:
+def _stream(client: httpx.Client, target: BenchTarget, path: str, body: dict[str, Any]) -> Reply:
     content: list[str] = []
     calls: dict[int, dict[str, str]] = {}
     usage: dict[str, Any] | None = None
@@ -163,7 +163,7 @@ def _stream(client: httpx.Client, target: Target, path: str, body: dict[str, Any
     return Reply(message, usage, ttft, total)
 
 
-def model_id(target: Target, timeout_s: float = 30.0) -> str:
+def model_id(target: BenchTarget, timeout_s: float = 30.0) -> str:
     """The model the proxy serves (its `/v1/models`)."""
     try:
         resp = httpx.get(target.url.rstrip("/") + "/v1/models", headers=target.headers(),
@@ -211,7 +211,7 @@ class TurnResult:
 TokenizeFn = Callable[[Messages, list[dict[str, Any]]], Sequence[int]]
 
 
-def replay(convs: Sequence[Conversation], on: Target, off: Target, *, tokenize: TokenizeFn,
+def replay(convs: Sequence[Conversation], on: BenchTarget, off: BenchTarget, *, tokenize: TokenizeFn,
            max_turns: int | None, max_tokens: int, timeout_s: float = 900.0,
            on_turn: Callable[[TurnResult], None] | None = None) -> list[TurnResult]:
     """Send every turn of every conversation to `off`, then to `on`; one result per turn."""

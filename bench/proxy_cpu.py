@@ -1,4 +1,4 @@
-"""The proxy's own CPU per request, by conversation length (issue 40).
+"""The proxy's own CPU per request, by conversation length.
 
 The proxy (a real `anchorcache proxy` process, anchors on, its own ledger) stands in front
 of an *instant worker*: the worker contract's HTTP layer (`ext/contract.py`) over a backend
@@ -105,9 +105,10 @@ def stub_worker(port: int, tokenizer_path: str) -> None:
             cached = restored[-1].depth if restored else 0
             yield wire.GenerateMeta(
                 epoch=epoch, prompt_tokens=len(ids), completion_tokens=len(output),
-                cached_tokens=cached, prefill_tokens=len(ids) - cached, finish_type="stop",
+                cached_tokens=cached, prefill_tokens=len(ids) - cached,
+                finish_reason=wire.FinishStop(eos),
                 anchors=wire.AnchorReport(restored=restored, written=tuple(written)),
-                rid=req.rid or "", matched=eos)
+                restore_ms=0.0, prefill_ms=0.0, decode_ms=0.0, rid=req.rid or "")
 
         async def finish(self, handle: Any, ok: bool) -> None:
             pass
@@ -128,14 +129,14 @@ def stub_worker(port: int, tokenizer_path: str) -> None:
                          depths: tuple[int, ...]) -> wire.LookupReply:
             return wire.LookupReply((), epoch)
 
-        async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.KeyOpReply:
-            return wire.KeyOpReply("pinned", True, epoch, "none")
+        async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.PinReply:
+            return wire.PinReply(True, epoch, "none")
 
-        async def unpin(self, key: bytes) -> wire.KeyOpReply:
-            return wire.KeyOpReply("unpinned", True, epoch)
+        async def unpin(self, key: bytes) -> wire.UnpinReply:
+            return wire.UnpinReply(True, epoch)
 
-        async def evict(self, key: bytes) -> wire.KeyOpReply:
-            return wire.KeyOpReply("evicted", False, epoch)
+        async def evict(self, key: bytes) -> wire.EvictReply:
+            return wire.EvictReply(False, epoch)
 
         async def flush(self, device: bool) -> wire.FlushReply:
             return wire.FlushReply(0, epoch, device)
@@ -144,7 +145,7 @@ def stub_worker(port: int, tokenizer_path: str) -> None:
             return wire.SlotsReply((), epoch)
 
         async def stats(self) -> wire.StatsReply:
-            return wire.StatsReply(tuple((c, 0) for c in wire.STATS_COUNTERS), 0, epoch)
+            return wire.StatsReply(*(0 for _ in wire.STATS_COUNTERS), staged=0, epoch=epoch)
 
         async def model_info(self) -> wire.ModelInfo:
             return wire.ModelInfo(MODEL_ID, tokenizer_path, tokenizer_path, "Qwen3ForCausalLM",

@@ -133,7 +133,7 @@ def main() -> None:
         worker = stack.enter_context(spawn("worker", "--model", model, "--threads", str(args.threads)))
         on = stack.enter_context(spawn("proxy", "--worker", worker, "--anchors"))
         off = stack.enter_context(spawn("proxy", "--worker", worker, "--no-anchors"))
-        rows = bench.replay(convs, bench.Target(on), bench.Target(off), max_turns=args.max_turns,
+        rows = bench.replay(convs, bench.BenchTarget(on), bench.BenchTarget(off), max_turns=args.max_turns,
                             max_tokens=1, on_turn=show,
                             tokenize=lambda m, t: adapter.split(m, t or None).input_ids)
         info = httpx.get(worker + "/model_info").json()

@@ -117,7 +117,7 @@ def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: 
                 messages = turn_requests(convs[c], turns)[t]
                 for attempt in (1, 2):  # an agent retries a failed turn once
                     try:
-                        replies[c, t] = bench.ask(client, bench.Target(proxy), messages,
+                        replies[c, t] = bench.ask(client, bench.BenchTarget(proxy), messages,
                                                   convs[c]["tools"], max_tokens)
                         break
                     except bench.BenchError as e:

@@ -61,7 +61,7 @@ def pick(n: int, turns: int) -> list[dict]:
     return [c for c in conversations("base") if len(turn_requests(c, turns)) == turns][:n]
 
 
-def run_pass(client: httpx.Client, target: bench.Target, worker: str, convs, turns: int,
+def run_pass(client: httpx.Client, target: bench.BenchTarget, worker: str, convs, turns: int,
              max_tokens: int) -> dict[tuple[int, int], bench.Reply]:
     """Every turn, round-robin over the conversations, from an empty device tree."""
     httpx.post(worker + "/flush_cache", timeout=60).raise_for_status()
@@ -84,7 +84,7 @@ def concurrent(url: str, convs, turns: int, max_tokens: int, worker: str,
     httpx.post(worker + "/flush_cache", timeout=60).raise_for_status()
 
     def one(conv) -> list[bench.Reply]:
-        target = bench.Target(url)
+        target = bench.BenchTarget(url)
         with httpx.Client(timeout=900) as client:
             if tokenize is not None:
                 return [bench.ask_tokens(client, target, list(tokenize(m, conv["tools"])),
@@ -201,9 +201,9 @@ def main() -> None:
                                        "--state-dir", state + "/on"))
         off = stack.enter_context(spawn("proxy", "--worker", worker, "--no-anchors",
                                         "--state-dir", state + "/off"))
-        replies_off = run_pass(client, bench.Target(off), worker, convs, args.turns,
+        replies_off = run_pass(client, bench.BenchTarget(off), worker, convs, args.turns,
                                args.max_tokens)
-        replies_on = run_pass(client, bench.Target(on), worker, convs, args.turns,
+        replies_on = run_pass(client, bench.BenchTarget(on), worker, convs, args.turns,
                               args.max_tokens)
         info = httpx.get(worker + "/model_info").json()
         stats = httpx.get(worker + "/anchor/stats").json()

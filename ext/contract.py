@@ -17,9 +17,10 @@ import logging
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
 from anchorcache import wire
@@ -28,7 +29,8 @@ from anchorcache.wire import (
     GenerateMeta,
     GenerateRequest,
     WireError,
-    parse_generate,
+    decode,
+    encode,
     parse_ids,
 )
 
@@ -59,7 +61,7 @@ Event = Tokens | GenerateMeta
 
 class Backend(ABC):
     """What a worker does for the contract; the HTTP layer does the rest (parsing, errors,
-    the reply's framing). Replies are the records of `anchorcache/wire.py`, with `epoch` set.
+    the reply's framing). Replies are the records of `anchorcache/wire/`, with `epoch` set.
 
     Every call that reads or changes the anchor store runs on the backend's own loop (the
     embedded engine thread; SGLang's scheduler), so the store has one owner. Errors: a
@@ -121,17 +123,17 @@ class Backend(ABC):
         for a depth outside `[1, len(ids)]`."""
 
     @abstractmethod
-    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.KeyOpReply:
+    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.PinReply:
         """Keep the committed anchor `key` from eviction (SGLang, with `device`: also lock its
         prefix on the device, within a budget, under the engine cache key `cache_key`, where
         requests that carry that key find it; the reply's `device` says how)."""
 
     @abstractmethod
-    async def unpin(self, key: bytes) -> wire.KeyOpReply:
+    async def unpin(self, key: bytes) -> wire.UnpinReply:
         """Undo `pin`; false when `key` was not pinned."""
 
     @abstractmethod
-    async def evict(self, key: bytes) -> wire.KeyOpReply:
+    async def evict(self, key: bytes) -> wire.EvictReply:
         """Drop the committed anchor `key`; false when it holds none."""
 
     @abstractmethod
@@ -211,7 +213,7 @@ def cache_key_arg(body: Any) -> str | None:
     return wire.parse_cache_key(_obj(body).get("cache_key"))
 
 
-def _pin(backend: Backend, body: Any) -> Awaitable[wire.KeyOpReply]:
+def _pin(backend: Backend, body: Any) -> Awaitable[wire.PinReply]:
     device = _obj(body).get("device", True)
     if not isinstance(device, bool):
         raise WireError("'device' must be a boolean")
@@ -345,7 +347,7 @@ def routes(fault_injection: bool) -> tuple[Route, ...]:
 async def handle(backend: Backend, route: Route, raw: bytes) -> Reply:
     try:
         result = await route.call(backend, read_body(raw) if route.method == "POST" else {})
-        return _json(result if isinstance(result, dict) else result.to_json())
+        return Reply(200, encode(result))
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -367,7 +369,8 @@ def _token_json(rid: str, req: GenerateRequest, ev: Tokens) -> dict[str, Any]:
 
 
 def _meta_json(rid: str, req: GenerateRequest, meta: GenerateMeta) -> dict[str, Any]:
-    data: dict[str, Any] = {"rid": rid, "output_ids": [], "meta_info": meta.to_json()}
+    data: dict[str, Any] = {"rid": rid, "output_ids": [],
+                            "meta_info": orjson.Fragment(encode(meta))}
     if req.sampling.n > 1:
         data["index"] = meta.index
     return data
@@ -393,8 +396,9 @@ async def generate(backend: Backend, raw: bytes, context: Any = None) -> Reply |
     """`POST /generate`: a JSON reply (a list of them for n > 1, SGLang's batch shape), or
     with `stream` a `Stream` whose errors after the first event are sent in-band."""
     try:
-        req = parse_generate(read_body(raw))
-        req = replace(req, rid=req.rid or uuid.uuid4().hex)
+        req = decode(raw if raw.strip() else b"{}", GenerateRequest)
+        if not req.rid:
+            req = msgspec.structs.replace(req, rid=uuid.uuid4().hex)
         handle_ = await backend.prepare(req, context)
     except asyncio.CancelledError:
         raise
@@ -416,7 +420,7 @@ async def generate(backend: Backend, raw: bytes, context: Any = None) -> Reply |
                     if key in token:
                         out.setdefault(key, []).extend(token[key])
             else:
-                out["meta_info"] = ev.to_json()
+                out["meta_info"] = orjson.Fragment(encode(ev))
                 if req.sampling.n > 1:
                     out["index"] = ev.index
     except asyncio.CancelledError:

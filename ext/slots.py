@@ -35,48 +35,17 @@ Thread-safe: every call takes the table's mutex (the GIL is released meanwhile).
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch  # noqa: F401  (loads libc10/libtorch, which the compiled _C links against)
 
 from anchorcache.ext import _C
-
-KEY_BYTES = 16
-Region = Literal["thin", "thick"]
+from anchorcache.wire import KEY_BYTES, Region, SlotCounters, SlotEntry
 
 
 class Reservation(NamedTuple):
     slot: int
     victims: tuple[bytes, ...]  # keys evicted at confirm; still visible until then
-
-
-class SlotInfo(NamedTuple):
-    slot: int
-    key: bytes
-    depth: int
-    parent: bytes | None
-    nbytes: int
-    pinned: bool
-    hits: int
-    last_use: int  # logical clock tick: its own commit or hit, or a descendant's (ancestors)
-    state: Literal["committed", "reserved"]
-
-
-class SlotStats(NamedTuple):
-    num_slots: int
-    used_slots: int  # slots holding a committed anchor
-    reserved_slots: int  # slots with a pending reservation (may also hold a committed anchor)
-    free_slots: int  # neither
-    bytes_used: int
-    bytes_reserved: int
-    bytes_capacity: int
-    hits: int
-    misses: int
-    stale_evictions: int
-    reservations: int  # successful reserve() calls, cumulative
-    confirms: int
-    aborts: int
-    evictions: int  # anchors removed by confirm, evict, clear or staleness, cumulative
 
 
 def _key(key: bytes, what: str = "key") -> bytes:
@@ -97,7 +66,7 @@ class SlotTable:
         self.pinned_slots = pinned_slots
 
     def reserve(self, key: bytes, depth: int, nbytes: int, *, parent: bytes | None = None,
-                region: Region = "thick", slot: int | None = None) -> Reservation | None:
+                region: Region = Region.THICK, slot: int | None = None) -> Reservation | None:
         """Reserves a slot for ``key`` at ``depth``; None if nothing can be reserved.
 
         ``slot`` asks for an in-place refresh of that slot (None if it is pinned, reserved,
@@ -109,7 +78,7 @@ class SlotTable:
             _key(parent, "parent")
         if region not in ("thin", "thick"):
             raise ValueError(f"region must be 'thin' or 'thick', got {region!r}")
-        got = self._table.reserve(_key(key), depth, nbytes, parent, region, slot)
+        got = self._table.reserve(_key(key), depth, nbytes, parent, Region(region).value, slot)
         return None if got is None else Reservation(got[0], tuple(got[1]))
 
     def confirm(self, slot: int) -> list[bytes]:
@@ -150,9 +119,9 @@ class SlotTable:
         """Evicts every committed anchor (pinned too); pending reservations stay."""
         return list(self._table.clear())
 
-    def entries(self) -> list[SlotInfo]:
+    def entries(self) -> list[SlotEntry]:
         """Committed anchors and pending reservations, by slot (committed first)."""
-        return [SlotInfo(*row) for row in self._table.entries()]
+        return [SlotEntry(*row) for row in self._table.entries()]
 
-    def stats(self) -> SlotStats:
-        return SlotStats(**self._table.stats())
+    def stats(self) -> SlotCounters:
+        return SlotCounters(**self._table.stats())

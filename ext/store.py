@@ -48,14 +48,15 @@ import logging
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 
 from anchorcache.ext.disk_tier import DiskTier, SlabRecord
 from anchorcache.ext.held_chain import deepest_held_chain
-from anchorcache.ext.slots import Region, SlotTable
+from anchorcache.ext.slots import SlotTable
 from anchorcache.wire import (
     AnchorHeld,
     AnchorHit,
@@ -68,8 +69,8 @@ from anchorcache.wire import (
     DiskStatsRecord,
     LookupHit,
     LookupReply,
+    Region,
     RestoreMiss,
-    SlotEntry,
     SlotsReply,
     StatsReply,
     anchor_keys,
@@ -266,7 +267,7 @@ class AnchorStore:
         except ValueError:
             self.disk.reject(key, f"unknown kind {rec.kind!r}")
             return None
-        region: Region = "thin" if kind in (AnchorKind.TOOL, AnchorKind.INSTRUCTION) else "thick"
+        region = Region.THIN if kind in (AnchorKind.TOOL, AnchorKind.INSTRUCTION) else Region.THICK
         res = self.table.reserve(key, depth, rec.nbytes, parent=rec.parent, region=region)
         if res is None:
             return None
@@ -496,18 +497,21 @@ class AnchorStore:
             disk = tuple(DiskSlotEntry(e.key, e.depth, e.parent, e.nbytes,
                                        self.disk.pinned(e.key))
                          for e in self.disk.entries() if e.key not in self._slot_of)
-        return SlotsReply(tuple(SlotEntry(*e) for e in self.table.entries()), epoch, disk)
+        return SlotsReply(tuple(self.table.entries()), epoch, disk)
 
-    def stats(self, epoch: str, **device: int) -> StatsReply:
-        """The slot table's counters and the staged count; `device`: the worker's device
-        figures (StatsReply's `device_*`); the disk tier's figures when there is one."""
-        reply = StatsReply.of(self.table.stats()._asdict(), self.staged_count(), epoch, **device)
-        if self.disk is None:
-            return reply
-        d = self.disk.stats()
-        return replace(reply, disk=DiskStatsRecord(d.enabled, d.bytes, d.files, d.budget_bytes,
-                                                   d.writes, d.loads, d.skips, d.evictions,
-                                                   d.imports))
+    def stats(self, epoch: str, *, device_pinned_tokens: int = 0,
+              device_pin_budget_tokens: int = 0) -> StatsReply:
+        """The slot table's counters and the staged count; `device_*`: the worker's device
+        figures; the disk tier's figures when there is one."""
+        disk = None
+        if self.disk is not None:
+            d = self.disk.stats()
+            disk = DiskStatsRecord(d.enabled, d.bytes, d.files, d.budget_bytes, d.writes,
+                                   d.loads, d.skips, d.evictions, d.imports)
+        return StatsReply(**msgspec.structs.asdict(self.table.stats()),
+                          staged=self.staged_count(), epoch=epoch,
+                          device_pinned_tokens=device_pinned_tokens,
+                          device_pin_budget_tokens=device_pin_budget_tokens, disk=disk)
 
 
 def _record(slab: Slab) -> SlabRecord:

@@ -16,20 +16,19 @@ from typing import Any, TypeVar
 
 import aiohttp
 import orjson
+from msgspec.structs import replace
 
 from anchorcache.wire import (
     ConfirmReply,
     GenerateMeta,
     GenerateRequest,
+    ModelInfo,
     SlotsReply,
+    StopReply,
     WireError,
     WorkerHealth,
-    parse_confirm,
-    parse_generate_meta,
-    parse_health,
-    parse_ranks,
-    parse_slots,
-    parse_stop,
+    encode,
+    from_json,
 )
 
 from .errors import ApiError
@@ -87,23 +86,8 @@ class ProgressClock:
         return now - self._since
 
 
-@dataclass(frozen=True)
-class WorkerInfo:
-    model_id: str
-    tokenizer_path: str
-    max_context_tokens: int
-    eos_token_ids: tuple[int, ...]
-    hybrid: bool
-    epoch: str
-    ranks: tuple[str, ...] = ()  # a server of several workers: their paths (wire.ModelInfo)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> WorkerInfo:
-        return cls(model_id=d["model_id"], tokenizer_path=d["tokenizer_path"],
-                   max_context_tokens=int(d["max_context_tokens"]),
-                   eos_token_ids=tuple(d.get("eos_token_ids", ())), hybrid=bool(d.get("hybrid")),
-                   epoch=str(d["epoch"]), ranks=parse_ranks(d.get("ranks", [])))
-
+# a worker's `/model_info` (the name the proxy's modules know it by)
+WorkerInfo = ModelInfo
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
@@ -175,23 +159,19 @@ class WorkerClient:
         except asyncio.TimeoutError:
             raise ApiError("worker_error", f"worker did not answer {path} in time") from None
 
-    async def model_info(self) -> WorkerInfo:
-        data = await self._call("GET", "/model_info")
-        try:
-            return WorkerInfo.from_json(data)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ApiError("worker_error", f"malformed reply from /model_info: {e}") from None
+    async def model_info(self) -> ModelInfo:
+        return await self._typed(ModelInfo, "GET", "/model_info")
 
-    async def _typed(self, parse: Callable[[Any], T], method: str, path: str, body: Any = None,
+    async def _typed(self, record: type[T], method: str, path: str, body: Any = None,
                      timeout_s: float | None = None) -> T:
         data = await self._call(method, path, body, timeout_s)
         try:
-            return parse(data)
+            return from_json(record, data)
         except WireError as e:
             raise ApiError("worker_error", f"malformed reply from {path}: {e}") from None
 
     async def health(self) -> WorkerHealth:
-        reply = await self._typed(parse_health, "GET", "/health", timeout_s=HEALTH_TIMEOUT_S)
+        reply = await self._typed(WorkerHealth, "GET", "/health", timeout_s=HEALTH_TIMEOUT_S)
         self._saw(reply.epoch)
         return reply
 
@@ -202,14 +182,14 @@ class WorkerClient:
         """End request `rid` as a stop, its anchors kept (the response anchor: prompt +
         `output_tokens` output ids); its stream then ends with its meta as usual. False when
         the worker no longer runs it (its reply is on its way)."""
-        reply = await self._typed(parse_stop, "POST", "/stop_request",
+        reply = await self._typed(StopReply, "POST", "/stop_request",
                                   {"rid": rid, "output_tokens": output_tokens})
         return reply.stopped
 
     async def confirm(self, slots: list[int], rid: str, epoch: str) -> ConfirmReply:
         """Make the anchors request `rid` staged in `slots`, in the worker's `epoch`, visible;
         the reply names those confirmed and the keys evicted."""
-        reply = await self._typed(parse_confirm, "POST", "/anchor/confirm",
+        reply = await self._typed(ConfirmReply, "POST", "/anchor/confirm",
                                   {"slots": slots, "rid": rid, "epoch": epoch})
         self._saw(reply.epoch)
         return reply
@@ -219,7 +199,7 @@ class WorkerClient:
         return [int(s) for s in reply.get("aborted", [])]
 
     async def slots(self) -> SlotsReply:
-        reply = await self._typed(parse_slots, "GET", "/anchor/slots")
+        reply = await self._typed(SlotsReply, "GET", "/anchor/slots")
         self._saw(reply.epoch)
         return reply
 
@@ -248,11 +228,11 @@ class WorkerClient:
 
         A worker that ends the stream without a final chunk raises `worker_error`.
         """
-        body = {**req.to_json(), "stream": True}
+        body = encode(req if req.stream else replace(req, stream=True))
         held = self.progress.begin()
         finished = False
         try:
-            async with self.session.post(self.base_url + "/generate", data=orjson.dumps(body),
+            async with self.session.post(self.base_url + "/generate", data=body,
                                          headers={"Content-Type": "application/json"}) as resp:
                 self.progress.attach(held, resp.content)
                 if resp.status >= 400:
@@ -269,7 +249,7 @@ class WorkerClient:
                                        f"worker error: {event['error'].get('message', '')}")
                     raw = event.get("meta_info")
                     try:
-                        meta = parse_generate_meta(raw) if raw is not None else None
+                        meta = from_json(GenerateMeta, raw) if raw is not None else None
                     except WireError as e:
                         raise ApiError("worker_error", f"malformed meta_info: {e}") from None
                     if meta is not None:

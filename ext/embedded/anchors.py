@@ -21,24 +21,26 @@ import torch
 from anchorcache.ext import ops
 from anchorcache.ext.disk_tier import DiskTier
 from anchorcache.ext.slots import SlotTable
-from anchorcache.ext.store import STAGED_TTL_S, Slab
-from anchorcache.ext.store import AnchorStore as _Store
+from anchorcache.ext.store import STAGED_TTL_S, AnchorStore, Slab
 from anchorcache.wire import (
     AnchorHeld,
     AnchorKind,
     AnchorPlan,
     AnchorReport,
     AnchorWritten,
+    Region,
     SnapshotSpec,
     anchor_keys,
 )
 
 from . import cache_io
 
-__all__ = ["STAGED_TTL_S", "AnchorHeld", "AnchorStore", "Slab", "cache_from_slabs", "capture_slabs"]
+__all__ = ["STAGED_TTL_S", "AnchorHeld", "EmbeddedAnchors", "Slab", "cache_from_slabs", "capture_slabs"]
 
 
-class AnchorStore(_Store):
+class EmbeddedAnchors(AnchorStore):
+    """The embedded worker's anchor store: `AnchorStore` over its transformers cache layout."""
+
     def __init__(self, model_id: str, spec: cache_io.CacheSpec, table: SlotTable, *,
                  disk: DiskTier | None = None) -> None:
         super().__init__(model_id, table, kv_bytes_per_token=spec.kv_bytes_per_token,
@@ -48,7 +50,7 @@ class AnchorStore(_Store):
     @classmethod
     def create(cls, model: torch.nn.Module, model_id: str, spec: cache_io.CacheSpec, *,
                num_slots: int, capacity_bytes: int, pinned_slots: int,
-               disk: DiskTier | None = None) -> AnchorStore:
+               disk: DiskTier | None = None) -> EmbeddedAnchors:
         table = SlotTable(num_slots, capacity_bytes, slot_base=0, pinned_slots=pinned_slots)
         return cls(model_id, spec, table, disk=disk)
 
@@ -65,16 +67,16 @@ class AnchorStore(_Store):
         """Save K/V rows up to `depth` (and, on recurrent models, the state: the cache must
         then end exactly at `depth`) as a staged anchor of `rid`."""
         key = anchor_keys(plan.namespace, self.model_id, ids, [depth])[depth]
-        return self._save(rid, cache, key, depth, spec.kind, spec.region.value, ids)
+        return self._save(rid, cache, key, depth, spec.kind, spec.region, ids)
 
     def snapshot_response(self, rid: str, cache: Any, full_ids: tuple[int, ...],
                           plan: AnchorPlan) -> AnchorWritten | AnchorHeld | None:
         depth = len(full_ids)
         key = anchor_keys(plan.namespace, self.model_id, full_ids, [depth])[depth]
-        return self._save(rid, cache, key, depth, AnchorKind.RESPONSE, "thick", full_ids)
+        return self._save(rid, cache, key, depth, AnchorKind.RESPONSE, Region.THICK, full_ids)
 
     def _save(self, rid: str, cache: Any, key: bytes, depth: int, kind: AnchorKind,
-              region: Any, ids: tuple[int, ...]) -> AnchorWritten | AnchorHeld | None:
+              region: Region, ids: tuple[int, ...]) -> AnchorWritten | AnchorHeld | None:
         # a cache that cannot be snapshot at `depth` is a bug of the caller: raise, uncaught
         # `ids`: the slab keeps its tokens (a disk file is checked against the prompt's)
         return self.write(rid, key, depth, kind, region,

@@ -110,9 +110,9 @@ def load_engine(config: WorkerConfig) -> tuple[Engine, ModelInfo]:
     )
     anchors = None
     if config.anchors:
-        from .anchors import AnchorStore
+        from .anchors import EmbeddedAnchors
 
-        anchors = AnchorStore.create(model, info.model_id, spec, num_slots=config.anchor_slots,
+        anchors = EmbeddedAnchors.create(model, info.model_id, spec, num_slots=config.anchor_slots,
                                      capacity_bytes=config.anchor_capacity_bytes,
                                      pinned_slots=config.pinned_slots,
                                      disk=_disk_tier(config, path, spec))

@@ -13,27 +13,30 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import replace
 from typing import Any, TypeVar
+
+from msgspec.structs import replace
 
 from anchorcache.ext.contract import Backend, ContractError, Event, Tokens
 from anchorcache.wire import (
     AbortReply,
     ConfirmReply,
+    EvictReply,
     FlushReply,
     GenerateRequest,
-    KeyOpReply,
     LookupReply,
     ModelInfo,
+    PinReply,
     SlotsAborted,
     SlotsReply,
     StatsReply,
     StopReply,
+    UnpinReply,
     WireError,
     WorkerHealth,
 )
 
-from .anchors import AnchorStore
+from .anchors import EmbeddedAnchors
 from .engine import Engine, ErrorEvent, FinishEvent, Job
 
 T = TypeVar("T")
@@ -49,7 +52,7 @@ class EmbeddedBackend(Backend):
     def epoch(self) -> str:
         return self._epoch
 
-    def _on_engine(self, fn: Callable[[AnchorStore], T]) -> asyncio.Future[T]:
+    def _on_engine(self, fn: Callable[[EmbeddedAnchors], T]) -> asyncio.Future[T]:
         store = self.engine.anchors
         if store is None:
             raise ContractError(404, "this worker runs without an anchor store")
@@ -129,18 +132,16 @@ class EmbeddedBackend(Backend):
         return await self._on_engine(lambda store: store.lookup(namespace, list(ids),
                                                                 list(depths), self._epoch))
 
-    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> KeyOpReply:
+    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> PinReply:
         # no device tier (and no engine cache to key): nothing is locked beyond the host
         # slot table
-        return KeyOpReply("pinned", await self._on_engine(lambda store: store.pin(key)),
-                          self._epoch, "none")
+        return PinReply(await self._on_engine(lambda store: store.pin(key)), self._epoch, "none")
 
-    async def unpin(self, key: bytes) -> KeyOpReply:
-        return KeyOpReply("unpinned", await self._on_engine(lambda s: s.unpin(key)),
-                          self._epoch)
+    async def unpin(self, key: bytes) -> UnpinReply:
+        return UnpinReply(await self._on_engine(lambda s: s.unpin(key)), self._epoch)
 
-    async def evict(self, key: bytes) -> KeyOpReply:
-        return KeyOpReply("evicted", await self._on_engine(lambda s: s.evict(key)), self._epoch)
+    async def evict(self, key: bytes) -> EvictReply:
+        return EvictReply(await self._on_engine(lambda s: s.evict(key)), self._epoch)
 
     async def flush(self, device: bool) -> FlushReply:
         # no device cache of its own: /flush_cache drops the anchors too

@@ -25,12 +25,24 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from msgspec.structs import replace
 
-from anchorcache.wire import AnchorHeld, AnchorReport, AnchorWritten, GenerateMeta, GenerateRequest
+from anchorcache.wire import (
+    AnchorHeld,
+    AnchorReport,
+    AnchorWritten,
+    FinishAbort,
+    FinishLength,
+    FinishReason,
+    FinishStop,
+    GenerateMeta,
+    GenerateRequest,
+    to_json,
+)
 
 from . import cache_io
 from .sampling import Pick, Sampler
@@ -51,7 +63,7 @@ class FinishEvent:
 
     @property
     def finish_reason(self) -> dict[str, Any]:
-        return self.meta.finish_reason()
+        return to_json(self.meta.finish_reason)
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,7 @@ class Engine:
         self.recurrent = recurrent  # state only at chunk ends (hybrid / SSM models)
         self.prefill_chunk_tokens = prefill_chunk_tokens  # bounds how late an abort is seen
         self.eos_token_ids = eos_token_ids
-        self.anchors = anchors  # AnchorStore or None (see anchors.py)
+        self.anchors = anchors  # EmbeddedAnchors or None (see anchors.py)
         if anchors is not None:
             anchors.fault = self._fault
         self._queue: queue.Queue[Job | object | None] = queue.Queue()
@@ -206,7 +218,8 @@ class Engine:
                 ok = not job.cancelled.is_set()
             except Aborted:
                 n = len(job.req.input_ids)
-                job.emit(FinishEvent(GenerateMeta("", n, 0, 0, n, "abort", rid=job.rid)))
+                job.emit(FinishEvent(GenerateMeta(
+                    "", n, 0, 0, n, FinishAbort(), AnchorReport(), 0.0, 0.0, 0.0, rid=job.rid)))
             except BaseException as e:  # reported to the request, the thread lives on
                 job.emit(ErrorEvent(e))
             finally:
@@ -291,7 +304,7 @@ class Engine:
             out, finish = self._decode(job, sample_cache, logits, n, index, stops)
             t_decode = time.perf_counter()
             if (self.anchors is not None and plan is not None and plan.snapshot_response
-                    and p.n == 1 and out and finish["type"] == "stop"):
+                    and p.n == 1 and out and isinstance(finish, FinishStop)):
                 t = time.perf_counter()
                 w = self._snapshot_response(job, sample_cache, ids + tuple(out), n, plan)
                 snapshot_s += time.perf_counter() - t
@@ -309,8 +322,8 @@ class Engine:
                 restore_ms=round((t_restore - t0) * 1e3, 3),
                 prefill_ms=round((t_prefill - t_restore) * 1e3, 3),
                 decode_ms=round((t_decode - t_start) * 1e3, 3),
-                snapshot_ms=round(snapshot_s * 1e3, 3), finish_type=finish["type"],
-                matched=finish.get("matched"), anchors=anchors,
+                snapshot_ms=round(snapshot_s * 1e3, 3), finish_reason=finish,
+                anchors=anchors,
                 index=index if p.n > 1 else None)
             job.emit(FinishEvent(meta, index=index, last=last))
 
@@ -341,7 +354,7 @@ class Engine:
                                            spec=self._spec, adopt=True)
 
     def _decode(self, job: Job, cache: Any, logits: torch.Tensor, position: int, index: int,
-                stops: set[int]) -> tuple[list[int], dict[str, Any]]:
+                stops: set[int]) -> tuple[list[int], FinishReason]:
         """Sample one continuation from `logits` (the prompt's last position) on `cache`."""
         p = job.req.sampling
         mask = None
@@ -352,24 +365,22 @@ class Engine:
         sampler = Sampler(p, index=index, mask=mask, logprobs=job.req.return_logprob,
                           top_logprobs=job.req.top_logprobs_num)
         out: list[int] = []
-        finish: dict[str, Any] = {"type": "length", "length": 0}
+        finish: FinishReason | None = None
         while len(out) < p.max_new_tokens:
             if job.stopping.is_set():  # the proxy found a stop sequence
-                finish = {"type": "stop", "matched": None}
+                finish = FinishStop(None)
                 break
             pick = sampler(logits[0, -1])
             out.append(pick.token)
             job.emit(TokenEvent((pick.token,), index,
                                 (pick,) if job.req.return_logprob else None))
             if pick.token in stops or (mask is not None and mask.terminated):
-                finish = {"type": "stop", "matched": pick.token}
+                finish = FinishStop(pick.token)
                 break
             if len(out) >= p.max_new_tokens:
                 break
             self._check(job, "decode")
             logits = cache_io.decode_step(self.model, cache, pick.token, position)
             position += 1
-        if finish["type"] == "length":
-            finish["length"] = len(out)
-        return out, finish
+        return out, finish if finish is not None else FinishLength(len(out))
 

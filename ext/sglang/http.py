@@ -19,15 +19,14 @@ rank it is meant for.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import replace
 from typing import Any, TypeVar
 
-import orjson
+from msgspec.structs import replace
 
 from anchorcache import wire
 from anchorcache.ext import contract
 from anchorcache.ext.contract import Backend, ContractError, Event
-from anchorcache.wire import GenerateRequest, WireError
+from anchorcache.wire import GenerateRequest, WireError, encode, from_json
 
 from .config import SGLangAnchorConfig
 from .cpu_kernels import is_hybrid
@@ -45,12 +44,12 @@ class SGLangBackend(Backend):
     def epoch(self) -> str:
         return self.worker.epoch or ""
 
-    async def _call(self, op: str, body: dict[str, Any], parse: Callable[[Any], T]) -> T:
-        """One anchor operation on the scheduler's loop, its reply parsed into its record
+    async def _call(self, op: str, body: dict[str, Any], record: type[T]) -> T:
+        """One anchor operation on the scheduler's loop, its reply read into its `record`
         (a reply that does not fit is a 500, never passed on)."""
         reply = {**await self.worker.call(op, body), "epoch": self.epoch}
         try:
-            return parse(reply)
+            return from_json(record, reply)
         except WireError as e:
             raise RuntimeError(f"malformed scheduler reply to {op}: {e}") from None
 
@@ -91,32 +90,29 @@ class SGLangBackend(Backend):
 
     # ---- anchors (scheduler loop) -------------------------------------------------------
     async def confirm(self, slots: list[int], rid: str | None) -> wire.ConfirmReply:
-        return await self._call("confirm", {"slots": slots, "rid": rid}, wire.parse_confirm)
+        return await self._call("confirm", {"slots": slots, "rid": rid}, wire.ConfirmReply)
 
     async def abort_slots(self, slots: list[int]) -> wire.SlotsAborted:
-        return await self._call("abort", {"slots": slots}, wire.parse_slots_aborted)
+        return await self._call("abort", {"slots": slots}, wire.SlotsAborted)
 
     async def lookup(self, namespace: bytes, ids: tuple[int, ...],
                      depths: tuple[int, ...]) -> wire.LookupReply:
         return await self._call("lookup", {"namespace": namespace.hex(), "input_ids": list(ids),
-                                           "depths": list(depths)}, wire.parse_lookup)
+                                           "depths": list(depths)}, wire.LookupReply)
 
-    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.KeyOpReply:
+    async def pin(self, key: bytes, cache_key: str | None, device: bool) -> wire.PinReply:
         return await self._call("pin", {"key": key.hex(), "cache_key": cache_key,
-                                        "device": device},
-                                lambda d: wire.parse_key_op(d, "pinned"))
+                                        "device": device}, wire.PinReply)
 
-    async def unpin(self, key: bytes) -> wire.KeyOpReply:
-        return await self._call("unpin", {"key": key.hex()},
-                                lambda d: wire.parse_key_op(d, "unpinned"))
+    async def unpin(self, key: bytes) -> wire.UnpinReply:
+        return await self._call("unpin", {"key": key.hex()}, wire.UnpinReply)
 
-    async def evict(self, key: bytes) -> wire.KeyOpReply:
-        return await self._call("evict", {"key": key.hex()},
-                                lambda d: wire.parse_key_op(d, "evicted"))
+    async def evict(self, key: bytes) -> wire.EvictReply:
+        return await self._call("evict", {"key": key.hex()}, wire.EvictReply)
 
     async def flush(self, device: bool) -> wire.FlushReply:
         if not device:
-            return await self._call("flush_anchors", {}, wire.parse_flush)
+            return await self._call("flush_anchors", {}, wire.FlushReply)
         # SGLang's own flush of its device tree; the host anchors survive it (see the docs)
         ret = await self.worker.tm.flush_cache()
         if not ret.success:
@@ -125,14 +121,14 @@ class SGLangBackend(Backend):
         return wire.FlushReply(0, self.epoch, flushed_device=True)
 
     async def slots(self) -> wire.SlotsReply:
-        return await self._call("slots", {}, wire.parse_slots)
+        return await self._call("slots", {}, wire.SlotsReply)
 
     async def stats(self) -> wire.StatsReply:
-        return await self._call("stats", {}, wire.parse_stats)
+        return await self._call("stats", {}, wire.StatsReply)
 
     async def verify(self, key: bytes, cache_key: str | None) -> wire.VerifyReply:
         return await self._call("verify", {"key": key.hex(), "cache_key": cache_key},
-                                wire.parse_verify)
+                                wire.VerifyReply)
 
     async def fault(self, body: dict[str, Any]) -> dict[str, Any]:
         return {**await self.worker.call("fault", body), "epoch": self.epoch}
@@ -212,7 +208,7 @@ class RankedServer:
                 call = calls.get(path)
                 if call is None:
                     raise self.refusal()
-                return _response(contract.Reply(200, orjson.dumps((await call()).to_json())))
+                return _response(contract.Reply(200, encode(await call())))
             except ContractError as e:
                 return _response(contract.error_reply(e))
 

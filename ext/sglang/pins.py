@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from anchorcache.ext.store import AnchorStore
+from anchorcache.wire import PinDevice
 
 from .device import Placer
 
@@ -41,7 +42,7 @@ class Pins:
         self.pinned_tokens = 0
         self._repin: dict[bytes, str | None] = {}  # pins a device flush dropped → extra_key
 
-    def pin(self, key: bytes, extra_key: str | None) -> str:
+    def pin(self, key: bytes, extra_key: str | None) -> PinDevice:
         """Lock the committed anchor `key`'s prefix in the tree, under `extra_key` (where
         requests of that cache key find it); how it went: `locked`, or why not
         (`over_budget`, `no_device_space`, `no_tokens`). An anchor is pinned on the device

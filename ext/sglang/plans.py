@@ -25,10 +25,10 @@ from anchorcache.wire import (
     AnchorHeld,
     AnchorPlan,
     AnchorWritten,
+    Record,
     SnapshotSpec,
     WireError,
     anchor_keys,
-    parse_anchor_plan,
 )
 
 from .device import Placement
@@ -70,8 +70,7 @@ class Plan:
             self.written.append(w)
 
 
-@dataclass(frozen=True)
-class FinishReport:
+class FinishReport(Record, frozen=True):
     """What one request restored and wrote: pushed at its release (`push: finish`) or the
     reply to `finish`; the HTTP side (ext/sglang/run.py) reads it into its response."""
 
@@ -81,13 +80,6 @@ class FinishReport:
     written: tuple[AnchorWritten, ...] = ()
     held: tuple[AnchorHeld, ...] = ()
     snapshot_ms: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"anchors": self.anchors, "restored_tokens": self.restored_tokens,
-                "restore_ms": self.restore_ms,
-                "written": [w.to_json() for w in self.written],
-                "held": [h.to_json() for h in self.held],
-                "snapshot_ms": self.snapshot_ms}
 
 
 NO_REPORT = FinishReport({"restored": [], "restore_miss": []})  # a run never registered
@@ -123,11 +115,11 @@ class Plans:
             return None
         try:
             body = orjson.loads(raw)
-            token, plan = str(body["token"]), parse_anchor_plan(body["anchor"])
+            token, plan = str(body["token"]), AnchorPlan.from_json(body["anchor"])
         except (orjson.JSONDecodeError, KeyError, TypeError, WireError):
             log.warning("request %s carries an unreadable anchor plan; served without", req.rid)
             return None
-        if plan is None or self._ended.get(req.rid) == token:
+        if self._ended.get(req.rid) == token:
             return None  # already ended (its `finish` came first: the client went away)
         ids = tuple(req.origin_input_ids)
         p = Plan(ids, plan, {"restored": [], "restore_miss": []}, token=token)

@@ -14,20 +14,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
 import orjson
 import zmq
+from msgspec.structs import replace
 
 from anchorcache.ext.contract import key_arg, slots_arg
 from anchorcache.ext.store import AnchorStore
 from anchorcache.wire import (
     ConfirmReply,
+    EvictReply,
     FlushReply,
-    KeyOpReply,
+    PinReply,
     SlotsAborted,
+    UnpinReply,
     VerifyReply,
     WireError,
     parse_cache_key,
@@ -175,20 +177,20 @@ class RpcOps:
         key, extra_key = key_arg(body), parse_cache_key(body.get("cache_key"))
         pinned = self._store.pin(key)  # (loaded from the disk tier first if need be)
         on_device = pinned and body.get("device", True)
-        return KeyOpReply("pinned", pinned, self._epoch,
-                          self._pins.pin(key, extra_key) if on_device else "none").to_json()
+        return PinReply(pinned, self._epoch,
+                        self._pins.pin(key, extra_key) if on_device else "none").to_json()
 
     def _unpin(self, body: dict[str, Any]) -> dict[str, Any]:
         key = key_arg(body)
         self._pins.unpin(key)
-        return KeyOpReply("unpinned", self._store.unpin(key), self._epoch).to_json()
+        return UnpinReply(self._store.unpin(key), self._epoch).to_json()
 
     def _evict(self, body: dict[str, Any]) -> dict[str, Any]:
         key = key_arg(body)
         evicted = self._store.evict(key)
         if evicted:
             self._pins.unpin(key)
-        return KeyOpReply("evicted", evicted, self._epoch).to_json()
+        return EvictReply(evicted, self._epoch).to_json()
 
     def _flush_anchors(self, body: dict[str, Any]) -> dict[str, Any]:
         self._pins.unpin_all()

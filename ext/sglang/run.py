@@ -10,19 +10,22 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import orjson
+from msgspec.structs import replace
 
 from anchorcache.ext.contract import Event, Tokens
 from anchorcache.wire import (
     AnchorReport,
+    FinishAbort,
+    FinishLength,
+    FinishReason,
+    FinishStop,
     GenerateMeta,
     GenerateRequest,
     SamplingParams,
     WireError,
-    parse_anchor_report,
 )
 
 from .rpc import PLAN_PARAM, SchedulerError
@@ -45,15 +48,16 @@ def sglang_sampling(p: SamplingParams, index: int) -> dict[str, Any]:
     return out
 
 
-def finish_reason(meta: dict[str, Any], output_ids: list[int]) -> dict[str, Any]:
+def finish_reason(meta: dict[str, Any], output_ids: list[int]) -> FinishReason:
+    """The contract's finish of SGLang's `finish_reason` (a stop string matches no token)."""
     reason = meta.get("finish_reason") or {"type": "abort"}
     kind = reason.get("type")
     if kind == "stop":
         matched = reason.get("matched")
-        return {"type": "stop", "matched": matched if isinstance(matched, int) else None}
+        return FinishStop(matched if isinstance(matched, int) and matched >= 0 else None)
     if kind == "length":
-        return {"type": "length", "length": len(output_ids)}
-    return {"type": "abort"}
+        return FinishLength(len(output_ids))
+    return FinishAbort()
 
 
 class Aborted(Exception):
@@ -75,7 +79,7 @@ class Sample:
     def __init__(self, rid: str) -> None:
         self.rid = rid
         self.output_ids: list[int] = []
-        self.finish_reason: dict[str, Any] = {"type": "abort"}
+        self.finish_reason: FinishReason = FinishAbort()
         self.sglang_meta: dict[str, Any] = {}
         self.t_first: float | None = None
 
@@ -269,8 +273,8 @@ class Run:
                                                         "ok": ok})
             else:
                 self.worker.learn_epoch(fin)
-            restore = parse_anchor_report(fin["anchors"])
-            saved = parse_anchor_report({"written": fin["written"], "held": fin["held"]})
+            restore = AnchorReport.from_json(fin["anchors"])
+            saved = AnchorReport.from_json({"written": fin["written"], "held": fin["held"]})
             self.anchors = replace(restore, written=saved.written,
                                    held=restore.held + saved.held,
                                    restored_tokens=int(fin["restored_tokens"]))
@@ -314,6 +318,5 @@ class Run:
             # (queueing included), decode the rest
             prefill_ms=round((first - self.t0) * 1e3 - self.restore_ms, 3),
             decode_ms=round((now - first) * 1e3, 3), snapshot_ms=self.snapshot_ms,
-            finish_type=sample.finish_reason["type"],
-            matched=sample.finish_reason.get("matched"), anchors=self.anchors,
+            finish_reason=sample.finish_reason, anchors=self.anchors,
             index=index if len(self.samples) > 1 else None)

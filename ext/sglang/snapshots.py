@@ -21,7 +21,7 @@ import torch
 
 from anchorcache.ext import ops
 from anchorcache.ext.store import AnchorStore
-from anchorcache.wire import AnchorKind, anchor_keys
+from anchorcache.wire import AnchorKind, Region, anchor_keys
 
 from . import hybrid, tp
 from .faults import Faults
@@ -85,7 +85,7 @@ class Snapshots:
                     continue  # (its window rows are gone: the tree's older part of a prefix)
                 capture = self._capture(req, p, ready[-1].depth, state_at=up_to, window=window)
             p.record(store.write(req.rid, keys[spec.depth], spec.depth, spec.kind,
-                                 spec.region.value, capture, ids=p.ids))
+                                 spec.region, capture, ids=p.ids))
 
     def _window_of(self, req: Any, p: Plan, depth: int) -> torch.Tensor | None:
         """On the sliding-window pool, the window of request `req`'s prefix at `depth`, copied
@@ -121,7 +121,7 @@ class Snapshots:
             return
         key = anchor_keys(p.plan.namespace, self._model_id, full, [depth])[depth]
         p.record(self._store.write(
-            req.rid, key, depth, AnchorKind.RESPONSE, "thick",
+            req.rid, key, depth, AnchorKind.RESPONSE, Region.THICK,
             self._capture(req, p, depth, state_at=up_to, window=window), ids=full))
 
     def _capture(self, req: Any, p: Plan, depth: int, *, state_at: int,

@@ -22,4 +22,5 @@ class CallTimes:
         self._ms[kind] = (calls + 1, total + ms, max(peak, ms))
 
     def rows(self) -> tuple[CallTime, ...]:
-        return tuple(CallTime(kind, *c) for kind, c in sorted(self._ms.items()))
+        return tuple(CallTime(kind, calls, round(total, 3), round(peak, 3))
+                     for kind, (calls, total, peak) in sorted(self._ms.items()))

@@ -15,7 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from anchorcache.ext.slots import SlotInfo, SlotTable
+from anchorcache.ext.slots import SlotTable
+from anchorcache.wire import SlotEntry
 
 KEYS = [bytes([i]) * 16 for i in range(1, 9)]
 NUM_SLOTS, SLOT_BASE, PINNED_SLOTS = 6, 1, 2  # thin region: slots 1 and 2
@@ -207,8 +208,8 @@ class Model:
             for e, state in ((self.committed.get(s), "committed"),
                              (self.pending[s].entry if s in self.pending else None, "reserved")):
                 if e is not None:
-                    rows.append(SlotInfo(s, e.key, e.depth, e.parent, e.nbytes, e.pinned,
-                                         e.hits, e.last_use, state))
+                    rows.append(SlotEntry(s, e.key, e.depth, e.parent, e.nbytes, e.pinned,
+                                          e.hits, e.last_use, state))
         return rows
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from msgspec.structs import replace
 
 from anchorcache.ext.slots import Reservation, SlotTable
 
@@ -54,8 +55,8 @@ def test_an_aborted_reservation_keeps_the_previous_anchor():
 
     assert table.lookup(key("a"), 5) == a and table.lookup(key("b"), 7) == b
     assert table.lookup(key("c"), 9) is None
-    assert [e._replace(hits=0, last_use=0) for e in table.entries()] == \
-           [e._replace(hits=0, last_use=0) for e in before]
+    assert [replace(e, hits=0, last_use=0) for e in table.entries()] == \
+           [replace(e, hits=0, last_use=0) for e in before]
     stats = table.stats()
     assert (stats.aborts, stats.bytes_reserved, stats.bytes_used, stats.evictions) == (1, 0, 20, 0)
     with pytest.raises(ValueError, match="holds no reservation"):

@@ -452,10 +452,10 @@ def same_shape(a: Any, b: Any) -> bool:
 
 
 def test_replies_are_their_records_and_match_across_backends(worker):
-    """Every reply parses into its record in anchorcache/wire.py and serializes back to
+    """Every reply parses into its record in anchorcache/wire/ and serializes back to
     itself, byte for byte; the second backend to run answers with the first's shapes."""
     ids = prompt(18, 160)
-    replies: dict[str, tuple[Any, Any]] = {}  # call → (reply, its parser)
+    replies: dict[str, tuple[Any, Any]] = {}  # call → (reply, its record)
 
     def meta_of(out: dict[str, Any]) -> dict[str, Any]:
         return out["meta_info"]
@@ -464,41 +464,41 @@ def test_replies_are_their_records_and_match_across_backends(worker):
     plan = AnchorPlan(NS, snapshot=(SnapshotSpec(80, AnchorKind.CONVERSATION, Region.THICK),),
                       chunk_at=(80,))
     saved = generate(worker, ids[:120], plan)
-    replies["generate_meta"] = (meta_of(saved), wire.parse_generate_meta)
+    replies["generate_meta"] = (meta_of(saved), wire.GenerateMeta)
     slot = saved["meta_info"]["anchors"]["written"][0]["slot"]
-    replies["confirm"] = (post(worker, "/anchor/confirm", {"slots": [slot]}), wire.parse_confirm)
+    replies["confirm"] = (post(worker, "/anchor/confirm", {"slots": [slot]}), wire.ConfirmReply)
     worker.forget_device()
     key = anchor_keys(NS, worker.model_id, ids, [80])[80]
     warm = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(key, 80),)))
     assert warm["meta_info"]["cached_tokens"] == 80
-    replies["generate_meta_restored"] = (meta_of(warm), wire.parse_generate_meta)
+    replies["generate_meta_restored"] = (meta_of(warm), wire.GenerateMeta)
     events = []
     with httpx.stream("POST", worker.url + "/generate", timeout=120, json={
             **GenerateRequest(input_ids=tuple(ids[:40]), sampling=GREEDY).to_json(),
             "stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
-    replies["generate_meta_streamed"] = (events[-1]["meta_info"], wire.parse_generate_meta)
+    replies["generate_meta_streamed"] = (events[-1]["meta_info"], wire.GenerateMeta)
     replies["lookup"] = (post(worker, "/anchor/lookup", {
-        "namespace": NS.hex(), "input_ids": ids, "depths": [80, 100]}), wire.parse_lookup)
-    replies["slots"] = (httpx.get(worker.url + "/anchor/slots").json(), wire.parse_slots)
-    replies["stats"] = (httpx.get(worker.url + "/anchor/stats").json(), wire.parse_stats)
-    for path, field in [("pin", "pinned"), ("unpin", "unpinned"), ("evict", "evicted")]:
-        replies[path] = (post(worker, f"/anchor/{path}", {"key": key.hex()}),
-                         lambda d, field=field: wire.parse_key_op(d, field))
+        "namespace": NS.hex(), "input_ids": ids, "depths": [80, 100]}), wire.LookupReply)
+    replies["slots"] = (httpx.get(worker.url + "/anchor/slots").json(), wire.SlotsReply)
+    replies["stats"] = (httpx.get(worker.url + "/anchor/stats").json(), wire.StatsReply)
+    for path, record in [("pin", wire.PinReply), ("unpin", wire.UnpinReply),
+                         ("evict", wire.EvictReply)]:
+        replies[path] = (post(worker, f"/anchor/{path}", {"key": key.hex()}), record)
     replies["anchor_abort"] = (post(worker, "/anchor/abort", {"slots": [slot]}),
-                               wire.parse_slots_aborted)
-    replies["abort_request"] = (post(worker, "/abort_request", {"rid": "nobody"}), wire.parse_abort)
+                               wire.SlotsAborted)
+    replies["abort_request"] = (post(worker, "/abort_request", {"rid": "nobody"}), wire.AbortReply)
     replies["stop_request"] = (post(worker, "/stop_request", {"rid": "nobody", "output_tokens": 1}),
-                               wire.parse_stop)
+                               wire.StopReply)
     assert replies["stop_request"][0]["stopped"] is False
-    replies["health"] = (httpx.get(worker.url + "/health").json(), wire.parse_health)
-    replies["model_info"] = (httpx.get(worker.url + "/model_info").json(), wire.parse_model_info)
-    replies["anchor_flush"] = (post(worker, "/anchor/flush", {}), wire.parse_flush)
-    replies["flush_cache"] = (post(worker, "/flush_cache", {}), wire.parse_flush)
+    replies["health"] = (httpx.get(worker.url + "/health").json(), wire.WorkerHealth)
+    replies["model_info"] = (httpx.get(worker.url + "/model_info").json(), wire.ModelInfo)
+    replies["anchor_flush"] = (post(worker, "/anchor/flush", {}), wire.FlushReply)
+    replies["flush_cache"] = (post(worker, "/flush_cache", {}), wire.FlushReply)
 
-    for call, (reply, parse) in replies.items():
-        assert parse(reply).to_json() == reply, call
+    for call, (reply, record) in replies.items():
+        assert wire.from_json(record, reply).to_json() == reply, call
     shapes = {call: shape(reply) for call, (reply, _) in replies.items()}
     for other, theirs in SHAPES.items():
         for call, mine in shapes.items():

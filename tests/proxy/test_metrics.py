@@ -24,7 +24,7 @@ from anchorcache.testing.data import conversations, turn_requests
 from anchorcache.testing.inprocess import proxy_in_process
 from anchorcache.testing.metrics import delta, parse, scrape, total, value
 from anchorcache.testing.servers import ADMIN_TOKEN, Endpoint, Server
-from anchorcache.wire import AnchorKind, AnchorPlan, parse_generate_meta
+from anchorcache.wire import AnchorKind, AnchorPlan, GenerateMeta
 
 CHAT = "/v1/chat/completions"
 
@@ -47,17 +47,18 @@ def test_a_generation_is_recorded_from_plan_and_meta():
              _record(k3, 50, AnchorKind.CONVERSATION, k2, 3000))
     plan = Plan(b"ns", AnchorPlan(namespace=b"ns"), chain)
     meta = {"epoch": "e", "finish_reason": {"type": "stop"}, "prompt_tokens": 60, "completion_tokens": 4, "cached_tokens": 30, "prefill_tokens": 30,
-            "restore_ms": 2.0, "prefill_ms": 40.0, "snapshot_ms": 3.0,
+            "restore_ms": 2.0, "prefill_ms": 40.0, "decode_ms": 5.0, "snapshot_ms": 3.0,
             "anchors": {"restored": [{"key": k1.hex(), "depth": 10, "kind": "instruction"},
                                      {"key": k2.hex(), "depth": 30, "kind": "conversation"}],
                         "restore_miss": [{"key": k3.hex(), "depth": 50, "reason": "not_resident"}],
                         "written": [{"slot": 5, "key": "ab" * 16, "depth": 59, "parent": k2.hex(),
                                      "nbytes": 777, "kind": "conversation"}]}}
     m.record_ttft("acme", 0.05)
-    m.record_generation("acme", plan, parse_generate_meta(meta))
-    m.record_generation("someone-else", Plan(b"", None), parse_generate_meta(
-        {"epoch": "e", "finish_reason": {"type": "length"}, "prompt_tokens": 8,
-         "prefill_tokens": 8, "completion_tokens": 1}))
+    m.record_generation("acme", plan, GenerateMeta.from_json(meta))
+    m.record_generation("someone-else", Plan(b"", None), GenerateMeta.from_json(
+        {"epoch": "e", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 8,
+         "prefill_tokens": 8, "completion_tokens": 1, "cached_tokens": 0, "restore_ms": 0.0,
+         "prefill_ms": 9.0, "decode_ms": 1.0, "anchors": {}}))
     m.record_reservations("acme", "aborted", "cancelled")
     s = parse(generate_latest(m.registry).decode())
     assert value(s, "anchorcache_anchor_hits_total", tenant="acme", kind="instruction") == 1

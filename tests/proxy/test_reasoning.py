@@ -29,7 +29,7 @@ from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.worker_client import Chunk
 from anchorcache.testing.inprocess import proxy_in_process
 from anchorcache.testing.servers import Endpoint, worker_process
-from anchorcache.wire import GenerateMeta
+from anchorcache.wire import AnchorReport, FinishAbort, FinishLength, FinishStop, GenerateMeta
 
 USER = [{"role": "user", "content": "Weather in Rome?"}]
 TOOLS = [{"type": "function", "function": {
@@ -50,8 +50,11 @@ def qwen3() -> Any:
 
 
 def _meta(n: int, finish: str) -> GenerateMeta:
+    reason = FinishStop() if finish == "stop" else FinishLength(n) if finish == "length" \
+        else FinishAbort()
     return GenerateMeta(epoch="e", prompt_tokens=10, completion_tokens=n, cached_tokens=0,
-                        prefill_tokens=10, finish_type=finish)
+                        prefill_tokens=10, finish_reason=reason, anchors=AnchorReport(),
+                        restore_ms=0.0, prefill_ms=0.0, decode_ms=0.0)
 
 
 def _run_choice(adapter: Any, text: str, *, finish: str = "stop", end: bool = True,

@@ -109,8 +109,12 @@ def test_gzip_content_encoding_with_a_plain_body_is_400(worker):
 def test_a_near_zero_temperature_samples_greedily(worker, temperature):
     ids = prompt(1, 40)
     greedy = generate(worker, ids)["output_ids"]
-    tiny = SamplingParams(max_new_tokens=6, temperature=temperature, seed=3)
-    assert generate(worker, ids, sampling=tiny)["output_ids"] == greedy
+    # sent as it is (a SamplingParams built here would already hold 0.0)
+    tiny = {"max_new_tokens": 6, "temperature": temperature, "seed": 3}
+    resp = httpx.post(worker.url + "/generate", timeout=120,
+                      json={"input_ids": ids, "sampling_params": tiny})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["output_ids"] == greedy
 
 
 @pytest.mark.parametrize("params", [{"temperature": -1}, {"top_p": 1.5}, {"top_k": -2},

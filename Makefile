@@ -127,7 +127,7 @@ test-fast: setup
 
 lint: $(FULL_STAMP)
 	$(VENV)/bin/ruff check anchorcache proxy ext state ops tests bench
-	$(VENV)/bin/mypy anchorcache proxy ext/embedded ext/sglang ext/ops.py ext/slots.py ext/store.py ext/held_chain.py ext/disk_tier.py state ops
+	$(VENV)/bin/mypy anchorcache proxy ext/embedded ext/sglang ext/kernels.py ext/slots.py ext/store.py ext/held_chain.py ext/disk_tier.py state ops
 
 bench: setup
 	$(PY) bench/ext_snapshot.py

@@ -498,7 +498,7 @@ async def _serve_supervised(worker_cmd: list[str], config, watch: SuperviseConfi
     """The proxy in front of a supervised worker (anchorcache/supervise.py): the worker is
     given by its command line only, whatever its backend."""
     from anchorcache.proxy.app import create_app, refresh_worker_epoch
-    from anchorcache.proxy.state import STATE
+    from anchorcache.proxy.running import STATE
 
     supervisor = Supervisor(worker_cmd, config.worker_url + "/health", watch)
     await supervisor.start()

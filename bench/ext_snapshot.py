@@ -1,10 +1,10 @@
-"""Snapshot / restore throughput of the anchorcache ops against torch baselines (CPU).
+"""Snapshot / restore throughput of the anchorcache kernels against torch baselines (CPU).
 
 For a 28-layer, 4-kv-head, head_dim-128, bf16 model shape (Qwen-7B-like) and anchors of 1k,
 8k and 32k tokens, times three ways of moving the same bytes between the KV cache (SGLang's
 ``thd`` pool layout) and one slab:
 
-- ``ours``:  one ``ops.snapshot_kv`` / ``ops.restore_chain`` call for all layers;
+- ``ours``:  one ``kernels.snapshot_kv`` / ``kernels.restore_chain`` call for all layers;
 - ``loop``:  a per-layer torch loop (``index_select`` / ``index_copy_`` per layer and K/V);
 - ``bound``: one large ``copy_`` of the same number of bytes (the memory bound).
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from anchorcache.ext import ops
+from anchorcache.ext import kernels
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 28, 4, 128, torch.bfloat16
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,12 +56,12 @@ def bench_one(num_tokens: int, rows_kind: str, device: str, repeats: int) -> lis
     v = [torch.randn(num_tokens, KV_HEADS, HEAD_DIM, device=device).to(DTYPE)
          for _ in range(NUM_LAYERS)]
     if rows_kind == "range":
-        rows: ops.Rows = (0, num_tokens)
+        rows: kernels.Rows = (0, num_tokens)
         index = torch.arange(num_tokens, device=device)
     else:
         index = torch.randperm(num_tokens, device=device)
         rows = index
-    nbytes = ops.kv_slab_nbytes(k, num_tokens)
+    nbytes = kernels.kv_slab_nbytes(k, num_tokens)
     slab = torch.empty((NUM_LAYERS, 2, num_tokens, KV_HEADS, HEAD_DIM), dtype=DTYPE,
                        pin_memory=pin)
     bound_src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
@@ -82,12 +82,12 @@ def bench_one(num_tokens: int, rows_kind: str, device: str, repeats: int) -> lis
 
     cases = {
         "snapshot": {
-            "ours": lambda: ops.snapshot_kv(k, v, rows, layout="thd", out=slab),
+            "ours": lambda: kernels.snapshot_kv(k, v, rows, layout="thd", out=slab),
             "loop": loop_snapshot,
             "bound": lambda: bound_dst.copy_(bound_src, non_blocking=True),
         },
         "restore": {
-            "ours": lambda: ops.restore_chain([slab], [rows], k, v, layout="thd"),
+            "ours": lambda: kernels.restore_chain([slab], [rows], k, v, layout="thd"),
             "loop": loop_restore,
             "bound": lambda: bound_src.copy_(bound_dst, non_blocking=True),
         },

@@ -20,8 +20,8 @@ from anchorcache.state.ledger import LedgerError
 from anchorcache.state.records import AnchorStatus, Quotas, Toolset
 
 from .errors import ApiError, json_response
+from .running import STATE, ProxyState
 from .splitter.types import CutKind, SplitError
-from .state import STATE, ProxyState
 from .targets import Target
 from .tenants import TENANTS, TenantContext, bearer
 from .toolsets import SHARED_TENANT

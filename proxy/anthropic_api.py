@@ -25,11 +25,11 @@ from .anthropic_messages import fold_system_messages
 from .anthropic_schema import MessagesRequest, parse_messages_request
 from .errors import ApiError, json_response
 from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
+from .running import STATE, ProxyState
 from .schema import read_json
 from .splitter.partial_json import close_json
 from .splitter.reasoning import effort_template_kwargs
 from .splitter.types import OutputDelta
-from .state import STATE, ProxyState
 from .tenants import TENANT, TenantContext
 
 STOP_REASONS = {FinishReason.STOP: "end_turn", FinishReason.LENGTH: "max_tokens",

@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from anchorcache.state.ledger import Ledger
+from anchorcache.wire import ModelInfo
 
 from . import admin
 from .anthropic_api import count_tokens, messages
@@ -21,15 +22,15 @@ from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
 from .planner import tenant_namespace
 from .responses_api import add_routes as add_responses_routes
+from .running import STATE, ProxyState
 from .split_pool import SplitPool, TokenBudget
 from .splitter import get_adapter
 from .splitter.tokenizers import load_tokenizer
 from .splitter.tool_cuts import ToolCutLimits
-from .state import STATE, ProxyState
 from .targets import Targets
 from .tenants import TENANTS, Tenants, local_caller, tenant_middleware
 from .toolsets import SHARED_TENANT
-from .worker_client import WorkerClient, WorkerInfo
+from .worker_client import WorkerClient
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -106,7 +107,7 @@ async def refresh_worker_epoch(app: web.Application) -> None:
 
 
 async def _first_answer(session: aiohttp.ClientSession,
-                        urls: tuple[str, ...]) -> tuple[str, WorkerInfo]:
+                        urls: tuple[str, ...]) -> tuple[str, ModelInfo]:
     """The first worker that answers `/model_info`, and its answer (the proxy needs one to
     load the tokenizer; the others may come later)."""
     error: ApiError | None = None

@@ -31,6 +31,7 @@ from aiohttp import web
 from .errors import ApiError, json_response
 from .openai_api import FINISH, anchors_wanted, stream_events, usage_json
 from .pipeline import ChoiceDelta, Completion, Generation, TokenLogprob, check_model
+from .running import STATE
 from .schema import (
     DEFAULT_LIMITS,
     MAX_CHOICES,
@@ -46,7 +47,6 @@ from .schema import (
     temperature,
 )
 from .splitter.types import RAW_ADAPTER, Cut, CutKind, SplitResult
-from .state import STATE
 from .tenants import TENANT
 
 # OpenAI's documented default for this API (chat completions have none)

@@ -85,7 +85,7 @@ class Caller:
 
 
 @dataclass
-class Flight:
+class AnchoredRequest:
     """One request's anchor state between `begin` and `settle`/`fail`."""
 
     rid: str
@@ -116,8 +116,8 @@ class AnchorLifecycle:
         self.shared_namespace = shared_namespace
         self.single_flight_wait_s = single_flight_wait_s
         self.tenant_anchor_share = tenant_anchor_share  # of the worker's bytes, per tenant
-        self._flights: dict[bytes, asyncio.Future[None]] = {}
-        self._in_flight: set[str] = set()
+        self._instruction_writers: dict[bytes, asyncio.Future[None]] = {}
+        self._running: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.last_reconcile: ReconcileReport | None = None
         # settled requests since start: count, hits (restored anything), prompt/cached tokens
@@ -198,7 +198,7 @@ class AnchorLifecycle:
         held += [HeldSlot(None, d.key, d.depth, d.parent, d.nbytes) for d in listing.disk]
         staged = [(s.slot, s.key) for s in listing.slots if s.state == "reserved"]
         report = self.ledger.reconcile(self.worker_id, listing.epoch, held, staged=staged,
-                                       in_flight=self._in_flight, reason=reason)
+                                       in_flight=self._running, reason=reason)
         if report.stale_reserved_slots:
             try:
                 await self.worker.abort_slots(list(report.stale_reserved_slots))
@@ -262,13 +262,13 @@ class AnchorLifecycle:
         return self._planner.chunk_only(split)
 
     async def begin(self, rid: str, caller: Caller, split: SplitResult,
-                    plan: Plan | None = None) -> Flight:
+                    plan: Plan | None = None) -> AnchoredRequest:
         """`plan`: this worker's `plan(split, caller)`, made since the loop last yielded."""
         plan = plan if plan is not None else self.plan(split, caller)
         leads = None
         inst = plan.instruction
         if inst is not None and plan.restore_depth < inst[0]:
-            other = self._flights.get(inst[1])
+            other = self._instruction_writers.get(inst[1])
             if other is not None:  # someone writes this instruction anchor now: wait for it
                 try:
                     await asyncio.wait_for(asyncio.shield(other), self.single_flight_wait_s)
@@ -276,14 +276,14 @@ class AnchorLifecycle:
                     pass
                 plan = self._planner.plan(split, caller.namespace, shared=self.shared_namespace)
             if plan.restore_depth < inst[0]:
-                if inst[1] in self._flights:
+                if inst[1] in self._instruction_writers:
                     plan = self._planner.plan(split, caller.namespace, shared=self.shared_namespace,
                                              skip_instruction=True)
                 else:
-                    self._flights[inst[1]] = asyncio.get_running_loop().create_future()
+                    self._instruction_writers[inst[1]] = asyncio.get_running_loop().create_future()
                     leads = inst[1]
         self._open(rid, caller.tenant, leads)
-        return Flight(rid, caller, plan, split.input_ids, leads)
+        return AnchoredRequest(rid, caller, plan, split.input_ids, leads)
 
     def _open(self, rid: str, tenant: str, leads: bytes | None) -> None:
         """Open request `rid`'s reservation in the ledger. If that fails, the instruction
@@ -295,68 +295,68 @@ class AnchorLifecycle:
             if leads is not None:
                 self._let_go(leads)
             raise
-        self._in_flight.add(rid)
+        self._running.add(rid)
 
     def _let_go(self, leads: bytes) -> None:
-        fut = self._flights.pop(leads, None)
+        fut = self._instruction_writers.pop(leads, None)
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    def _release(self, flight: Flight) -> None:
-        flight.closed = True
-        self._in_flight.discard(flight.rid)
-        if flight.leads is not None:
-            self._let_go(flight.leads)
+    def _release(self, anchored: AnchoredRequest) -> None:
+        anchored.closed = True
+        self._running.discard(anchored.rid)
+        if anchored.leads is not None:
+            self._let_go(anchored.leads)
 
-    def fail(self, flight: Flight, reason: str) -> None:
+    def fail(self, anchored: AnchoredRequest, reason: str) -> None:
         """The request ended without success; the caller aborts it on the worker by rid."""
-        if flight.closed:
+        if anchored.closed:
             return
         try:
-            self.ledger.close_reservation(flight.rid, ReservationOutcome.ABORTED, reason)
+            self.ledger.close_reservation(anchored.rid, ReservationOutcome.ABORTED, reason)
         finally:
-            self._release(flight)
+            self._release(anchored)
 
-    async def settle(self, flight: Flight, meta: GenerateMeta, reason: str | None = None, *,
+    async def settle(self, anchored: AnchoredRequest, meta: GenerateMeta, reason: str | None = None, *,
                      leases: Mapping[int, float] | None = None) -> None:
         """The request succeeded: confirm what the worker wrote and record it all (`reason`:
         why it ended, when not on its own, e.g. `stop_sequence`); lease the anchors at the
         prompt depths of `leases` (depth → TTL in seconds) for its tenant."""
-        if flight.closed:
+        if anchored.closed:
             return
         try:
-            await self._settle(flight, meta, reason)
+            await self._settle(anchored, meta, reason)
         finally:
-            self._release(flight)
-        await self._lease(flight, meta, leases or {})
-        await self.toolsets.enforce_quota(flight.caller.tenant, flight.caller.max_anchor_bytes)
+            self._release(anchored)
+        await self._lease(anchored, meta, leases or {})
+        await self.toolsets.enforce_quota(anchored.caller.tenant, anchored.caller.max_anchor_bytes)
 
-    async def _settle(self, flight: Flight, meta: GenerateMeta, reason: str | None) -> None:
-        if not flight.rid.startswith("warm-"):
+    async def _settle(self, anchored: AnchoredRequest, meta: GenerateMeta, reason: str | None) -> None:
+        if not anchored.rid.startswith("warm-"):
             self.counters.update(count=1, hits=int(meta.cached_tokens > 0),
                                  prompt_tokens=meta.prompt_tokens, cached_tokens=meta.cached_tokens)
         if meta.epoch != self.epoch:  # the worker client observed it as the reply came
-            self.ledger.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
+            self.ledger.close_reservation(anchored.rid, ReservationOutcome.ABANDONED, "epoch_changed")
             return
         # record what the worker wrote, confirm it, commit what the worker acknowledged and
         # close the reservation (`reason`: why, when it closes confirmed)
         report, epoch = meta.anchors, meta.epoch
-        caller, led = flight.caller, self.ledger
+        caller, led = anchored.caller, self.ledger
         if report.written:
-            led.record_written(flight.rid, self.worker_id, epoch, caller.namespace, caller.tenant,
+            led.record_written(anchored.rid, self.worker_id, epoch, caller.namespace, caller.tenant,
                                _new(report.written))
         confirmed: tuple[int, ...] = ()
         evicted: tuple[bytes, ...] = ()
         if report.written:
             try:
-                reply = await self.worker.confirm([w.slot for w in report.written], flight.rid,
+                reply = await self.worker.confirm([w.slot for w in report.written], anchored.rid,
                                                   self.epoch)
             except ApiError as e:  # the request succeeded; only these anchors are lost
                 log.warning("anchor confirm failed: %s", e.message)
-                led.close_reservation(flight.rid, ReservationOutcome.ABORTED, "confirm_failed")
+                led.close_reservation(anchored.rid, ReservationOutcome.ABORTED, "confirm_failed")
                 return
             if reply.epoch != epoch:
-                led.close_reservation(flight.rid, ReservationOutcome.ABANDONED, "epoch_changed")
+                led.close_reservation(anchored.rid, ReservationOutcome.ABANDONED, "epoch_changed")
                 return
             confirmed, evicted = reply.confirmed, reply.evicted
         settled = self._planner.record(caller.namespace, report, confirmed, evicted)
@@ -368,13 +368,13 @@ class AnchorLifecycle:
             led.mark(self.worker_id, epoch, settled.removed, AnchorStatus.EVICTED)
         if report.restored:
             led.record_hits(self.worker_id, epoch, [h.key for h in report.restored])
-        led.close_reservation(flight.rid, ReservationOutcome.CONFIRMED,
+        led.close_reservation(anchored.rid, ReservationOutcome.CONFIRMED,
                               reason if ok == {w.slot for w in report.written} else "confirm_refused")
         if caller.own_namespace and caller.tenant != SHARED_TENANT:
             for rec in settled.committed:
                 if rec.kind == AnchorKind.INSTRUCTION and rec.namespace == caller.namespace:
                     led.put_toolset(caller.tenant, rec.namespace, rec.key,
-                                    flight.input_ids[:rec.depth])
+                                    anchored.input_ids[:rec.depth])
 
     # ---- leases --------------------------------------------------------------------------
     def _count(self, tenant: str, outcome: str) -> None:
@@ -384,12 +384,12 @@ class AnchorLifecycle:
             except Exception:  # a metrics bug must not fail a settled request
                 log.exception("counting a lease failed")
 
-    async def _lease(self, flight: Flight, meta: GenerateMeta, depths: Mapping[int, float]
+    async def _lease(self, anchored: AnchoredRequest, meta: GenerateMeta, depths: Mapping[int, float]
                      ) -> None:
         """Let the expired leases go; refresh the caller's leases on the anchors the request
         restored; lease (or refresh) its own anchors at `depths`. A worker failure is
         logged, not raised: the request succeeded."""
-        caller = flight.caller
+        caller = anchored.caller
         try:
             await self.expire_leases()
             if meta.epoch != self.epoch:
@@ -403,11 +403,11 @@ class AnchorLifecycle:
             for depth, ttl_s in sorted(depths.items()):
                 rec = self.live(keys[depth]) if depth in keys else None
                 if rec is None or rec.namespace != caller.namespace:  # a shared toolset's
-                    rec = self.live(self.key(caller.namespace, flight.input_ids[:depth]))
+                    rec = self.live(self.key(caller.namespace, anchored.input_ids[:depth]))
                 if rec is not None:  # else not kept (no slot or memory): nothing to lease
                     self._count(caller.tenant, await self._grant(caller, rec, ttl_s))
         except ApiError as e:
-            log.warning("anchor leases of request %s: %s", flight.rid, e.message)
+            log.warning("anchor leases of request %s: %s", anchored.rid, e.message)
 
     async def _grant(self, caller: Caller, rec: AnchorRecord, ttl_s: float) -> str:
         """Lease `rec` (the caller's own anchor) for `ttl_s`; "granted", "refreshed" (it was
@@ -481,7 +481,7 @@ class AnchorLifecycle:
         key = self.key(namespace, ids)
         if (rec := self.live(key)) is not None:
             return rec
-        other = self._flights.get(key)
+        other = self._instruction_writers.get(key)
         if other is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(other), self.single_flight_wait_s)
@@ -491,12 +491,12 @@ class AnchorLifecycle:
                 return rec
         rid = "warm-" + uuid.uuid4().hex
         plan = Plan(namespace, self._planner.warm(ids, namespace))
-        flight = Flight(rid, Caller(tenant, namespace, own_namespace=tenant != SHARED_TENANT),
+        anchored = AnchoredRequest(rid, Caller(tenant, namespace, own_namespace=tenant != SHARED_TENANT),
                         plan, ids)
-        if key not in self._flights:
-            self._flights[key] = asyncio.get_running_loop().create_future()
-            flight.leads = key
-        self._open(rid, tenant, flight.leads)
+        if key not in self._instruction_writers:
+            self._instruction_writers[key] = asyncio.get_running_loop().create_future()
+            anchored.leads = key
+        self._open(rid, tenant, anchored.leads)
         req = GenerateRequest(input_ids=ids, sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
                               rid=rid, stream=True, anchor=plan.request,
                               cache_key=engine_cache_key(namespace))
@@ -505,12 +505,12 @@ class AnchorLifecycle:
             async for chunk in self.worker.generate(req):
                 meta = chunk.meta or meta
         except BaseException:
-            self.fail(flight, "warm_failed")
+            self.fail(anchored, "warm_failed")
             raise
         if meta is None:
-            self.fail(flight, "warm_failed")
+            self.fail(anchored, "warm_failed")
             raise ApiError("worker_error", "the worker ended the warm-up without a reply")
-        await self.settle(flight, meta)
+        await self.settle(anchored, meta)
         rec = self.live(key)
         if rec is None:
             raise ApiError("worker_error", "the worker could not store the toolset anchor "

@@ -29,9 +29,9 @@ from .pipeline import (
     Usage,
     check_model,
 )
+from .running import STATE
 from .schema import ChatRequest, parse_chat_request, read_json
 from .splitter.types import OutputDelta
-from .state import STATE
 from .tenants import TENANT
 
 # stop sequences are OpenAI's "stop" too

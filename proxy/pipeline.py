@@ -52,13 +52,13 @@ from .choice import (
 )
 from .cut_hints import add_hint_cuts, hint_positions
 from .errors import ApiError
-from .lifecycle import Caller, Flight
+from .lifecycle import AnchoredRequest, Caller
 from .planner import Plan
+from .running import ProxyState
 from .schema import ToolChoice, rendered_chars
 from .splitter.parsers import OutputParser
 from .splitter.reasoning import effort_template_kwargs, response_parser
 from .splitter.types import RAW_ADAPTER, OutputDelta, SplitResult
-from .state import ProxyState
 from .structured import FAMILY, Constraint, ResponseFormat, build_constraint
 from .targets import Target
 from .tenants import TenantContext
@@ -287,10 +287,10 @@ class Completion:
         settled = False
         samples_done = 0  # samples the worker has finished
         reason = "cancelled"  # why the reservation is aborted, if it is
-        flight: Flight | None = None
+        anchoring: AnchoredRequest | None = None
         plan: Plan | None = None
         try:
-            target, flight, plan, chunks = await self._start(prompt_ids, sampling)
+            target, anchoring, plan, chunks = await self._start(prompt_ids, sampling)
             async with contextlib.aclosing(chunks) as stream:
                 async for chunk in stream:
                     if not 0 <= chunk.index < len(choices):
@@ -309,7 +309,7 @@ class Completion:
                         # stop sequences ended what the worker still generates: with
                         # anchors to keep it is stopped, else aborted (`finally`)
                         reason = "stop_sequence"
-                        if flight is not None:
+                        if anchoring is not None:
                             samples_done += await self._stop(target, stream, choices)
                         break
             for c in choices:  # a worker that ended without a choice's finish
@@ -317,9 +317,9 @@ class Completion:
                     for d in c.close():
                         yield ChoiceDelta(c.index, d)
             if samples_done == len(choices) and self.meta is not None:
-                if flight is not None:
+                if anchoring is not None:
                     await asyncio.shield(target.lifecycle.settle(
-                        flight, self.meta, reason if reason == "stop_sequence" else None,
+                        anchoring, self.meta, reason if reason == "stop_sequence" else None,
                         leases=self.leases))
                 settled = True
         except ApiError as e:
@@ -332,13 +332,13 @@ class Completion:
             try:
                 if not settled and self.target is not None:
                     # client gone, stop sequence, or worker failure: nothing may linger
-                    if flight is not None:
-                        self.target.lifecycle.fail(flight, reason)
+                    if anchoring is not None:
+                        self.target.lifecycle.fail(anchoring, reason)
                     await asyncio.shield(self._abort(self.target))
             finally:
                 if self.target is not None:
                     self.target.leave()
-                self._observe(plan, flight is not None,
+                self._observe(plan, anchoring is not None,
                               "ok" if settled and reason != "stop_sequence" else reason, settled)
 
     async def _stop(self, target: Target, stream: AsyncGenerator[Chunk, None],
@@ -363,7 +363,7 @@ class Completion:
         return done
 
     async def _start(self, prompt_ids: tuple[int, ...], sampling: SamplingParams
-                     ) -> tuple[Target, Flight | None, Plan, AsyncGenerator[Chunk, None]]:
+                     ) -> tuple[Target, AnchoredRequest | None, Plan, AsyncGenerator[Chunk, None]]:
         """Route the request (targets.py), open its reservation there and start it, up to
         the worker's first chunk. A worker that cannot be reached before then is taken out
         and the request goes to the next one: nothing has reached the client yet. Sets
@@ -374,11 +374,11 @@ class Completion:
         while True:
             target, routed = state.targets.route(self.split, self.caller if anchored else None,
                                                  frozenset(tried))
-            self.target, flight = target, None
+            self.target, anchoring = target, None
             target.enter()
             if anchored:  # opens the reservation: `choice_deltas` closes it
-                flight = await target.lifecycle.begin(self.rid, self.caller, self.split, routed)
-            plan = flight.plan if flight is not None else target.lifecycle.chunk_only(self.split)
+                anchoring = await target.lifecycle.begin(self.rid, self.caller, self.split, routed)
+            plan = anchoring.plan if anchoring is not None else target.lifecycle.chunk_only(self.split)
             req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
                                   stream=True, anchor=plan.request,
                                   cache_key=engine_cache_key(self.caller.namespace),
@@ -389,8 +389,8 @@ class Completion:
                 first = await anext(chunks)
             except BaseException as e:
                 await asyncio.shield(chunks.aclose())
-                if flight is not None:
-                    target.lifecycle.fail(flight, e.kind if isinstance(e, ApiError) else "error")
+                if anchoring is not None:
+                    target.lifecycle.fail(anchoring, e.kind if isinstance(e, ApiError) else "error")
                 if not isinstance(e, ApiError) or e.kind not in ("worker_unavailable",
                                                                  "worker_error"):
                     raise  # `choice_deltas` aborts it on the worker
@@ -406,7 +406,7 @@ class Completion:
                             "elsewhere", self.rid, target.id, e.message)
                 self.rid = uuid.uuid4().hex  # a new reservation: the failed one stays closed
                 continue
-            return target, flight, plan, _prepend(first, chunks)
+            return target, anchoring, plan, _prepend(first, chunks)
 
     def _observe(self, plan: Plan | None, reserved: bool, reason: str, confirmed: bool) -> None:
         """The one place the pipeline feeds the metrics (`reason`: why the reservation

@@ -35,9 +35,9 @@ from .openai_api import anchors_wanted, usage_json
 from .pipeline import Completion, FinishReason, Usage, check_model
 from .responses_items import Item, encrypt_reasoning, parse_items
 from .responses_schema import ResponsesRequest, parse_responses_request
+from .running import STATE, ProxyState
 from .schema import read_json
 from .splitter.types import OutputDelta
-from .state import STATE, ProxyState
 from .tenants import TENANT
 
 IGNORED_TOOLS_HEADER = "X-Anchorcache-Ignored-Tools"

@@ -42,13 +42,14 @@ from typing import Any
 import aiohttp
 
 from anchorcache.state.ledger import Ledger
+from anchorcache.wire import ModelInfo
 
 from .config import ProxyConfig
 from .errors import ApiError
 from .lifecycle import AnchorLifecycle, Caller
 from .planner import Plan
 from .splitter.types import SplitResult
-from .worker_client import WorkerClient, WorkerInfo
+from .worker_client import WorkerClient
 
 log = logging.getLogger("anchorcache.proxy")
 
@@ -104,7 +105,7 @@ class Target:
 
 class Targets:
     def __init__(self, config: ProxyConfig, session: aiohttp.ClientSession, ledger: Ledger,
-                 info: WorkerInfo, shared_namespace: bytes, *,
+                 info: ModelInfo, shared_namespace: bytes, *,
                  on_lease: Callable[[str, str], None] | None = None) -> None:
         """`on_lease(tenant, outcome)`: each target's anchor leases, as they change (metrics)."""
         self.config = config
@@ -132,7 +133,7 @@ class Targets:
         """The first serving target (or the first at all): for single-worker callers."""
         return next((t for t in self.all if t.serving), self.all[0])
 
-    def _new(self, url: str, info: WorkerInfo | None) -> Target:
+    def _new(self, url: str, info: ModelInfo | None) -> Target:
         worker = WorkerClient(self.session, url)
         lifecycle = AnchorLifecycle(
             worker, self.ledger, model_id=self.info.model_id,
@@ -146,7 +147,7 @@ class Targets:
                       healthy=info is not None, verified=info is not None,
                       error=None if info is not None else "not reached yet")
 
-    async def _model_info(self, worker: WorkerClient) -> WorkerInfo:
+    async def _model_info(self, worker: WorkerClient) -> ModelInfo:
         """`worker`'s `/model_info`; ApiError if it does not answer or serves another model."""
         info, mine = await worker.model_info(), self.info
         if (info.model_id, info.tokenizer_path, info.eos_token_ids) != \
@@ -156,28 +157,28 @@ class Targets:
                            f"{mine.model_id!r} ({mine.tokenizer_path!r})")
         return info
 
-    async def _try_info(self, url: str) -> WorkerInfo | None:
+    async def _try_info(self, url: str) -> ModelInfo | None:
         try:
             return await self._model_info(WorkerClient(self.session, url))
         except ApiError as e:
             log.warning("worker %s is out for now: %s", url, e.message)
             return None
 
-    async def _workers(self, url: str, info: WorkerInfo | None) -> list[tuple[str, WorkerInfo | None]]:
+    async def _workers(self, url: str, info: ModelInfo | None) -> list[tuple[str, ModelInfo | None]]:
         """The targets behind `url` (which answered `info`): itself, or each of its ranks."""
         if info is None or not info.ranks:
             return [(url, info)]
         base = url.rstrip("/")
         return [(f"{base}/{rank}", await self._try_info(f"{base}/{rank}")) for rank in info.ranks]
 
-    async def _append(self, url: str, info: WorkerInfo | None) -> Target:
+    async def _append(self, url: str, info: ModelInfo | None) -> Target:
         target = self._new(url, info)
         self.all.append(target)
         if info is not None and self.config.anchors:
             await target.lifecycle.start()
         return target
 
-    async def start(self, reached: str, info: WorkerInfo) -> None:
+    async def start(self, reached: str, info: ModelInfo) -> None:
         """Make the configured targets (`reached` answered `info`); start those that answer,
         keep the others out until their health answers; start the health checks."""
         for url in self.config.worker_urls:
@@ -288,7 +289,7 @@ class Targets:
             log.info("worker %s is back (epoch %s)", target.id, health.epoch)
         return True
 
-    async def _split(self, target: Target, info: WorkerInfo) -> None:
+    async def _split(self, target: Target, info: ModelInfo) -> None:
         """`target`, not reached at start, turns out to be a server of several workers: its
         ranks replace it."""
         self.all.remove(target)

@@ -86,9 +86,6 @@ class ProgressClock:
         return now - self._since
 
 
-# a worker's `/model_info` (the name the proxy's modules know it by)
-WorkerInfo = ModelInfo
-
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
 
 

@@ -1,5 +1,5 @@
 // The one schema of the anchorcache operators. Implementations are registered per device:
-// CPU in cpu_ops.cpp, CUDA in ext/cuda/kv_copy.cu. Python calls them only from ext/ops.py.
+// CPU in cpu_ops.cpp, CUDA in ext/cuda/kv_copy.cu. Python calls them only from ext/kernels.py.
 //
 // Rows of a copy are either `index` (1-D int64 token slots, SGLang's pool) or, when index is
 // None, the range [start, end). A KV slab is [num_layers, 2, n_rows, kv_heads, head_dim] in

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from anchorcache.ext import ops
+from anchorcache.ext import kernels
 from anchorcache.ext.disk_tier import DiskTier
 from anchorcache.ext.slots import SlotTable
 from anchorcache.ext.store import STAGED_TTL_S, AnchorStore, Slab
@@ -92,17 +92,17 @@ def capture_slabs(spec: cache_io.CacheSpec, cache: Any, start: int, depth: int
     kv = None
     if spec.kv_layers:
         k, v = cache_io.kv_views(cache)
-        kv = ops.snapshot_kv(k, v, (start, depth), layout="bhtd")
+        kv = kernels.snapshot_kv(k, v, (start, depth), layout="bhtd")
     state = None
     if spec.states:
-        state = ops.snapshot_state(cache_io.slab_state_views(spec, cache_io.state_views(cache)), 0)
+        state = kernels.snapshot_state(cache_io.slab_state_views(spec, cache_io.state_views(cache)), 0)
     return kv, state
 
 
 def cache_from_slabs(model: torch.nn.Module, spec: cache_io.CacheSpec,
                      chain: tuple[Slab, ...] | list[Slab]) -> Any:
     """A fresh cache holding a root → leaf chain's rows and the leaf's state (the oldest
-    conv column, which no later step reads, as zeros). Raises RuntimeError (`ops`) on
+    conv column, which no later step reads, as zeros). Raises RuntimeError (`kernels`) on
     slabs of the wrong size or dtype."""
     depth = chain[-1].depth
     kv_shape = (1, spec.num_kv_heads or 0, depth, spec.head_dim or 0)
@@ -111,7 +111,7 @@ def cache_from_slabs(model: torch.nn.Module, spec: cache_io.CacheSpec,
     states = [torch.zeros(s.shape, dtype=s.dtype) for s in spec.states]
     slabs = [s.kv for s in chain if s.kv is not None] if keys_t else []
     rows = [(s.start, s.depth) for s in chain] if keys_t else []
-    ops.restore_chain(slabs, rows, keys_t, values_t, layout="bhtd",
+    kernels.restore_chain(slabs, rows, keys_t, values_t, layout="bhtd",
                       state_slab=chain[-1].state if states else None,
                       states=cache_io.slab_state_views(spec, states) or None)
     return cache_io.cache_from_tensors(model, keys_t, values_t, states, spec=spec, adopt=True)

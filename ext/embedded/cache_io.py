@@ -96,7 +96,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-from anchorcache.ext.ops import STATE_ALIGN_BYTES
+from anchorcache.ext.kernels import STATE_ALIGN_BYTES
 
 OnBoundary = Callable[[int, Cache], None]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from anchorcache.ext import ops
+from anchorcache.ext import kernels
 from anchorcache.ext.store import Slab
 
 from . import swa, tp
@@ -182,7 +182,7 @@ class Placer:
         states = kv.states if state is not None and window_rows is None else None
         mamba = state if states is not None else None
         with kv.on_copy_stream():
-            ops.restore_chain(slabs, where, kv.k, kv.v, layout="thd", state_slab=mamba,
+            kernels.restore_chain(slabs, where, kv.k, kv.v, layout="thd", state_slab=mamba,
                               states=states, state_index=index)
             if window_rows is not None and state is not None and kv.window is not None:
                 kv.window.write(state, window_rows)

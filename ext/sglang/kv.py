@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from anchorcache.ext import ops
+from anchorcache.ext import kernels
 
 from . import hybrid, swa
 
@@ -47,7 +47,7 @@ class DeviceKV:
     def state_bytes(self) -> int:
         """One anchor's state slab: the recurrent state, or the sliding layers' window."""
         if self.states:
-            return ops.state_slab_nbytes(self.states)
+            return kernels.state_slab_nbytes(self.states)
         return self.window.nbytes if self.window is not None else 0
 
     @property

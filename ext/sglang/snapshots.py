@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from anchorcache.ext import ops
+from anchorcache.ext import kernels
 from anchorcache.ext.store import AnchorStore
 from anchorcache.wire import AnchorKind, Region, anchor_keys
 
@@ -141,7 +141,7 @@ class Snapshots:
             if kv.states is not None:
                 if depth != state_at:
                     raise RuntimeError(f"no recurrent state at depth {depth} (at {state_at})")
-                state = ops.snapshot_state(kv.states,
+                state = kernels.snapshot_state(kv.states,
                                            hybrid.state_slot(kv.req_to_token_pool, req))
             elif window is not None:
                 state = torch.empty(window.numel() * window.element_size(), dtype=torch.uint8,
@@ -166,7 +166,7 @@ class Snapshots:
         kv = self._kv
         t = time.perf_counter()
         with kv.on_copy_stream():
-            ops.snapshot_kv(kv.k, kv.v, rows, layout="thd", out=out)  # synchronizes
+            kernels.snapshot_kv(kv.k, kv.v, rows, layout="thd", out=out)  # synchronizes
             if window is not None and state is not None:
                 state.copy_(window.view(torch.uint8).flatten())
         if window is not None:

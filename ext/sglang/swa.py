@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from anchorcache.ext import ops
+from anchorcache.ext import kernels
 
 
 @dataclass
@@ -110,7 +110,7 @@ class WindowPool:
         n = len(full_slots)
         if n:
             slab = window[:, :, self.window - n:].to(k0.device).contiguous()
-            ops.restore_chain([slab], [self.mapping[full_slots].to(torch.int64).contiguous()],
+            kernels.restore_chain([slab], [self.mapping[full_slots].to(torch.int64).contiguous()],
                               self.k, self.v, layout="thd")
 
     def take(self, n: int, windowed: int) -> Fresh | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from anchorcache.ext import ops
+from anchorcache.ext import kernels
 from anchorcache.ext.store import Slab
 
 from . import tp
@@ -37,7 +37,7 @@ def check_device(tree: Any, kv: DeviceKV, tp_group: Any, chain: tuple[Slab, ...]
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids), extra_key)))
     n = int(match.device_prefix_len)
     rows = tree.path_device_indices(match.last_device_node)[:n].to(torch.int64)
-    device = ops.snapshot_kv(kv.k, kv.v, rows.contiguous(), layout="thd")
+    device = kernels.snapshot_kv(kv.k, kv.v, rows.contiguous(), layout="thd")
     host = torch.cat([s.kv for s in chain if s.kv is not None], dim=2)[:, :, :n]
     same = (device.view(torch.uint8) == host.contiguous().view(torch.uint8))
     per_token = same.flatten(3).all(dim=3).all(dim=1).all(dim=0)  # [n]
@@ -55,6 +55,6 @@ def check_device(tree: Any, kv: DeviceKV, tp_group: Any, chain: tuple[Slab, ...]
                                                          ComponentType.MAMBA)
         if slot is not None:
             index = int(kv.req_to_token_pool.translate_mamba_indices(slot.view(1))[0])
-            same_state = torch.equal(ops.snapshot_state(kv.states, index), chain[-1].state)
+            same_state = torch.equal(kernels.snapshot_state(kv.states, index), chain[-1].state)
             state_equal = bool(tp.all_ranks(tp_group, torch.tensor([same_state]))[0])
     return DeviceCheck(n, int(bad[0, 0]) if len(bad) else None, state_equal)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anchorcache.ext import ops  # noqa: F401  (registers the fake implementations)
+from anchorcache.ext import kernels  # noqa: F401  (registers the fake implementations)
 from anchorcache.testing.ops_reference import DEVICES, fresh_generator, make_cache, rand
 
 _ops = torch.ops.anchorcache

@@ -22,12 +22,12 @@ from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
 from anchorcache.proxy.errors import ApiError
 from anchorcache.proxy.pipeline import Generation, max_new_tokens
+from anchorcache.proxy.running import STATE
 from anchorcache.proxy.split_pool import SplitPool
 from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.reasoning import effort_template_kwargs
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.splitter.types import SplitError
-from anchorcache.proxy.state import STATE
 from anchorcache.testing.adapters import template_input
 from anchorcache.testing.sdk import run_client
 from anchorcache.testing.servers import tenant_key

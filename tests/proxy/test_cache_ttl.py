@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient
 from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
 from anchorcache.proxy.lifecycle import AnchorLifecycle
-from anchorcache.proxy.state import STATE
+from anchorcache.proxy.running import STATE
 from anchorcache.testing.metrics import parse
 from anchorcache.testing.servers import ADMIN, ADMIN_TOKEN, Server, worker_process
 

@@ -12,9 +12,9 @@ import pytest
 from anchorcache.proxy.app import create_app
 from anchorcache.proxy.config import ProxyConfig
 from anchorcache.proxy.errors import ApiError
+from anchorcache.proxy.running import STATE
 from anchorcache.proxy.split_pool import TokenBudget
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
-from anchorcache.proxy.state import STATE
 
 MiB = 1 << 20
 ODD_TEXTS = ["=" * 6000, " x" * 3000, "a" * 6000, "你好" * 3000, "🎉" * 2000,

@@ -156,7 +156,7 @@ def test_slab_chain_restores_bit_for_bit(case: Case) -> None:
     conv window without its oldest column, a GDN state with its last dims swapped) restore a
     chain of two whose logits and greedy tokens equal the cold run's bit for bit: the column
     the slab drops is one no later step reads."""
-    from anchorcache.ext import ops
+    from anchorcache.ext import kernels
     from anchorcache.ext.embedded.anchors import Slab, cache_from_slabs, capture_slabs
     from anchorcache.wire import AnchorKind
 
@@ -174,7 +174,7 @@ def test_slab_chain_restores_bit_for_bit(case: Case) -> None:
     cache_io.prefill(case.model, probe, case.ids[:2], 0)
     views = cache_io.slab_state_views(case.spec, cache_io.state_views(probe))
     assert [(tuple(v.shape[1:]), v.dtype) for v in views] == list(case.spec.state_layout())
-    assert ops.state_slab_nbytes(views) == case.spec.state_bytes
+    assert kernels.state_slab_nbytes(views) == case.spec.state_bytes
     for slab in chain:
         assert (slab.state is None if not case.spec.is_recurrent
                 else slab.state.numel() == case.spec.state_bytes)

@@ -199,10 +199,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _pieces(slab: torch.Tensor, layout) -> list[torch.Tensor]:
     """A state slab cut into its typed pieces (docs/ext.md: each at a 64-byte boundary)."""
-    from anchorcache.ext import ops
+    from anchorcache.ext import kernels
 
     pieces = [torch.zeros((1, *shape), dtype=dtype) for shape, dtype in layout]
-    ops.restore_chain([], [], [], [], layout="thd", state_slab=slab, states=pieces)
+    kernels.restore_chain([], [], [], [], layout="thd", state_slab=slab, states=pieces)
     return [p[0] for p in pieces]
 
 
@@ -310,20 +310,20 @@ def churn(hybrid, prompts):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(["restore", "flush", "other", "plain"]), min_size=3,
                 max_size=6))
-def test_interleaved_requests_flushes_and_churn_never_restore_stale_state(hybrid, churn, ops):
+def test_interleaved_requests_flushes_and_churn_never_restore_stale_state(hybrid, churn, kernels):
     """Whatever ran before (restores, flushes, other prompts taking and freeing Mamba
     slots, SGLang's own cache of the same prompt), turn 2 gives its cold output (one whose
     prefill chunks end at the anchors' depths, as the restore's and SGLang's own cache's do)."""
     worker, _ = hybrid
     chain, p2, cold = churn
-    for i, op in enumerate(ops):
+    for i, op in enumerate(kernels):
         if op == "flush":
             flush_device(worker.url)
         elif op == "other":
             generate(worker.url, list(range(2000 + 37 * i, 2300 + 37 * i)), max_new=3)
         else:
             out = generate(worker.url, p2, chain if op == "restore" else None, logprobs=True)
-            assert out["output_ids"] == cold["output_ids"], (ops, i)
+            assert out["output_ids"] == cold["output_ids"], (kernels, i)
 
 
 def test_bfcl_replay_through_the_proxy_with_anchors_equals_without(hybrid):

@@ -10,20 +10,20 @@ from typing import Any
 from aiohttp import web
 
 from anchorcache.state.ledger import Ledger
+from anchorcache.wire import ModelInfo
 
 from .config import ProxyConfig
 from .metrics import ProxyMetrics
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
 from .targets import Targets
-from .worker_client import WorkerInfo
 
 
 @dataclass
 class ProxyState:
     config: ProxyConfig
     targets: Targets  # the workers, routing and failover
-    info: WorkerInfo  # the model's (every target serves the same)
+    info: ModelInfo  # the model's (every target serves the same)
     tokenizer: Any
     adapter: Adapter
     splits: SplitPool  # render + tokenize, off the event loop

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from anchorcache.testing.servers import Server
+from anchorcache.testing.servers import Endpoint, Server
 
 
 def tiny_model(arch: str) -> str:
@@ -22,8 +22,8 @@ def tiny_model(arch: str) -> str:
 @dataclass
 class Stack:
     worker: Server
-    on: Server
-    off: Server
+    on: Endpoint
+    off: Endpoint
 
     def chat(self, which: str, messages: list[dict[str, Any]],
              tools: list[dict[str, Any]] | None = None, **kw: Any) -> dict[str, Any]:

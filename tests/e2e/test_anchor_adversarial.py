@@ -11,7 +11,8 @@ import pytest
 
 from anchorcache.proxy.planner import Planner
 from anchorcache.testing.data import conversations, turn_requests
-from anchorcache.testing.servers import proxy_process, worker_process
+from anchorcache.testing.inprocess import proxy_in_process
+from anchorcache.testing.servers import worker_process
 from anchorcache.testing.stacks import Stack, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -138,7 +139,7 @@ def test_branches_from_one_prefix(stack, conv):
 def test_another_ledgers_salt_never_hits(stack, conv):
     reqs = warm(stack, conv, turns=2)
     # a proxy with its own ledger: its anonymous tenant has another secret salt
-    with proxy_process(stack.worker.url, "--anchors") as other:
+    with proxy_in_process(stack.worker.url) as other:
         reply = httpx.post(other.url + "/v1/chat/completions", timeout=600, json={
             "model": "default", "messages": reqs[-1], "tools": conv["tools"],
             "temperature": 0, "max_tokens": 8}).json()
@@ -203,7 +204,7 @@ def test_worker_restart_new_epoch(conv):
     reqs = turn_requests(conv, 2)
     with worker_process(model=model) as w1:
         port = int(w1.url.rsplit(":", 1)[1])
-        with proxy_process(w1.url, "--anchors") as on, proxy_process(w1.url, "--no-anchors") as off:
+        with proxy_in_process(w1.url) as on, proxy_in_process(w1.url, anchors=False) as off:
             stack = Stack(w1, on, off)
             for m in reqs:
                 same(stack, m, conv["tools"])

@@ -142,7 +142,8 @@ def test_a_restarted_sglang_worker_restores_a_chain_from_disk(arch, tmp_path):
     """SGLang with the plugin, SIGKILLed and started again on the same disk directory: a
     tool + conversation chain comes back from the files (on the hybrid Qwen3.5, each slab
     with its recurrent and conv state) with the tokens and logprobs of a cold run whose
-    prefill chunks end at the same depths."""
+    prefill chunks end at the same depths. The new process has a new epoch, and an anchor of
+    the old one whose file is gone is not resident, though its key is the same."""
     from transformers import AutoTokenizer
 
     from anchorcache.ext.embedded.tiny_models import (
@@ -168,10 +169,18 @@ def test_a_restarted_sglang_worker_restores_a_chain_from_disk(arch, tmp_path):
         assert cold["meta_info"]["cached_tokens"] == 0
         flush_device(w1.url)  # a hybrid's snapshot needs its prefix prefilled, not cached
         keys = save(w1.url, p1, tool, conv)
+        assert conv + 8 < len(p2)
+        flush_device(w1.url)
+        gone = save(w1.url, p2, conv + 8)[conv + 8]  # an anchor whose file is deleted below
+        old_epoch = httpx.get(w1.url + "/health", timeout=60).json()["epoch"]
+        disk = tmp_path / "disk"
         deadline = time.monotonic() + 60
-        while len(list((tmp_path / "disk").glob("*/*.slab"))) < 2 and time.monotonic() < deadline:
+        while len(list(disk.glob("*/*.slab"))) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
         w1.kill()
+    files = [f for f in disk.glob("*/*.slab") if f.name.startswith(gone.hex())]
+    assert len(files) == 1, sorted(f.name for f in disk.glob("*/*.slab"))
+    files[0].unlink()
     with sglang_worker_process(*args, model=model, env=env) as w2:
         listing = httpx.get(w2.url + "/anchor/slots", timeout=60).json()
         assert {(d["key"], d["depth"]) for d in listing["disk"]} == \
@@ -181,5 +190,13 @@ def test_a_restarted_sglang_worker_restores_a_chain_from_disk(arch, tmp_path):
         assert [r["depth"] for r in warm["meta_info"]["anchors"]["restored"]] == [tool, conv]
         assert warm["meta_info"]["cached_tokens"] == conv
         same(warm, cold)
-        disk = httpx.get(w2.url + "/anchor/stats", timeout=60).json()["disk"]
-        assert disk["loads"] == 2 and disk["skips"] == 0, disk
+        disk_stats = httpx.get(w2.url + "/anchor/stats", timeout=60).json()["disk"]
+        assert disk_stats["loads"] == 2 and disk_stats["skips"] == 0, disk_stats
+        assert warm["meta_info"]["epoch"] != old_epoch
+        flush_device(w2.url)  # (the warm run left p2's prefix in SGLang's own cache)
+        stale = generate(w2.url, p2, restore((conv + 8, gone)))
+        # only what the files held comes back (the late lookup finds the chain at `conv`)
+        anchors = stale["meta_info"]["anchors"]
+        assert stale["meta_info"]["cached_tokens"] in (0, tool, conv), anchors
+        assert [(m["key"], m["reason"]) for m in anchors["restore_miss"]] == \
+            [(gone.hex(), "not_resident")], anchors

@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 from anchorcache.testing.data import two_turn_prompts
-from anchorcache.testing.servers import sglang_worker_process
 from anchorcache.testing.worker_api import (
     NS,
     flush_device,
@@ -33,7 +32,6 @@ from anchorcache.wire import (
     Region,
     SamplingParams,
     SnapshotSpec,
-    anchor_keys,
 )
 
 pytestmark = pytest.mark.slow
@@ -264,26 +262,6 @@ def test_pins_stay_within_their_budget(sglang, conversations):
     assert refused and set(refused) == {"over_budget"}
     post(url, "/anchor/flush")
     assert httpx.get(url + "/anchor/stats").json()["device_pinned_tokens"] == 0
-
-
-def test_a_new_process_has_a_new_epoch_and_restores_nothing_of_the_old(
-        sglang, tiny_qwen3, conversations):
-    """A worker process started after another (as a restart does; a process of its own, so
-    the session's server is never restarted under other tests): another epoch, and the old
-    process's anchor, the same key, is not resident."""
-    url = sglang.url
-    _, depth, p1, p2 = conversations[5]
-    keys, out = save(url, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
-    old_epoch = out["meta_info"]["epoch"]
-    with sglang_worker_process(model=str(tiny_qwen3)) as fresh:
-        assert httpx.get(fresh.url + "/health").json()["epoch"] != old_epoch
-        warm = generate(fresh.url, p2, AnchorPlan(NS, restore=(AnchorRef(keys[depth], depth),)))
-        assert warm["meta_info"]["epoch"] != old_epoch
-        assert warm["meta_info"]["cached_tokens"] == 0
-        assert warm["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "not_resident"
-        model_id = httpx.get(fresh.url + "/model_info").json()["model_id"]
-        key = anchor_keys(NS, model_id, p1, [depth])[depth]
-        assert key == keys[depth]  # same key, new epoch: the anchor itself is gone
 
 
 def test_prompt_over_the_pool_is_a_400_and_model_info_fits_the_pool(sglang, conversations):

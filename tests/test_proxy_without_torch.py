@@ -1,4 +1,4 @@
-"""The proxy runs on a CPU box with no GPU stack (issue 22, item 5): its dependencies
+"""The proxy runs on a CPU box with no GPU stack: its dependencies
 (pyproject's base list, `pip install 'anchorcache[proxy]'`) name no worker library, and every
 module of the proxy, the ledger and the operator CLI imports, a chat splits and `anchorcache
 proxy --help` runs with torch, SGLang and the workers' other libraries hidden from the import

@@ -55,7 +55,7 @@ def test_serve_answers_and_stops_both_processes_on_sigterm(default_model_dir, tm
             proc.kill()
 
 
-# ---- supervision (issue 13) -----------------------------------------------------------------
+# ---- supervision --------------------------------------------------------------------------
 
 LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
 

@@ -1,4 +1,4 @@
-"""A worker that is alive but stuck (issue 23): `anchorcache serve` restarts it, and the
+"""A worker that is alive but stuck: `anchorcache serve` restarts it, and the
 requests it held end with a clean error (an OpenAI error body, or an in-band SSE error),
 never a hang. Embedded worker: the engine thread wedged by the fault hook (its HTTP side
 keeps answering: only the missing progress tells), and the whole process SIGSTOPped (no

@@ -114,7 +114,7 @@ def test_the_child_dies_with_a_sigkilled_parent():
             parent.kill()
 
 
-# ---- hung children (issue 23) ----------------------------------------------------------------
+# ---- hung children -------------------------------------------------------------------------
 
 async def test_a_stopped_child_is_killed_and_restarted_as_unresponsive():
     port = free_port()

@@ -53,8 +53,8 @@ def test_tiny_models_on_equals_off(stack_factory, arch):
 
 @pytest.fixture(scope="module")
 def default_stack(stack_factory, default_model_dir):
-    """One default-model worker (and its two proxies) for both tests below; each used to start
-    its own, as the factory does not reuse stacks. Neither test depends on the other's anchors:
+    """One default-model worker (and its two proxies) for both tests below (the factory does
+    not reuse stacks). Neither test depends on the other's anchors:
     the echo test checks its deepest hit, which only its own first reply can have written."""
     return stack_factory(str(default_model_dir))
 

@@ -1,4 +1,4 @@
-"""Several workers behind one proxy (issue 22): anchor-affinity routing against round-robin,
+"""Several workers behind one proxy: anchor-affinity routing against round-robin,
 a worker SIGKILLed mid-run, a worker added and one drained live, `ops workers`, the
 `worker` metrics label.
 

@@ -1,5 +1,5 @@
-"""Issue 13's hostile bodies against a real proxy and worker: each is a 4xx with the OpenAI
-error shape (each used to be a 500 or 502), and the proxy answers the next request."""
+"""Hostile bodies against a real proxy and worker: each is a 4xx with the OpenAI error
+shape (never a 500 or 502), and the proxy answers the next request."""
 
 from __future__ import annotations
 

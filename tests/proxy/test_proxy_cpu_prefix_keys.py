@@ -1,4 +1,4 @@
-"""The planner's incremental prefix keys (issue 40): equal to `wire.anchor_keys` whatever
+"""The planner's incremental prefix keys: equal to `wire.anchor_keys` whatever
 prompts came before, scoped per caller namespace, and bounded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13: sixteen identical new requests sent at once; one prefills, the other fifteen
+"""Sixteen identical new requests sent at once; one prefills, the other fifteen
 restore what it wrote, though all sixteen were planned before any anchor existed (the
 worker looks anchors up again when a queued request starts: ext/held_chain.py)."""
 

@@ -1,4 +1,4 @@
-"""Rendering and tokenizing stay off the event loop (issue 13): an early token budget that
+"""Rendering and tokenizing stay off the event loop: an early token budget that
 refuses a 16 MiB message before it is rendered, and one split thread that lets `/health`
 answer while a long split runs. In-process proxy (aiohttp test client), real worker."""
 

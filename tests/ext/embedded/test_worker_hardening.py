@@ -1,4 +1,4 @@
-"""The embedded worker against hostile or unlucky input (issue 13), on a real worker with a
+"""The embedded worker against hostile or unlucky input, on a real worker with a
 tiny hybrid model: malformed input is a 4xx, never a 500; a queued request restores what
 the request ahead of it just wrote (late lookup), and never anything it must not."""
 

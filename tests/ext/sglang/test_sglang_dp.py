@@ -1,4 +1,4 @@
-"""SGLang's data parallelism (`--dp-size 2`, issue 22): each rank is a worker of its own under
+"""SGLang's data parallelism (`--dp-size 2`): each rank is a worker of its own under
 `/dp/K`, and the proxy routes to the ranks as to separate workers.
 
 One real SGLang server on CPU (tiny Qwen3, two DP ranks, one core each: the CPU recipe sets

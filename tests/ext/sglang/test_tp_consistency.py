@@ -1,4 +1,4 @@
-"""Tensor-parallel rank consistency (issue 20, item 1; ext/sglang/tp.py).
+"""Tensor-parallel rank consistency (ext/sglang/tp.py).
 
 Every TP rank of an SGLang worker keeps its own anchor store over its own shard of the KV
 heads, and runs every call in the same order. Two stores (two ranks) are fed the same call

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from anchorcache.ext import _C, ops  # noqa: F401  (ops: loads the schema and fakes)
+from anchorcache.ext import _C, kernels  # noqa: F401  (kernels: loads the schema and fakes)
 
 OPS = ["snapshot_kv", "snapshot_kv_out", "snapshot_state", "snapshot_state_out",
        "restore_chain"]

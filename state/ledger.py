@@ -253,7 +253,7 @@ class Ledger:
     # ---- toolsets -----------------------------------------------------------------------
     @staticmethod
     def _toolset(r: dict[str, Any]) -> Toolset:
-        ids = tuple(int(t) for t in np.frombuffer(r["input_ids"], dtype="<i4"))
+        ids = tuple(np.frombuffer(r["input_ids"], dtype="<i4").tolist())
         return Toolset(r["toolset"], r["tenant"], bytes.fromhex(r["namespace"]), r["depth"], ids,
                        bool(r["pinned"]), bool(r["shared"]), r["created_at"])
 
@@ -265,6 +265,9 @@ class Ledger:
         old = self.toolset(key.hex())
         if old is not None and old.tenant != tenant:
             raise LedgerError("toolset key collision across tenants")  # keys carry the tenant
+        if old is not None and pinned in (None, old.pinned) and shared in (None, old.shared) \
+                and old.namespace == namespace and old.input_ids == tuple(ids.tolist()):
+            return old  # recorded as it is (each turn on a toolset settles it again)
         row = {"toolset": key.hex(), "tenant": tenant, "namespace": namespace.hex(),
                "depth": len(ids), "input_ids": ids.tobytes(),
                "pinned": int(pinned if pinned is not None else (old.pinned if old else False)),

@@ -164,9 +164,39 @@ class Backend(ABC):
         cache key `cache_key` find them) with its host slabs."""
         raise ContractError(404, "this worker has no device rows to verify")
 
+    async def import_slab(self, data: bytes) -> wire.ImportReply:
+        """Take in a slab file (another worker's `export_slab`) onto this worker's disk tier,
+        every check of a load made first (docs/disk-tier.md). ContractError 409 without a
+        disk tier; a file that fails a check is a 400 (`CorruptSlab`) and is not kept."""
+        raise ContractError(409, "this worker has no disk tier to import into")
+
+    async def export_slab(self, key: bytes) -> bytes:
+        """The slab file of anchor `key` on this worker's disk tier (ContractError 404 when
+        the tier holds none, 409 without a disk tier)."""
+        raise ContractError(409, "this worker has no disk tier to export from")
+
     async def fault(self, body: dict[str, Any]) -> dict[str, Any]:
         """Arm one injected fault (tests; only with --fault-injection)."""
         raise ContractError(404, "fault injection is off")
+
+
+def import_into(disk: Any, data: bytes, epoch: str) -> wire.ImportReply:
+    """`Backend.import_slab` over a worker's disk tier (`ext/disk_tier.DiskTier`, or None)."""
+    if disk is None:
+        raise ContractError(409, "this worker has no disk tier to import into")
+    entry, imported = disk.import_file(data)
+    return wire.ImportReply(entry.key, entry.depth, entry.parent, imported, epoch)
+
+
+def export_from(disk: Any, key: bytes) -> bytes:
+    """`Backend.export_slab` over a worker's disk tier (`ext/disk_tier.DiskTier`, or None)."""
+    if disk is None:
+        raise ContractError(409, "this worker has no disk tier to export from")
+    try:
+        return bytes(disk.export_file(key))
+    except KeyError:
+        raise ContractError(404, "this worker's disk tier holds no file of that anchor (a "
+                                 "slab is written shortly after it is confirmed)") from None
 
 
 # ---- bodies and errors ---------------------------------------------------------------------
@@ -174,7 +204,8 @@ class Backend(ABC):
 @dataclass(frozen=True)
 class Reply:
     status: int
-    body: bytes  # JSON
+    body: bytes  # JSON, unless `content_type` says otherwise
+    content_type: str = "application/json"
 
 
 Stream = AsyncGenerator[bytes, None]  # server-sent events, `data: [DONE]` last; aclose() it
@@ -315,7 +346,11 @@ Call = Callable[[Backend, Any], Awaitable[Any]]
 class Route:
     method: str
     path: str
-    call: Call  # (backend, parsed body) → a wire record (or a dict: /debug/fault)
+    call: Call  # (backend, parsed body) → a wire record (a dict: /debug/fault; bytes: a file)
+    raw: bool = False  # the body is handed over as bytes, not parsed as JSON
+
+
+SLAB_CONTENT_TYPE = "application/octet-stream"
 
 
 ROUTES: tuple[Route, ...] = (
@@ -335,6 +370,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/anchor/evict", lambda b, body: b.evict(key_arg(body))),
     Route("POST", "/anchor/verify",
           lambda b, body: b.verify(key_arg(body), cache_key_arg(body))),
+    Route("POST", "/anchor/export", lambda b, body: b.export_slab(key_arg(body))),
+    Route("POST", "/anchor/import", lambda b, body: b.import_slab(body), raw=True),
 )
 FAULT_ROUTE = Route("POST", "/debug/fault", lambda b, body: b.fault(_obj(body)))
 
@@ -346,7 +383,10 @@ def routes(fault_injection: bool) -> tuple[Route, ...]:
 
 async def handle(backend: Backend, route: Route, raw: bytes) -> Reply:
     try:
-        result = await route.call(backend, read_body(raw) if route.method == "POST" else {})
+        body = raw if route.raw else read_body(raw) if route.method == "POST" else {}
+        result = await route.call(backend, body)
+        if isinstance(result, bytes):
+            return Reply(200, result, SLAB_CONTENT_TYPE)
         return Reply(200, encode(result))
     except asyncio.CancelledError:
         raise

@@ -26,6 +26,11 @@ ancestors, so leaves go before the links they hang from; pinned anchors and thei
 are never evicted. A disk that is full, read-only or otherwise failing turns the tier off with one log
 line; serving goes on from memory.
 
+Moved: `import_file` takes in a file another worker of the model wrote, sent over the
+contract (`POST /anchor/import`, from `POST /anchor/export` of the other worker), so a
+replica without shared storage joins warm. The received bytes get every check `load` makes
+before they are renamed into place; a file that fails is refused, never kept.
+
 Thread model: `put` only enqueues (the worker's loop never writes a file); one writer thread
 writes, fsyncs and evicts. `load`, `index` and the listing run on the caller's thread; the
 index is shared with the writer under one lock.
@@ -41,6 +46,7 @@ import os
 import queue
 import shutil
 import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +126,14 @@ class DiskStats:
 
 class CorruptSlab(Exception):
     """A slab file that must not be restored (the message says why)."""
+
+    status = 400  # sent to `POST /anchor/import`: a file that is not this worker's to take
+
+
+class DiskTierOff(Exception):
+    """No disk tier to import into or export from (none configured, or turned off)."""
+
+    status = 409
 
 
 class DiskTier:
@@ -400,8 +414,73 @@ class DiskTier:
             self.enabled = False
             log.error("disk tier off (serving goes on from memory): %s", why)
 
+    # ---- files moved between workers -----------------------------------------------------
+    def import_file(self, data: bytes) -> tuple[DiskEntry, bool]:
+        """Take in the bytes of a slab file another worker of this model wrote: checked as
+        `load` checks a file (format, fingerprint, TP layout, tensors against the header,
+        checksum, sizes) under a temporary name, then fsynced, renamed into place and indexed
+        (counted as an import). (entry, False) when the tier holds the anchor already.
+        CorruptSlab when a check fails (the bytes are not kept; counted as a skip);
+        DiskTierOff when the tier is off or cannot write."""
+        if not self.enabled:
+            raise DiskTierOff("the disk tier is off")
+        tmp = self.dir / f".import-{uuid.uuid4().hex}{TMP_SUFFIX}"  # `index` deletes leftovers
+        try:
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                raise DiskTierOff(f"cannot write the file: {e}") from None
+            try:
+                record = self._read(tmp, named=False)
+                with self._lock:
+                    held = self._entries.get(record.key)
+                if held is not None and held.depth != record.depth:  # a key names one prefix
+                    raise CorruptSlab(f"this worker holds that key at depth {held.depth}, "
+                                      f"not {record.depth}")
+            except CorruptSlab as e:
+                with self._lock:
+                    self._counts["skips"] += 1
+                log.warning("disk tier: an imported file was refused: %s", e)
+                raise
+            if held is not None:
+                return held, False
+            path = self.dir / f"{record.key.hex()}-{record.depth}{SUFFIX}"
+            os.replace(tmp, path)
+            _fsync_dir(self.dir)
+            entry = DiskEntry(record.key, record.depth, record.start, record.parent,
+                              record.kind, record.nbytes, path.stat().st_size, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        with self._lock:
+            self._entries[entry.key] = entry
+            self._touch(entry.key)
+            self._counts["imports"] += 1
+            self._evict_over_budget()
+        return entry, True
+
+    def export_file(self, key: bytes) -> bytes:
+        """The bytes of the anchor's file, for `import_file` on another worker. DiskTierOff
+        when the tier is off; KeyError when it holds no file for `key` (a slab confirmed
+        moments ago may still be queued for writing)."""
+        if not self.enabled:
+            raise DiskTierOff("the disk tier is off")
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(key)
+        try:
+            return entry.path.read_bytes()
+        except FileNotFoundError:  # removed under us (another worker's eviction)
+            with self._lock:
+                self._entries.pop(key, None)
+            raise KeyError(key) from None
+
     # ---- files ------------------------------------------------------------------------
-    def _check_header(self, meta: dict[str, str] | None, path: Path) -> DiskEntry:
+    def _check_header(self, meta: dict[str, str] | None, path: Path, named: bool = True
+                      ) -> DiskEntry:
         if not meta or meta.get("format") != FORMAT:
             raise CorruptSlab("not an anchorcache slab")
         if meta.get("version") != str(FORMAT_VERSION):
@@ -423,7 +502,7 @@ class DiskTier:
         if len(key) != 16 or (parent is not None and len(parent) != 16) \
                 or not 0 <= start < depth or nbytes < 0 or (start == 0) != (parent is None):
             raise CorruptSlab("header fields out of range")
-        if path.name != f"{key.hex()}-{depth}{SUFFIX}":
+        if named and path.name != f"{key.hex()}-{depth}{SUFFIX}":
             raise CorruptSlab("file name disagrees with the header's key and depth")
         return DiskEntry(key, depth, start, parent, kind, nbytes, path.stat().st_size, path)
 
@@ -437,11 +516,12 @@ class DiskTier:
             raise CorruptSlab(f"unreadable: {e}") from None
         return self._check_header(meta, path)
 
-    def _read(self, path: Path) -> SlabRecord:
+    def _read(self, path: Path, named: bool = True) -> SlabRecord:
+        """The whole file, every check made (`named`: its name must be its key and depth)."""
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata()
-                entry = self._check_header(meta, path)
+                entry = self._check_header(meta, path, named)
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except (FileNotFoundError, CorruptSlab):
             raise

@@ -221,6 +221,17 @@ class FlushReply(Record, frozen=True):
     flushed_device: bool = False
 
 
+class ImportReply(HexRecord, frozen=True):
+    """`/anchor/import`: the anchor a slab file (another worker's `/anchor/export`) holds,
+    now on this worker's disk tier; `imported` false when it was there already."""
+
+    key: Key
+    depth: Depth
+    parent: Key | None
+    imported: bool
+    epoch: Epoch
+
+
 class VerifyReply(HexRecord, frozen=True):
     """`/anchor/verify` (SGLang, a diagnostic): the device rows of a committed anchor's prefix
     against its host slabs; `mismatch`: the first differing token position, or None. On a

@@ -17,13 +17,14 @@ from typing import Any, TypeVar
 
 from msgspec.structs import replace
 
-from anchorcache.ext.contract import Backend, ContractError, Event, Tokens
+from anchorcache.ext.contract import Backend, ContractError, Event, Tokens, export_from, import_into
 from anchorcache.wire import (
     AbortReply,
     ConfirmReply,
     EvictReply,
     FlushReply,
     GenerateRequest,
+    ImportReply,
     LookupReply,
     ModelInfo,
     PinReply,
@@ -142,6 +143,15 @@ class EmbeddedBackend(Backend):
 
     async def evict(self, key: bytes) -> EvictReply:
         return EvictReply(await self._on_engine(lambda s: s.evict(key)), self._epoch)
+
+    # the disk tier takes its own lock: files are read and written off the engine thread
+    async def import_slab(self, data: bytes) -> ImportReply:
+        disk = self.engine.anchors.disk if self.engine.anchors is not None else None
+        return await asyncio.to_thread(import_into, disk, data, self._epoch)
+
+    async def export_slab(self, key: bytes) -> bytes:
+        disk = self.engine.anchors.disk if self.engine.anchors is not None else None
+        return await asyncio.to_thread(export_from, disk, key)
 
     async def flush(self, device: bool) -> FlushReply:
         # no device cache of its own: /flush_cache drops the anchors too

@@ -19,7 +19,7 @@ EPOCH = web.AppKey("epoch", str)
 
 
 def _response(reply: contract.Reply) -> web.Response:
-    return web.Response(body=reply.body, status=reply.status, content_type="application/json")
+    return web.Response(body=reply.body, status=reply.status, content_type=reply.content_type)
 
 
 @web.middleware

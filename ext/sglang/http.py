@@ -18,6 +18,7 @@ rank it is meant for.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -109,6 +110,15 @@ class SGLangBackend(Backend):
 
     async def evict(self, key: bytes) -> wire.EvictReply:
         return await self._call("evict", {"key": key.hex()}, wire.EvictReply)
+
+    # the file's bytes ride the RPC as base64 (an operator's call, not a request's)
+    async def import_slab(self, data: bytes) -> wire.ImportReply:
+        return await self._call("import_slab", {"data": base64.b64encode(data).decode()},
+                                wire.ImportReply)
+
+    async def export_slab(self, key: bytes) -> bytes:
+        reply = await self.worker.call("export_slab", {"key": key.hex()})
+        return base64.b64decode(reply["data"])
 
     async def flush(self, device: bool) -> wire.FlushReply:
         if not device:
@@ -226,7 +236,7 @@ def rank_path(dp_rank: int | None) -> str:
 def _response(reply: contract.Reply) -> Any:
     from fastapi.responses import Response
 
-    return Response(content=reply.body, status_code=reply.status, media_type="application/json")
+    return Response(content=reply.body, status_code=reply.status, media_type=reply.content_type)
 
 
 def _route(backend: Backend, route: contract.Route) -> Callable[[Any], Awaitable[Any]]:

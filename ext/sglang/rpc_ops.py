@@ -11,6 +11,7 @@ same socket carries a finished request's report, unasked (`push_finish`).
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +22,7 @@ import orjson
 import zmq
 from msgspec.structs import replace
 
-from anchorcache.ext.contract import key_arg, slots_arg
+from anchorcache.ext.contract import export_from, import_into, key_arg, slots_arg
 from anchorcache.ext.store import AnchorStore
 from anchorcache.wire import (
     ConfirmReply,
@@ -81,6 +82,7 @@ class RpcOps:
             "slots": self._slots, "stats": self._stats, "pin": self._pin,
             "unpin": self._unpin, "evict": self._evict, "flush_anchors": self._flush_anchors,
             "verify": self._verify, "fault": self._fault,
+            "import_slab": self._import_slab, "export_slab": self._export_slab,
         })
 
     def call_time(self) -> float:
@@ -100,8 +102,12 @@ class RpcOps:
         except WireError as e:
             result = {"ok": False, "status": 400, "message": str(e)}
         except Exception as e:
-            log.exception("anchor op %s failed", op)
-            result = {"ok": False, "status": 500, "message": f"{type(e).__name__}: {e}"}
+            status = getattr(e, "status", None)  # ContractError, the disk tier's refusals
+            if isinstance(status, int) and 400 <= status < 500:
+                result = {"ok": False, "status": status, "message": str(e)}
+            else:
+                log.exception("anchor op %s failed", op)
+                result = {"ok": False, "status": 500, "message": f"{type(e).__name__}: {e}"}
         result["epoch"] = self._epoch
         result["call_id"] = call_id
         self._times.add(op, t)
@@ -191,6 +197,19 @@ class RpcOps:
         if evicted:
             self._pins.unpin(key)
         return EvictReply(evicted, self._epoch).to_json()
+
+    def _import_slab(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A slab file another worker exported, onto the disk tier (its checks: a full read
+        and checksum, on this loop: an operator's call, not a request's)."""
+        try:
+            data = base64.b64decode(body["data"], validate=True)
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError(f"import needs the file as base64 'data': {e}") from None
+        return import_into(self._store.disk, data, self._epoch).to_json()
+
+    def _export_slab(self, body: dict[str, Any]) -> dict[str, Any]:
+        data = export_from(self._store.disk, key_arg(body))
+        return {"data": base64.b64encode(data).decode()}
 
     def _flush_anchors(self, body: dict[str, Any]) -> dict[str, Any]:
         self._pins.unpin_all()

@@ -143,7 +143,8 @@ def test_a_restarted_sglang_worker_restores_a_chain_from_disk(arch, tmp_path):
     tool + conversation chain comes back from the files (on the hybrid Qwen3.5, each slab
     with its recurrent and conv state) with the tokens and logprobs of a cold run whose
     prefill chunks end at the same depths. The new process has a new epoch, and an anchor of
-    the old one whose file is gone is not resident, though its key is the same."""
+    the old one whose file is gone is not resident, though its key is the same. A file sent
+    back over the contract (`/anchor/export`, evicted, `/anchor/import`) restores alike."""
     from transformers import AutoTokenizer
 
     from anchorcache.ext.embedded.tiny_models import (
@@ -200,3 +201,25 @@ def test_a_restarted_sglang_worker_restores_a_chain_from_disk(arch, tmp_path):
         assert stale["meta_info"]["cached_tokens"] in (0, tool, conv), anchors
         assert [(m["key"], m["reason"]) for m in anchors["restore_miss"]] == \
             [(gone.hex(), "not_resident")], anchors
+
+        # the conversation anchor's file leaves over the contract and comes back: exported,
+        # evicted (file and slab), imported (a damaged copy is refused first), restored
+        exported = httpx.post(w2.url + "/anchor/export", json={"key": keys[conv].hex()},
+                              timeout=60)
+        assert exported.status_code == 200, exported.text
+        assert httpx.post(w2.url + "/anchor/evict", json={"key": keys[conv].hex()},
+                          timeout=60).json()["evicted"]
+        damaged = bytearray(exported.content)
+        damaged[-5] ^= 1
+        refused = httpx.post(w2.url + "/anchor/import", content=bytes(damaged), timeout=60)
+        assert refused.status_code == 400, refused.text
+        took = httpx.post(w2.url + "/anchor/import", content=exported.content, timeout=60)
+        assert took.status_code == 200, took.text
+        assert (took.json()["key"], took.json()["depth"], took.json()["imported"]) == \
+            (keys[conv].hex(), conv, True)
+        flush_device(w2.url)
+        back = generate(w2.url, p2, restore((tool, keys[tool]), (conv, keys[conv])),
+                        logprobs=True)
+        assert [r["depth"] for r in back["meta_info"]["anchors"]["restored"]] == [tool, conv]
+        assert back["meta_info"]["cached_tokens"] == conv
+        same(back, cold)

@@ -447,3 +447,73 @@ def test_a_file_whose_header_names_this_prefix_but_holds_another_prompts_tokens_
         assert fresh.check_chain(PROMPT, p).chain == ()
     assert fresh.disk is not None and fresh.disk.stats().skips == 1
     assert fresh.table.entries() == []
+
+
+# ---- files moved between workers (`/anchor/export` → `/anchor/import`) ---------------------
+
+def test_an_exported_chain_imported_by_a_worker_without_shared_storage_restores_as_its_own(
+        tmp_path):
+    keys = write_chain(store(tmp_path / "a"), PROMPT, [20, 45])
+    source = store(tmp_path / "a")
+    b = store(tmp_path / "b")
+    assert source.disk is not None and b.disk is not None
+    for d in (20, 45):  # parents first, as `ops` copies them
+        entry, imported = b.disk.import_file(source.disk.export_file(keys[d]))
+        assert imported and (entry.key, entry.depth) == (keys[d], d)
+    assert b.disk.import_file(source.disk.export_file(keys[45]))[1] is False  # held already
+    assert {(d.key, d.depth) for d in b.slots("e").disk} == {(keys[20], 20), (keys[45], 45)}
+    check = b.check_chain(PROMPT, plan(keys, [20, 45]))
+    assert [(s.key, s.depth, s.start) for s in check.chain] == \
+        [(keys[20], 20, 0), (keys[45], 45, 20)]
+    assert torch.equal(check.chain[1].kv.view(torch.int16), rows(20, 45).view(torch.int16))
+    st = b.disk.stats()
+    assert (st.imports, st.loads, st.skips) == (2, 2, 0)
+    assert [p.name for p in b.disk.dir.iterdir() if p.name.endswith(disk_tier.TMP_SUFFIX)] == []
+    # and it survives a restart of the importer like a file it wrote itself
+    assert store(tmp_path / "b").check_chain(PROMPT, plan(keys, [20, 45])).depth == 45
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "other_fingerprint", "other_tp",
+                                    "not_a_slab", "another_depth_for_a_held_key"])
+def test_an_import_that_fails_a_check_is_refused_and_nothing_of_it_is_kept(tmp_path, damage):
+    src = tier(tmp_path / "src")
+    src.put(record(key(1), 0, 12))
+    src.drain()
+    path = files(src)[0]
+    dst = tier(tmp_path / "dst")
+    if damage == "flipped":
+        corrupt_flip(path)
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-7])
+    elif damage == "other_fingerprint":
+        other = tier(tmp_path / "other", fp="cd" * 16)
+        other.put(record(key(1), 0, 12))
+        other.drain()
+        path = files(other)[0]
+    elif damage == "other_tp":
+        rewrite_meta(path, tp_rank="1", tp_size="2")
+    elif damage == "not_a_slab":
+        path.write_bytes(b"\x00" * 64)
+    elif damage == "another_depth_for_a_held_key":
+        dst.put(record(key(1), 0, 8))
+        dst.drain()
+    before = sorted(p.name for p in dst.dir.iterdir())
+    with pytest.raises(disk_tier.CorruptSlab):
+        dst.import_file(path.read_bytes())
+    assert sorted(p.name for p in dst.dir.iterdir()) == before  # no file, no temporary
+    assert dst.stats().skips == 1 and dst.stats().imports == 0
+    assert dst.load(key(1), 12) is None
+
+
+def test_export_names_only_files_the_tier_holds_and_an_off_tier_refuses_both(tmp_path):
+    t = tier(tmp_path)
+    t.put(record(key(1), 0, 12))
+    t.drain()
+    assert t.export_file(key(1)) == files(t)[0].read_bytes()
+    with pytest.raises(KeyError):
+        t.export_file(key(2))
+    t.enabled = False
+    with pytest.raises(disk_tier.DiskTierOff):
+        t.export_file(key(1))
+    with pytest.raises(disk_tier.DiskTierOff):
+        t.import_file(files(t)[0].read_bytes())

@@ -88,10 +88,19 @@ def test_input_ids_outside_the_vocabulary_are_400(worker, bad):
     assert_400(look)
 
 
-@pytest.mark.parametrize("route", ["/anchor/pin", "/anchor/unpin", "/anchor/evict"])
+@pytest.mark.parametrize("route", ["/anchor/pin", "/anchor/unpin", "/anchor/evict",
+                                   "/anchor/export"])
 @pytest.mark.parametrize("key", ["00" * 15, "00" * 17, "", 5, ["00"]])
 def test_a_key_of_the_wrong_length_is_400(worker, route, key):
     assert_400(httpx.post(worker.url + route, json={"key": key}, timeout=30))
+
+
+def test_moving_files_without_a_disk_tier_is_409_in_the_contracts_shape(worker):
+    assert httpx.get(worker.url + "/anchor/stats", timeout=30).json()["disk"] is None
+    for resp in (httpx.post(worker.url + "/anchor/import", content=b"\x00" * 64, timeout=30),
+                 httpx.post(worker.url + "/anchor/export", json={"key": "00" * 16}, timeout=30)):
+        assert resp.status_code == 409, resp.text
+        assert "disk tier" in resp.json()["error"]["message"]
 
 
 def test_gzip_content_encoding_with_a_plain_body_is_400(worker):

@@ -211,13 +211,24 @@ def workers(url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) 
 
 @app.command("worker-add")
 def worker_add(worker_url: Annotated[str, typer.Argument(help="The worker's base URL.")],
+               warm_from: Annotated[str | None, typer.Option(
+                   help="A worker (name or URL) whose disk-tier files are copied into the new "
+                        "one's first (docs/disk-tier.md).")] = None,
                url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) -> None:
     """Add a worker live (it must serve the proxy's model)."""
     def go() -> None:
-        data = AdminClient(url, token).post("/admin/workers", {"url": worker_url})
-        _emit(data, as_json, lambda: "\n".join(
-            f"worker {t['name']} added: {t['url']} (epoch {t['epoch'][:8]})"
-            for t in data.get("targets", [data])))
+        body = {"url": worker_url, **({"warm_from": warm_from} if warm_from else {})}
+        data = AdminClient(url, token).post("/admin/workers", body)
+        warmed = data.get("warmed") or {}
+
+        def line(t: dict[str, Any]) -> str:
+            text = f"worker {t['name']} added: {t['url']} (epoch {t['epoch'][:8]})"
+            if (w := warmed.get(t["name"])) is not None:
+                text += (f", warmed from {warm_from}: {w['copied']} files copied "
+                         f"({_bytes(w['bytes'])}), {w['held']} held already, "
+                         f"{w['missing']} missing, {w['refused']} refused")
+            return text
+        _emit(data, as_json, lambda: "\n".join(line(t) for t in data.get("targets", [data])))
     _run(go)
 
 

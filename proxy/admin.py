@@ -423,14 +423,54 @@ async def list_workers(request: web.Request) -> web.Response:
 
 
 async def add_worker(request: web.Request) -> web.Response:
-    url = (await _json_body(request)).get("url")
+    """Add a worker; with `warm_from` (a worker's name or URL), first copy that worker's
+    disk-tier files into the new one's (`_warm`)."""
+    body = await _json_body(request)
+    url, warm_from = body.get("url"), body.get("warm_from")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ApiError("invalid_request", "'url' must be the worker's http(s) base URL",
                        param="url")
-    added = await _state(request).targets.add(url)
+    state = _state(request)
+    source = None
+    if warm_from is not None:
+        source = state.targets.find(warm_from) if isinstance(warm_from, str) else None
+        if source is None:
+            raise ApiError("not_found", f"no worker {warm_from!r} to warm from",
+                           param="warm_from")
+    added = await state.targets.add(url)
+    warmed = {t.name: await _warm(state, source, t) for t in added} if source else None
     # the first target's fields (one for a plain worker), and every target added (a server of
     # data-parallel ranks adds one per rank)
-    return json_response({**added[0].to_json(), "targets": [t.to_json() for t in added]})
+    return json_response({**added[0].to_json(), "targets": [t.to_json() for t in added],
+                          **({"warmed": warmed} if warmed is not None else {})})
+
+
+async def _warm(state: ProxyState, source: Target, dest: Target) -> dict[str, int]:
+    """Copy the slab files of `source`'s committed anchors (parents first) into `dest`'s disk
+    tier over the contract (`/anchor/export`, `/anchor/import`), then reconcile `dest`, whose
+    ledger recovery adopts them for the tenants that wrote them. Counts: `copied`, `held`
+    (there already), `missing` (no file to export: not written yet, or no disk tier),
+    `refused` (the import failed a check, or `dest` has no disk tier), `bytes`."""
+    counts = Counter(copied=0, held=0, missing=0, refused=0, bytes=0)
+    rows = state.ledger.anchors(worker=source.id, epoch=source.lifecycle.epoch,
+                                status=AnchorStatus.COMMITTED)  # by depth: parents first
+    for key in dict.fromkeys(r.key for r in rows):
+        try:
+            data = await source.worker.export_slab(key)
+        except ApiError:
+            counts["missing"] += 1
+            continue
+        try:
+            reply = await dest.worker.import_slab(data)
+        except ApiError as e:
+            counts["refused"] += 1
+            log.warning("warming %s from %s: an import was refused: %s", dest.name,
+                        source.name, e.message)
+            continue
+        counts["copied" if reply.imported else "held"] += 1
+        counts["bytes"] += len(data)
+    await dest.lifecycle.reconcile("warm")
+    return dict(counts)
 
 
 async def remove_worker(request: web.Request) -> web.Response:

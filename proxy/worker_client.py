@@ -22,6 +22,7 @@ from anchorcache.wire import (
     ConfirmReply,
     GenerateMeta,
     GenerateRequest,
+    ImportReply,
     ModelInfo,
     SlotsReply,
     StopReply,
@@ -37,6 +38,7 @@ T = TypeVar("T")
 
 # a well worker answers /health at once; a hung one must not hang the proxy's /health
 HEALTH_TIMEOUT_S = 10.0
+SLAB_TIMEOUT_S = 120.0  # one slab file out of or into a disk tier
 
 
 class ProgressClock:
@@ -138,17 +140,22 @@ class WorkerClient:
             self.on_epoch(epoch)
 
     async def _call(self, method: str, path: str, body: Any = None,
-                    timeout_s: float | None = None) -> Any:
+                    timeout_s: float | None = None, *, file: bytes | None = None,
+                    file_reply: bool = False) -> Any:
+        """The JSON reply of `path` (`body`: a JSON body; `file`: a slab file's bytes instead;
+        `file_reply`: the reply's bytes, not parsed)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        content_type = "application/octet-stream" if file is not None else "application/json"
         try:
             async with self.session.request(
                     method, self.base_url + path,
-                    data=orjson.dumps(body) if body is not None else None,
-                    headers={"Content-Type": "application/json"}, timeout=timeout) as resp:
+                    data=file if file is not None else
+                    orjson.dumps(body) if body is not None else None,
+                    headers={"Content-Type": content_type}, timeout=timeout) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
                     raise _worker_error(resp.status, data)
-                return orjson.loads(data)
+                return data if file_reply else orjson.loads(data)
         except aiohttp.ClientConnectorError as e:
             raise ApiError("worker_unavailable", f"worker unreachable: {e}") from None
         except (aiohttp.ClientError, orjson.JSONDecodeError) as e:
@@ -160,8 +167,8 @@ class WorkerClient:
         return await self._typed(ModelInfo, "GET", "/model_info")
 
     async def _typed(self, record: type[T], method: str, path: str, body: Any = None,
-                     timeout_s: float | None = None) -> T:
-        data = await self._call(method, path, body, timeout_s)
+                     timeout_s: float | None = None, *, file: bytes | None = None) -> T:
+        data = await self._call(method, path, body, timeout_s, file=file)
         try:
             return from_json(record, data)
         except WireError as e:
@@ -188,6 +195,19 @@ class WorkerClient:
         the reply names those confirmed and the keys evicted."""
         reply = await self._typed(ConfirmReply, "POST", "/anchor/confirm",
                                   {"slots": slots, "rid": rid, "epoch": epoch})
+        self._saw(reply.epoch)
+        return reply
+
+    async def export_slab(self, key: bytes) -> bytes:
+        """The anchor's slab file from the worker's disk tier (ApiError `not_found` when it
+        holds none)."""
+        return await self._call("POST", "/anchor/export", {"key": key.hex()},
+                                SLAB_TIMEOUT_S, file_reply=True)
+
+    async def import_slab(self, data: bytes) -> ImportReply:
+        """A slab file (another worker's `export_slab`) onto the worker's disk tier."""
+        reply = await self._typed(ImportReply, "POST", "/anchor/import", None, SLAB_TIMEOUT_S,
+                                  file=data)
         self._saw(reply.epoch)
         return reply
 

@@ -226,8 +226,9 @@ def test_a_replica_sharing_the_directory_imports_files_and_never_restores_a_misn
     turn restores the first's files, imported on the miss (a stat of the exact name). Tenant
     beta's files were all overwritten with a copy of one of alpha's (another key's file under
     beta's names): each is refused when the miss finds it, nothing of beta's is restored and
-    its output is the anchors-off one. Then a third worker, on a directory of its own, takes
-    alpha's files over the contract (export, import) and serves alpha's turn from them."""
+    its output is the anchors-off one. Then a third worker, on a directory of its own, is added
+    warm from the second (the proxy copies its files over the contract) and serves alpha's
+    turn from them."""
     env = {"ANCHORCACHE_ANCHOR_DISK_DIR": str(tmp_path / "disk")}
     with worker_process(model=str(default_model_dir), env=env) as w1, \
             worker_process(model=str(default_model_dir), env=env) as w2, \
@@ -271,39 +272,38 @@ def test_a_replica_sharing_the_directory_imports_files_and_never_restores_a_misn
         after = httpx.get(w2.url + "/anchor/stats", timeout=30).json()["disk"]
         assert after["skips"] >= 1 and after["loads"] == stats["loads"], (stats, after)
 
-        # a replica with a directory of its own joins warm from files sent over the contract
-        # (`/anchor/export` of the first worker, `/anchor/import` of the new one), parents
-        # first; a damaged file is refused with a 400 and not kept
+        # a replica with a directory of its own joins warm: the proxy copies the serving
+        # worker's files into it over the contract (`/anchor/export`, `/anchor/import`,
+        # parents first) as it is added; a damaged file is refused with a 400, not kept
         with worker_process(model=str(default_model_dir), env={
                 "ANCHORCACHE_ANCHOR_DISK_DIR": str(tmp_path / "disk3")}) as w3:
-            for depth, k in alphas:
-                slab = httpx.post(w1.url + "/anchor/export", json={"key": k}, timeout=60)
-                assert slab.status_code == 200, slab.text
-                if depth == alphas[0][0]:
-                    damaged = bytearray(slab.content)
-                    damaged[-5] ^= 1
-                    refused = httpx.post(w3.url + "/anchor/import", content=bytes(damaged),
-                                         timeout=60)
-                    assert refused.status_code == 400, refused.text
-                    assert "checksum" in refused.json()["error"]["message"]
-                took = httpx.post(w3.url + "/anchor/import", content=slab.content, timeout=60)
-                assert took.status_code == 200, took.text
-                assert (took.json()["key"], took.json()["depth"], took.json()["imported"]) == \
-                    (k, depth, True)
-            listed = httpx.get(w3.url + "/anchor/slots", timeout=30).json()["disk"]
-            assert {(d["key"], d["depth"]) for d in listed} == {(k, d) for d, k in alphas}
-            added = httpx.post(proxy.url + "/admin/workers", headers=ADMIN,
-                               json={"url": w3.url}, timeout=300)
-            assert added.status_code == 200, added.text
+            slab = httpx.post(w1.url + "/anchor/export", json={"key": alphas[0][1]}, timeout=60)
+            assert slab.status_code == 200, slab.text
+            damaged = bytearray(slab.content)
+            damaged[-5] ^= 1
+            refused = httpx.post(w3.url + "/anchor/import", content=bytes(damaged), timeout=60)
+            assert refused.status_code == 400, refused.text
+            assert "checksum" in refused.json()["error"]["message"]
+            assert httpx.get(w3.url + "/anchor/slots", timeout=30).json()["disk"] == []
+
             second = next(w["name"] for w in admin(proxy, "/admin/workers")["data"]
                           if w["url"].rstrip("/") == w2.url)
+            added = httpx.post(proxy.url + "/admin/workers", headers=ADMIN, timeout=300,
+                               json={"url": w3.url, "warm_from": second})
+            assert added.status_code == 200, added.text
+            warmed = added.json()["warmed"][added.json()["name"]]
+            assert warmed["copied"] >= 1 and warmed["refused"] == 0, warmed
+            listed = {(x["key"], x["depth"])
+                      for x in httpx.get(w3.url + "/anchor/slots", timeout=30).json()["disk"]}
+            assert len(listed) == warmed["copied"], (listed, warmed)
+            assert listed & {(k, d) for d, k in alphas}, listed  # alpha's first turn is there
             assert httpx.delete(proxy.url + "/admin/workers/" + second, headers=ADMIN,
                                 timeout=300).status_code == 200
             moved = ask(proxy, turn2, alpha)
             assert cached(moved) > 0, moved["usage"]
             assert moved["choices"][0]["message"] == warm["choices"][0]["message"]
             w3_disk = httpx.get(w3.url + "/anchor/stats", timeout=30).json()["disk"]
-            assert (w3_disk["imports"], w3_disk["skips"]) == (len(alphas), 1), w3_disk
+            assert w3_disk["imports"] == warmed["copied"] and w3_disk["skips"] == 1, w3_disk
             assert w3_disk["loads"] >= 1, w3_disk
 
 

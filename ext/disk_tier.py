@@ -7,7 +7,8 @@ the header: format version, the model's fingerprint (`model_fingerprint`: config
 files, dtype and cache layout), TP rank and size, key, depth, start, parent, kind, dtype and
 shapes, and a BLAKE2b checksum of the payload. Files land under a temporary name, are
 fsynced, then renamed (and the directory fsynced), so a crash mid-write leaves only a
-temporary file, which the next start deletes: no file is ever read as whole that was not.
+temporary file, which a later start deletes (once it is an hour old: a recent one may be
+another worker's write in progress): no file is ever read as whole that was not.
 
 Nothing wrong is restored: `index` (at start) reads headers only and quarantines a file
 whose header is unreadable, truncated, of another format version, model, TP layout, or
@@ -46,6 +47,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ FORMAT_VERSION = 1
 SUFFIX = ".slab"
 TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"
+STALE_TMP_S = 3600.0  # a temporary file older than this at start is a crashed write's
 DEFAULT_FREE_SHARE = 0.1  # the default budget: this share of the disk's free bytes at start
 
 
@@ -168,9 +171,14 @@ class DiskTier:
         if not self.enabled:
             return 0
         files = []
+        stale = time.time() - STALE_TMP_S
         for f in self.dir.iterdir():
             if f.name.endswith(TMP_SUFFIX):
-                f.unlink(missing_ok=True)  # a write a crash cut short: never whole
+                try:  # a write a crash cut short: never whole. A recent one may be another
+                    if f.stat().st_mtime < stale:  # worker's, sharing the directory, mid-write
+                        f.unlink(missing_ok=True)
+                except FileNotFoundError:
+                    pass
             elif f.suffix == SUFFIX:
                 try:
                     files.append((f.stat().st_mtime_ns, f))

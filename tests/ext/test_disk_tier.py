@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -181,7 +182,7 @@ def test_a_bad_file_is_skipped_at_index_or_load_and_counted(tmp_path, damage):
     assert again.load(key(2), 8) is not None  # the good file next to it still serves
 
 
-def test_a_half_written_temporary_file_is_never_read_and_is_deleted_at_start(tmp_path):
+def test_a_half_written_temporary_file_is_never_read_and_is_deleted_at_a_later_start(tmp_path):
     t = tier(tmp_path)
     t.put(record(key(1), 0, 12))
     t.drain()
@@ -189,8 +190,13 @@ def test_a_half_written_temporary_file_is_never_read_and_is_deleted_at_start(tmp
     whole = files(t)[0]
     half = whole.with_name(f".{key(3).hex()}-12.slab.999{disk_tier.TMP_SUFFIX}")
     half.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    # another worker sharing the directory, mid-write: its temporary is left alone
+    busy = whole.with_name(f".{key(4).hex()}-12.slab.998{disk_tier.TMP_SUFFIX}")
+    busy.write_bytes(b"\x00" * 8)
+    old = time.time() - disk_tier.STALE_TMP_S - 60
+    os.utime(half, (old, old))
     again = tier(tmp_path)
-    assert not half.exists()
+    assert not half.exists() and busy.exists()
     assert [e.key for e in again.entries()] == [key(1)]
     assert again.load(key(3), 12) is None
 

@@ -154,9 +154,11 @@ def test_worker_restart_loses_anchors_and_rewarms_pinned_toolsets(default_model_
         old_epoch = admin(proxy, "/admin/stats")["epoch"]
         w1.kill()
         with worker_process(model=str(default_model_dir), port=port):
-            # the first request still plans the dead epoch's chain: the worker refuses it
+            # the first request plans the dead epoch's chain, which the worker refuses, unless
+            # a health check saw the new epoch first and the toolset was warmed again: then
+            # exactly the toolset's prefix is restored, never more
             first = ask(proxy, msgs, tools)
-            assert cached(first) == 0
+            assert cached(first) in (0, ts["anchor"]["depth"]), first["usage"]
             assert first["choices"][0]["message"] == ask(ref, msgs, tools)["choices"][0]["message"]
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:

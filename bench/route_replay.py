@@ -11,10 +11,12 @@ that no earlier request presented), TTFT p50/p99 per turn, requests/s, and the p
 CPU milliseconds per request (user + system time of its process over the run). Then the
 affinity run again with the second worker SIGKILLed halfway and a replacement started on
 its port, as a supervisor restarts it (the second half of the requests sent once it is back),
-twice: a replacement that starts empty
+three times: a replacement that starts empty
 (`affinity_killed_halfway`), and one on the same disk-tier directory as the worker it
 replaces (`affinity_killed_halfway_disk`: it indexes the slab files, the proxy's reconcile
-recovers them, docs/disk-tier.md). Per kill run: failed requests (only those streaming on
+recovers them, docs/disk-tier.md), and with both workers on one directory
+(`affinity_killed_halfway_shared`, shared storage: a request retried on the survivor finds
+the killed worker's files at its cuts). Per kill run: failed requests (only those streaming on
 the worker when it died may fail, with an error event; the agent retries them once), and
 the prefill it cost. Prints a table, writes bench/results/<name>.json and .png.
 `--kill-only`: the kill runs alone (the routing policies' runs skipped).
@@ -231,21 +233,27 @@ def kill_run(results: dict[str, dict], survivor: str, worker_args: tuple[str, ..
              tail: tuple[str, ...], convs: list[dict], args: argparse.Namespace,
              prompts: dict) -> None:
     """Affinity with the second worker SIGKILLed halfway and a replacement started on its
-    port (`survivor` stays), once without a disk tier and once with the killed worker's."""
-    for name, disk in (("affinity_killed_halfway", False), ("affinity_killed_halfway_disk", True)):
+    port (`survivor` stays), once without a disk tier, once with the killed worker's, and
+    once with both workers on one directory (shared storage: a survivor of its own, started
+    on the directory, takes the killed worker's files for the requests retried on it)."""
+    for name, disk in (("affinity_killed_halfway", None), ("affinity_killed_halfway_disk", "own"),
+                       ("affinity_killed_halfway_shared", "shared")):
         flush([survivor])
         with tempfile.TemporaryDirectory(prefix="route-replay-disk-") as folder:
             results[name] = _kill_run(survivor, worker_args, tail, convs, args, prompts,
-                                      ("--anchor-disk-dir", folder) if disk else ())
+                                      ("--anchor-disk-dir", folder) if disk else (),
+                                      shared=disk == "shared")
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "per_turn"}),
               flush=True)
 
 
 def _kill_run(survivor: str, worker_args: tuple[str, ...], tail: tuple[str, ...],
               convs: list[dict], args: argparse.Namespace, prompts: dict,
-              disk: tuple[str, ...]) -> dict:
+              disk: tuple[str, ...], shared: bool = False) -> dict:
     port = free_port()
     with ExitStack() as stack:
+        if shared:
+            survivor = stack.enter_context(spawn(*worker_args, *disk, tail=tail))
         doomed = stack.enter_context(spawn(*worker_args, *disk, tail=tail, port=port))
         proxy = stack.enter_context(spawn("proxy", "--worker", survivor, "--worker", doomed,
                                           "--route", "affinity", "--health-interval-s", "1"))

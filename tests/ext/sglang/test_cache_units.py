@@ -215,12 +215,18 @@ def test_rpc_replies_on_the_callers_socket(cache: AnchorRadixCache) -> None:
         hello = orjson.loads(pull.recv())
         cache("fault", '{"where": "nowhere"}', "inproc://anchor-hello", 4)
         refused = orjson.loads(pull.recv())
+        # an op's refusal that carries an HTTP status keeps it (no disk tier here: 409)
+        cache("import_slab", '{"data": "AAAA"}', "inproc://anchor-hello", 5)
+        no_tier = orjson.loads(pull.recv())
     assert hello == {"ok": True, "model_id": MODEL, "page_size": 1, "pool_tokens": POOL,
                      "pin_budget_tokens": int(0.1 * POOL), "epoch": "e" * 16, "call_id": 3}
     assert (refused["ok"], refused["status"], refused["call_id"]) == (False, 400, 4)
+    assert (no_tier["ok"], no_tier["status"], no_tier["call_id"]) == (False, 409, 5)
+    assert "disk tier" in no_tier["message"]
     assert set(cache.rpc.ops) == {
         "hello", "finish", "cut", "confirm", "abort", "abort_request", "lookup", "slots",
-        "stats", "pin", "unpin", "evict", "flush_anchors", "verify", "fault"}
+        "stats", "pin", "unpin", "evict", "flush_anchors", "verify", "fault", "import_slab",
+        "export_slab"}
 
 
 def test_a_paged_restore_places_whole_pages() -> None:

@@ -29,7 +29,8 @@ async def test_calls_without_the_secret_are_refused_and_health_answers(aiohttp_c
     calls = [("POST", "/generate", generate.to_json()), ("POST", "/anchor/flush", {}),
              ("POST", "/flush_cache", {}), ("GET", "/anchor/slots", None),
              ("GET", "/model_info", None), ("POST", "/abort_request", {"rid": "x"}),
-             ("POST", "/anchor/pin", {"key": "00" * 16})]
+             ("POST", "/anchor/pin", {"key": "00" * 16}),
+             ("POST", "/anchor/export", {"key": "00" * 16}), ("POST", "/anchor/import", {})]
     for headers in ({}, {"Authorization": "Bearer wrong-secret-0123456789"},
                     {"Authorization": SECRET}, {"Authorization": f"Basic {SECRET}"}):
         for method, path, body in calls:

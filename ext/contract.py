@@ -193,10 +193,11 @@ def export_from(disk: Any, key: bytes) -> bytes:
     if disk is None:
         raise ContractError(409, "this worker has no disk tier to export from")
     try:
-        return bytes(disk.export_file(key))
+        data: bytes = disk.export_file(key)
     except KeyError:
         raise ContractError(404, "this worker's disk tier holds no file of that anchor (a "
                                  "slab is written shortly after it is confirmed)") from None
+    return data
 
 
 # ---- bodies and errors ---------------------------------------------------------------------

@@ -423,8 +423,8 @@ async def list_workers(request: web.Request) -> web.Response:
 
 
 async def add_worker(request: web.Request) -> web.Response:
-    """Add a worker; with `warm_from` (a worker's name or URL), first copy that worker's
-    disk-tier files into the new one's (`_warm`)."""
+    """Add a worker; with `warm_from` (a worker's name or URL), then copy that worker's
+    disk-tier files into the new one's and reconcile it (`_warm`)."""
     body = await _json_body(request)
     url, warm_from = body.get("url"), body.get("warm_from")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):

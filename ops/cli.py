@@ -213,7 +213,7 @@ def workers(url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) 
 def worker_add(worker_url: Annotated[str, typer.Argument(help="The worker's base URL.")],
                warm_from: Annotated[str | None, typer.Option(
                    help="A worker (name or URL) whose disk-tier files are copied into the new "
-                        "one's first (docs/disk-tier.md).")] = None,
+                        "one as it is added (docs/disk-tier.md).")] = None,
                url: Url = DEFAULT_URL, token: Token = None, as_json: Json = False) -> None:
     """Add a worker live (it must serve the proxy's model)."""
     def go() -> None:

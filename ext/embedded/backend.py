@@ -145,13 +145,15 @@ class EmbeddedBackend(Backend):
         return EvictReply(await self._on_engine(lambda s: s.evict(key)), self._epoch)
 
     # the disk tier takes its own lock: files are read and written off the engine thread
+    @property
+    def _disk(self) -> Any:
+        return self.engine.anchors.disk if self.engine.anchors is not None else None
+
     async def import_slab(self, data: bytes) -> ImportReply:
-        disk = self.engine.anchors.disk if self.engine.anchors is not None else None
-        return await asyncio.to_thread(import_into, disk, data, self._epoch)
+        return await asyncio.to_thread(import_into, self._disk, data, self._epoch)
 
     async def export_slab(self, key: bytes) -> bytes:
-        disk = self.engine.anchors.disk if self.engine.anchors is not None else None
-        return await asyncio.to_thread(export_from, disk, key)
+        return await asyncio.to_thread(export_from, self._disk, key)
 
     async def flush(self, device: bool) -> FlushReply:
         # no device cache of its own: /flush_cache drops the anchors too

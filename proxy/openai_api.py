@@ -126,7 +126,10 @@ def usage_json(u: Usage) -> dict[str, Any]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_json(request)
-    req = parse_chat_request(body)  # a max_tokens beyond the room: the pipeline's to clamp
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    # a max_tokens beyond the room: the pipeline's to clamp
+    req = parse_chat_request(body, memo=state.messages,
+                             scope=request[TENANT].caller(salt).namespace)
     check_model(state, req.model)
     gen = generation(req, body.get("cache_salt"))
     if not anchors_wanted(request):

@@ -4,7 +4,7 @@ life cycle, which alone holds its planner), the model's info and tokenizer, the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -16,6 +16,7 @@ from .config import ProxyConfig
 from .metrics import ProxyMetrics
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
+from .splitter.memo import MessageMemo
 from .targets import Targets
 
 
@@ -30,6 +31,8 @@ class ProxyState:
     budget: TokenBudget  # early refusal of text that cannot fit the context
     ledger: Ledger
     metrics: ProxyMetrics  # the same object as app[METRICS]
+    # chat messages validated at the edge, per caller (splitter/memo.py)
+    messages: MessageMemo = field(default_factory=MessageMemo)
 
     @property
     def anchors_on(self) -> bool:

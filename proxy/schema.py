@@ -15,8 +15,9 @@ tests/proxy/test_schema_fuzz.py holds this to zero 5xx).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -24,11 +25,13 @@ from aiohttp import web
 from anchorcache.wire import GREEDY_TEMPERATURE
 
 from .errors import ApiError
+from .splitter.memo import MessageMemo
 from .splitter.partial_json import close_json
 from .splitter.reasoning import REASONING_EFFORTS
 from .splitter.validate_tools import check_choice_name, check_function_tools
 from .structured import Constraint, ResponseFormat, parse_grammar, parse_response_format
 
+T = TypeVar("T")
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 ALWAYS_RENDERED_ROLES = frozenset({"system", "developer", "user", "tool"})
 MAX_STOP_STRINGS = 4
@@ -73,10 +76,13 @@ async def read_json(request: web.Request) -> Any:
         raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
 
 
-def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 1) -> None:
+def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 1,
+                defer: Any = None) -> int:
     """One iterative walk over a decoded JSON value at nesting level `depth` of the body:
     refuses nesting deeper than `limits.max_depth` and more than `limits.max_nodes` values.
-    Never recurses, so no body can exhaust the stack here (nor, once accepted, downstream)."""
+    Never recurses, so no body can exhaust the stack here (nor, once accepted, downstream).
+    The values counted; `defer`, a list inside `body`, is counted but its items are left to
+    the caller (`checked_items`)."""
     stack: list[tuple[Any, int]] = [(body, depth)]
     nodes = 1
     while stack:
@@ -92,19 +98,51 @@ def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 
         nodes += len(value)  # counted before iterating: a flat array of millions stops here
         if nodes > limits.max_nodes:
             raise bad(f"the request body has more than {limits.max_nodes} JSON values")
-        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+        if value is not defer:
+            stack.extend((child, level + 1) for child in children
+                         if isinstance(child, (dict, list)))
+    return nodes
+
+
+ITEM_DEPTH = 3  # body → messages (or input) → item
+
+
+def checked_items(items: list[Any], nodes: int, limits: BodyLimits,
+                  check: Callable[[int, Any], T], *, memo: MessageMemo | None = None,
+                  scope: bytes = b"") -> list[T]:
+    """`check(i, item)` of each item of a body's list that `check_shape` deferred, after
+    holding the item to the same limits; `nodes`: the values `check_shape` counted. With a
+    `memo`, an item `scope` sent before (same JSON bytes) is not checked again (an agent
+    resends its whole conversation each turn: splitter/memo.py)."""
+    def shaped(i: int, item: Any) -> tuple[int, T]:
+        return check_shape(item, limits, depth=ITEM_DEPTH) - 1, check(i, item)
+
+    shapes = memo.map(scope, items, shaped) if memo is not None else [
+        shaped(i, item) for i, item in enumerate(items)]
+    if nodes + sum(n for n, _ in shapes) > limits.max_nodes:
+        raise bad(f"the request body has more than {limits.max_nodes} JSON values")
+    return [value for _, value in shapes]
 
 
 def model_body(body: Any, limits: BodyLimits = DEFAULT_LIMITS) -> tuple[dict[str, Any], str]:
     """The start every API's body shares: a JSON object within `limits` (`check_shape`)
     that names a `model`. The body and its model."""
+    body, model, _ = items_body(body, None, limits)
+    return body, model
+
+
+def items_body(body: Any, items: str | None, limits: BodyLimits = DEFAULT_LIMITS
+               ) -> tuple[dict[str, Any], str, int]:
+    """`model_body`, leaving the items of `body[items]` (when a list) to `checked_items`:
+    also the values counted."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    check_shape(body, limits)
+    deferred = body.get(items) if items is not None else None
+    nodes = check_shape(body, limits, defer=deferred if isinstance(deferred, list) else None)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required", "model")
-    return body, model
+    return body, model, nodes
 
 
 ARGUMENTS_DEPTH = 7  # body → messages → message → tool_calls → call → function → arguments
@@ -336,13 +374,18 @@ def stop_sequences(body: dict[str, Any], limits: BodyLimits) -> tuple[str, ...]:
 
 
 def parse_chat_request(body: Any, *, max_tokens_limit: int = MAX_TOKENS_LIMIT,
-                       limits: BodyLimits = DEFAULT_LIMITS) -> ChatRequest:
-    body, model = model_body(body, limits)
+                       limits: BodyLimits = DEFAULT_LIMITS, memo: MessageMemo | None = None,
+                       scope: bytes = b"") -> ChatRequest:
+    """An OpenAI chat body; with a `memo`, messages `scope` sent before are not checked
+    again (`checked_items`)."""
+    body, model, nodes = items_body(body, "messages", limits)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     if len(messages) > limits.max_messages:
         raise bad(f"at most {limits.max_messages} messages are supported", "messages")
+    checked = checked_items(messages, nodes, limits,
+                            lambda i, m: _message(i, m, limits), memo=memo, scope=scope)
     n = optional_int(body, "n", 1, MAX_CHOICES) or 1
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
@@ -368,7 +411,7 @@ def parse_chat_request(body: Any, *, max_tokens_limit: int = MAX_TOKENS_LIMIT,
     top_k = optional_int(body, "top_k", -1, 1 << 20)
     return ChatRequest(
         model=model,
-        messages=tuple(_message(i, m, limits) for i, m in enumerate(messages)),
+        messages=tuple(checked),
         max_tokens=max_tokens,
         temperature=temperature(body),
         top_p=number(body, "top_p", 1.0, 1e-9, 1.0),

@@ -35,7 +35,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple
 
-from .normalize import leading_system_count, newest_start, normalize_messages, normalize_tools
+from .memo import MessageMemo
+from .normalize import (
+    check_messages,
+    leading_system_count,
+    newest_start,
+    normalize_message,
+    normalize_messages,
+    normalize_tools,
+    with_arguments_json,
+)
 from .parsers import OutputParser
 from .prefix_cache import CachedPrefix, PrefixCache
 from .specials import SpecialGuard
@@ -60,12 +69,26 @@ class Adapter(ABC):
     name: ClassVar[str]
     stop_token_ids: tuple[int, ...] = ()
     deviation: str | None = None
+    guard: SpecialGuard
 
     def __init__(self, tokenizer: Any, *, canonical_tools: bool = False) -> None:
         self.tokenizer = tokenizer
         self.canonical_tools = canonical_tools
         self.tool_cut_memo = ToolCutMemo()
         self.tool_cut_limits = ToolCutLimits()  # the proxy sets its own (gap, context)
+        self.message_memo = MessageMemo()
+
+    def _messages(self, messages: list[dict], scope: bytes) -> tuple[list[dict], list[dict]]:
+        """`messages` normalized, and normalized then defused (with each call's arguments
+        JSON: `with_arguments_json`), each message's pair from `scope`'s memo where the same
+        message was seen (memo.py). The pairs are shared: never mutated."""
+        check_messages(messages)
+        pairs = self.message_memo.map(scope, messages, self._message_pair)
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def _message_pair(self, i: int, message: Any) -> tuple[dict, dict]:
+        norm = normalize_message(i, message)
+        return norm, with_arguments_json(self.guard.defuse(norm))
 
     def _with_tool_cuts(self, split: SplitResult, tools: list[dict] | None,
                         instruction_text: Callable[[int], str],
@@ -166,6 +189,10 @@ class TextAdapter(Adapter):
         self._added_rx = re.compile("|".join(map(re.escape, added))) if added else None
         self._added_first_chars = frozenset(t[0] for t in added if t)
         self._added_max_len = max((len(t) for t in added), default=1)
+        # what `_safe_boundary` reads of the text before and after a boundary
+        self._tail_chars = self._added_max_len - 1
+        self._head_chars = max([self._added_max_len] + [len(t) for t in specials])
+        self._boundaries: dict[tuple[str, str], bool] = {}
         self.chunking_ok = self._probe_chunking()
 
     @abstractmethod
@@ -185,8 +212,8 @@ class TextAdapter(Adapter):
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None, canonical_tools: bool | None = None,
               scope: bytes = b"", use_cache: bool = True) -> SplitResult:
-        msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
-        safe_msgs, safe_tls = self.guard.defuse(msgs), self.guard.defuse(tls)
+        (msgs, safe_msgs), tls = self._messages(messages, scope), self._tools(tools, canonical_tools)
+        safe_tls = self.guard.defuse(tls)
         kwargs = dict(template_kwargs or {})
         pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
         chunks, consumed = self._chunks(pieces)
@@ -204,11 +231,23 @@ class TextAdapter(Adapter):
             self.guard.encode_batch, scope)
 
     def _safe_boundary(self, before: str, after: str) -> bool:
+        """Whether a chunk may end between `before` and `after` (module docstring, step 2).
+        Depends on `before`'s last and `after`'s first few characters only, which repeat
+        from turn to turn: memoized by them."""
+        tail = before[-self._tail_chars:] if self._tail_chars else ""
+        key = (tail, after[:self._head_chars])
+        safe = self._boundaries.get(key)
+        if safe is None:
+            if len(self._boundaries) >= 4096:
+                self._boundaries.clear()
+            safe = self._boundaries[key] = self._check_boundary(*key)
+        return safe
+
+    def _check_boundary(self, tail: str, after: str) -> bool:
         if self._special_rx is None or not self._special_rx.match(after):
             return False
         if self._added_rx is None:
             return True
-        tail = before[-(self._added_max_len - 1):] if self._added_max_len > 1 else ""
         window = tail + after[: self._added_max_len]
         for p, ch in enumerate(tail):
             if ch in self._added_first_chars:

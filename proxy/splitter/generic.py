@@ -37,7 +37,6 @@ from .hermes import lower_tools
 from .normalize import (
     leading_system_count,
     newest_start,
-    normalize_messages,
     without_arguments_text,
 )
 from .parsers import OutputParser, TagParser
@@ -92,7 +91,7 @@ class GenericAdapter(Adapter):
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None,
               canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
-        msgs = self.guard.defuse(normalize_messages(messages))
+        msgs = self._messages(messages, scope)[1]
         tls = self.guard.defuse(self._tools(tools, canonical_tools))
         if not self.supports_tools:
             msgs, tls = lower_tools(msgs, tls), None

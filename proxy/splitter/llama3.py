@@ -16,6 +16,7 @@ import json
 from typing import Any, ClassVar
 
 from .base import Piece, TextAdapter
+from .normalize import arguments_json
 from .parsers import OutputParser, call_from_object
 from .probes import first_mismatch
 
@@ -80,7 +81,7 @@ class Llama3Adapter(TextAdapter):
             if role == "assistant" and m.get("tool_calls"):
                 body = "; ".join(
                     '{"name": "' + c["function"]["name"] + '", "parameters": '
-                    + json.dumps(c["function"]["arguments"], ensure_ascii=False) + "}"
+                    + arguments_json(c["function"]) + "}"
                     for c in m["tool_calls"])
             elif role == "tool":
                 role, body = "ipython", m["content"]

@@ -103,6 +103,7 @@ def content_text(content: Any, param: str) -> str:
 
 
 ARGUMENTS_TEXT = "arguments_text"  # in a normalized call's `function`: see module docstring
+ARGUMENTS_JSON = "arguments_json"  # the arguments object's JSON text: `with_arguments_json`
 
 
 def parse_arguments(arguments: Any, param: str) -> tuple[dict, str | None]:
@@ -132,6 +133,13 @@ def arguments_text(function: dict) -> str:
     """A normalized call's arguments as text, for templates that take them as a string: the
     client's own text when it was cut short, else the object's JSON."""
     text = function.get(ARGUMENTS_TEXT)
+    return text if isinstance(text, str) else arguments_json(function)
+
+
+def arguments_json(function: dict) -> str:
+    """A normalized call's arguments object as JSON text (`json.dumps`, as templates'
+    `tojson` writes it), computed once where `with_arguments_json` set it."""
+    text = function.get(ARGUMENTS_JSON)
     return text if isinstance(text, str) else json.dumps(function["arguments"],
                                                          ensure_ascii=False)
 
@@ -139,10 +147,12 @@ def arguments_text(function: dict) -> str:
 def without_arguments_text(messages: list[dict]) -> list[dict]:
     """`messages` with every call's `function` in the usual shape (`name`, `arguments`), for
     templates that render calls themselves: they get the object a cut-short text describes."""
-    if not any(ARGUMENTS_TEXT in c["function"] for m in messages for c in m.get("tool_calls", ())):
+    extra = (ARGUMENTS_TEXT, ARGUMENTS_JSON)
+    if not any(k in c["function"] for m in messages for c in m.get("tool_calls", ())
+               for k in extra):
         return messages
     return [dict(m, tool_calls=[dict(c, function={k: v for k, v in c["function"].items()
-                                                  if k != ARGUMENTS_TEXT})
+                                                  if k not in extra})
                                 for c in m["tool_calls"]]) if m.get("tool_calls") else m
             for m in messages]
 
@@ -167,30 +177,47 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Validated, normalized copies of OpenAI chat messages (see module docstring)."""
+    check_messages(messages)
+    return [normalize_message(i, m) for i, m in enumerate(messages)]
+
+
+def check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise SplitError("messages must be a non-empty list", "messages")
-    out = []
-    for i, msg in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(msg, dict) or msg.get("role") not in ROLES:
-            raise SplitError(f"unknown role {msg.get('role') if isinstance(msg, dict) else None!r}",
-                             f"{param}.role")
-        role = msg["role"]
-        norm: dict[str, Any] = {"role": role,
-                                "content": content_text(msg.get("content"), f"{param}.content")}
-        if role == "assistant":
-            if msg.get("tool_calls"):
-                norm["tool_calls"] = _tool_calls(msg["tool_calls"], f"{param}.tool_calls")
-            reasoning = msg.get("reasoning_content")
-            if isinstance(reasoning, str):
-                norm["reasoning_content"] = reasoning
-        elif role == "tool":
-            if msg.get("tool_call_id") is not None:
-                norm["tool_call_id"] = str(msg["tool_call_id"])
-            if isinstance(msg.get("name"), str):
-                norm["name"] = msg["name"]
-        out.append(norm)
-    return out
+
+
+def normalize_message(i: int, msg: Any) -> dict:
+    """A validated, normalized copy of `messages[i]` (see module docstring)."""
+    param = f"messages[{i}]"
+    if not isinstance(msg, dict) or msg.get("role") not in ROLES:
+        raise SplitError(f"unknown role {msg.get('role') if isinstance(msg, dict) else None!r}",
+                         f"{param}.role")
+    role = msg["role"]
+    norm: dict[str, Any] = {"role": role,
+                            "content": content_text(msg.get("content"), f"{param}.content")}
+    if role == "assistant":
+        if msg.get("tool_calls"):
+            norm["tool_calls"] = _tool_calls(msg["tool_calls"], f"{param}.tool_calls")
+        reasoning = msg.get("reasoning_content")
+        if isinstance(reasoning, str):
+            norm["reasoning_content"] = reasoning
+    elif role == "tool":
+        if msg.get("tool_call_id") is not None:
+            norm["tool_call_id"] = str(msg["tool_call_id"])
+        if isinstance(msg.get("name"), str):
+            norm["name"] = msg["name"]
+    return norm
+
+
+def with_arguments_json(msg: dict) -> dict:
+    """`msg` (normalized, defused) with each call's `arguments_json` set: the JSON text of
+    its arguments object, which templates that take arguments as a string render, computed
+    once for a message the memo keeps (splitter/memo.py) rather than at every render. Sets it
+    in place: `msg` is the caller's fresh copy."""
+    for call in msg.get("tool_calls", ()):
+        fn = call["function"]
+        fn[ARGUMENTS_JSON] = json.dumps(fn["arguments"], ensure_ascii=False)
+    return msg
 
 
 def leading_system_count(messages: list[dict]) -> int:

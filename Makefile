@@ -119,8 +119,11 @@ $(AGENT_CLIS_STAMP): | $(STAMP)
 
 agent-clis: $(AGENT_CLIS_STAMP)
 
+# Two processes (pytest-xdist), each test file in one of them (its module fixtures start once):
+# a test spends most of its time in one Python thread or waiting on a server it started.
+TEST_PROCESSES ?= 2
 test: setup current-sdk agent-clis
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_PROCESSES) --dist loadfile
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

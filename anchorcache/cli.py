@@ -368,14 +368,26 @@ def _ephemeral_floor() -> int:
         return 32768  # Linux's default
 
 
+PORT_SHARD_ENV = "ANCHORCACHE_PORT_SHARD"  # "k/n": pick from the k-th of n slices (tests)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a server we start. Chosen below the ephemeral range: an SGLang
     worker binds its port only after loading its model, up to a minute later, and a port from
-    that range can meanwhile be taken by any outgoing connection on the machine."""
+    that range can meanwhile be taken by any outgoing connection on the machine. Under
+    `ANCHORCACHE_PORT_SHARD=k/n` (the test suite's k-th of n parallel processes), only from the
+    k-th of n slices of that range, so that processes running side by side never pick the
+    same port for servers that bind late."""
     floor = _ephemeral_floor()
+    lo, hi = floor // 2, floor
+    shard = os.environ.get(PORT_SHARD_ENV, "")
+    if shard:
+        k, n = (int(x) for x in shard.split("/"))
+        width = (hi - lo) // n
+        lo, hi = lo + k * width, lo + (k + 1) * width
     rng = random.SystemRandom()
     for _ in range(64 if floor > 4096 else 0):
-        port = rng.randrange(floor // 2, floor)
+        port = rng.randrange(lo, hi)
         with socket.socket() as s:
             try:
                 s.bind((host, port))

@@ -25,7 +25,10 @@ def test_a_subprocess_sees_the_sandbox_home_cache_and_no_user_settings(hermetic)
          "print(paths.default_state_dir()); print(paths.cache_dir()); "
          "print(sorted(n for n in os.environ if n.startswith('ANCHORCACHE_')))"],
         capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
-    assert out == [str(hermetic.default_ledger), str(hermetic.cache), "['ANCHORCACHE_CACHE_DIR']"]
+    # and, in one of `make test`'s parallel processes, its slice of ports (cli.free_port)
+    sandboxed = ["ANCHORCACHE_CACHE_DIR"] + (
+        ["ANCHORCACHE_PORT_SHARD"] if os.environ.get("PYTEST_XDIST_WORKER") else [])
+    assert out == [str(hermetic.default_ledger), str(hermetic.cache), str(sandboxed)]
     assert hermetic.default_ledger.is_relative_to(hermetic.home)
     assert hermetic.default_ledger != hermetic.user_ledger
     assert paths.default_state_dir() == hermetic.default_ledger  # this process too
@@ -67,3 +70,14 @@ def test_a_proxy_without_a_state_dir_is_caught(hermetic, worker, tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert fingerprint(ledger) != before
+
+
+def test_parallel_processes_pick_ports_from_slices_of_their_own(monkeypatch):
+    from anchorcache.cli import _ephemeral_floor
+
+    floor = _ephemeral_floor()
+    lo, width = floor // 2, (floor - floor // 2) // 2
+    for k in (0, 1):
+        monkeypatch.setenv("ANCHORCACHE_PORT_SHARD", f"{k}/2")
+        ports = {free_port() for _ in range(20)}
+        assert all(lo + k * width <= p < lo + (k + 1) * width for p in ports), (k, ports)

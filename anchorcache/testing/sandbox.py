@@ -2,7 +2,9 @@
 
 `enter()` gives the process, and every process it starts, a home and a cache of its own:
 `HOME` and `ANCHORCACHE_CACHE_DIR` point into a fresh temporary folder, and none of the
-user's `ANCHORCACHE_` settings is seen. Only the converted models are shared with the user's
+user's `ANCHORCACHE_` settings is seen. Under pytest-xdist (`make test` runs two processes)
+each process picks the ports of the servers it starts from a slice of its own
+(`cli.free_port`). Only the converted models are shared with the user's
 cache (`models/`, linked: `make test` prepares them; tests read them). The default ledger
 location of that home (`anchorcache.paths.default_state_dir`) holds a ledger with two
 tenants: anything that opened it instead of a state dir of its own would see them (an
@@ -105,6 +107,10 @@ def enter() -> Sandbox:
     for name in [n for n in os.environ if n.startswith("ANCHORCACHE_")]:
         del os.environ[name]  # the user's settings are not the tests'
     os.environ.update(HOME=str(home), ANCHORCACHE_CACHE_DIR=str(cache))
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get(
+        "PYTEST_XDIST_WORKER_COUNT")
+    if worker.startswith("gw") and workers:  # one of `make test`'s parallel processes
+        os.environ["ANCHORCACHE_PORT_SHARD"] = f"{int(worker[2:])}/{workers}"  # cli.free_port
     default_ledger = paths.default_state_dir()
     assert default_ledger.is_relative_to(home), default_ledger
     seed_ledger(default_ledger)

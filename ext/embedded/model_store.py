@@ -60,10 +60,12 @@ def prepare_default_model() -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if target.exists():  # another process won the race
-            shutil.rmtree(tmp)
-        else:
+        try:
             tmp.rename(target)
+        except OSError:  # another process won the race (its conversion is the same)
+            if not is_model_dir(target):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

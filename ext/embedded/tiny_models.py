@@ -283,9 +283,10 @@ def build_tiny_model(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
         for name in _TOKENIZER_FILES:
             shutil.copyfile(qwen3_tokenizer_dir() / name, tmp / name)
         (tmp / _COMPLETE_MARKER).write_text(json.dumps({"arch": arch, "seed": seed}))
-        if out_dir.exists():
-            # An incomplete leftover from a crashed build: replace it.
-            shutil.rmtree(out_dir)
+        if out_dir.exists() and not is_complete(out_dir):
+            # An incomplete leftover from a crashed build: replace it. (A complete one is a
+            # concurrent builder's, maybe in use: the rename below fails and keeps it.)
+            shutil.rmtree(out_dir, ignore_errors=True)
         try:
             os.replace(tmp, out_dir)
         except OSError:

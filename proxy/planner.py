@@ -233,6 +233,30 @@ class Planner:
     def _live(self, rec: AnchorRecord | None, depth: int) -> bool:
         return rec is not None and rec.depth == depth and rec.epoch == self.epoch
 
+    def _deepest_chain(self, ns: bytes, buf: bytes, known: list[int],
+                       shared_root: AnchorRecord | None) -> list[AnchorRecord]:
+        """The chain to the deepest of the `known` depths (ascending) whose anchor in `ns`
+        is live and prefixes the prompt (`buf`), with every link live (or the shared root).
+        Keyed deepest first, a few depths at a time, then four times as many: an agent's next
+        turn restores what its last turn wrote, so keying every depth the namespace knows
+        (each of its conversations' turns) on every request, a cost that grew with the
+        tenant's anchors, is left to the requests that find nothing deep."""
+        hi, batch = len(known), 4
+        while hi > 0:
+            lo = max(0, hi - batch)
+            keys = self.prefix_keys.keys(ns, ns, buf, known[lo:hi])
+            for depth in reversed(known[lo:hi]):
+                rec = self.index.get(keys[depth])
+                if rec is None or rec.namespace != ns or not self._live(rec, depth):
+                    continue
+                links = self.index.chain(rec.key)
+                if links is not None and all(
+                        (r.namespace == ns and self._live(r, r.depth))
+                        or (shared_root is not None and r.key == shared_root.key) for r in links):
+                    return links
+            hi, batch = lo, batch * 4
+        return []
+
     def plan(self, split: SplitResult, namespace: bytes, *, shared: bytes | None = None,
              skip_instruction: bool = False) -> Plan:
         """Plan `split` in `namespace`; `shared`: the shared-toolset namespace, whose
@@ -244,9 +268,7 @@ class Planner:
         cuts = self._cuts(split)
         instr_depth = next((d for d, k in cuts if k == AnchorKind.INSTRUCTION), None)
         known = [d for d in self.index.depths(ns) if d < n]
-        # the snapshot depths too: the next turn's known depths resume from their states
         buf = split.token_bytes
-        keys = self.prefix_keys.keys(ns, ns, buf, known + [d for d, _ in cuts] + [n])
 
         shared_root = None
         if shared is not None and instr_depth is not None:
@@ -255,17 +277,10 @@ class Planner:
             if self._live(rec, instr_depth) and rec is not None and rec.namespace == shared:
                 shared_root = rec
 
-        chain: list[AnchorRecord] = []
-        for depth in sorted(known, reverse=True):
-            rec = self.index.get(keys[depth])
-            if rec is None or rec.namespace != ns or not self._live(rec, depth):
-                continue
-            links = self.index.chain(rec.key)
-            if links is not None and all(
-                    (r.namespace == ns and self._live(r, r.depth))
-                    or (shared_root is not None and r.key == shared_root.key) for r in links):
-                chain = links
-                break
+        chain = self._deepest_chain(ns, buf, known, shared_root)
+        # last, the snapshot depths (and the chain's): the next turn resumes from their states
+        keys = self.prefix_keys.keys(ns, ns, buf, [d for d, _ in cuts] + [n]
+                                     + ([chain[-1].depth] if chain else []))
         if shared_root is not None and (not chain or chain[-1].depth < shared_root.depth):
             chain = [shared_root]  # deeper than the tenant's own tool anchors
         # Every cut is asked for: the worker saves those past what it actually restored and

@@ -252,3 +252,49 @@ def test_a_toolset_sharing_the_first_tools_restores_their_tool_anchors():
     # the same toolset again restores through the instruction anchor, tool links first
     again = p.plan(tooled(ids[:1100] + [5], [150, 260, 420, 800], 1000, 1100), NS)
     assert [r.depth for r in again.request.restore] == [150, 260, 420, 800, 1000, 1100]
+
+
+def brute_force_chain(planner, ns, ids):
+    """The chain as the planner defines it, keying every depth the namespace knows: the
+    deepest live anchor of `ns` that prefixes `ids`, every link of its chain live."""
+    known = [d for d in planner.index.depths(ns) if d < len(ids)]
+    keys = anchor_keys(ns, MODEL, ids, known)
+    for depth in sorted(known, reverse=True):
+        rec = planner.index.get(keys[depth])
+        if rec is None or rec.namespace != ns or rec.depth != depth or rec.epoch != planner.epoch:
+            continue
+        links = planner.index.chain(rec.key)
+        if links is not None and all(r.namespace == ns and r.epoch == planner.epoch
+                                     for r in links):
+            return links
+    return []
+
+
+def test_the_chain_keyed_deepest_first_is_the_one_every_known_depth_gives():
+    """Many conversations of one namespace (shared prefixes, diverging turns), anchors of
+    every turn, some evicted and some of an older epoch: each new turn's chain, found keying
+    a few depths at a time from the deepest, is the chain keying all of them finds."""
+    rng = random.Random(7)
+    p = Planner(MODEL, "e1")
+    system = ids_of(40, seed=1)
+    convs = [list(system) for _ in range(12)]
+    slot = 0
+    for step in range(60):
+        k = rng.randrange(len(convs))
+        convs[k] += ids_of(rng.randrange(5, 60), seed=1000 + step)
+        ids = convs[k]
+        turns = tuple(sorted(rng.sample(range(41, len(ids)), min(3, len(ids) - 41))))
+        s = split(ids, instruction=40, conversation=max(turns) if turns else None, turns=turns)
+        plan = p.plan(s, NS)
+        assert list(plan.chain) == brute_force_chain(p, NS, ids), step
+        commit_all(p, plan, ids, slot0=slot)
+        slot += 10
+        if rng.random() < 0.3:  # an eviction somewhere in the namespace
+            depths = p.index.depths(NS)
+            victim = anchor_keys(NS, MODEL, convs[rng.randrange(len(convs))],
+                                 [d for d in depths[-3:] if d < 40] or [40])
+            for key in victim.values():
+                p.index.remove(key)
+        if step == 40:  # an older epoch's anchor stays in the index, dead
+            p.epoch = "e2"
+    assert any(brute_force_chain(p, NS, c) for c in convs)

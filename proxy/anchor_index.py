@@ -8,6 +8,7 @@ The SQLite ledger (state/) will persist the same records behind this interface.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class AnchorIndex:
     def __init__(self) -> None:
         self._by_key: dict[bytes, AnchorRecord] = {}
         self._depths: dict[bytes, Counter[int]] = {}
+        self._sorted: dict[bytes, list[int]] = {}  # each namespace's depths, ascending
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -40,14 +42,19 @@ class AnchorIndex:
     def get(self, key: bytes) -> AnchorRecord | None:
         return self._by_key.get(key)
 
-    def depths(self, namespace: bytes) -> list[int]:
-        """Depths at which `namespace` has committed anchors, ascending."""
-        return sorted(self._depths.get(namespace, ()))
+    def depths(self, namespace: bytes, below: int | None = None) -> list[int]:
+        """Depths at which `namespace` has committed anchors (under `below`, if given),
+        ascending: kept sorted as anchors come and go, not sorted per request."""
+        depths = self._sorted.get(namespace, [])
+        return depths[:bisect.bisect_left(depths, below)] if below is not None else list(depths)
 
     def add(self, rec: AnchorRecord) -> None:
         self.remove(rec.key)
         self._by_key[rec.key] = rec
-        self._depths.setdefault(rec.namespace, Counter())[rec.depth] += 1
+        counts = self._depths.setdefault(rec.namespace, Counter())
+        counts[rec.depth] += 1
+        if counts[rec.depth] == 1:
+            bisect.insort(self._sorted.setdefault(rec.namespace, []), rec.depth)
 
     def remove(self, key: bytes) -> AnchorRecord | None:
         rec = self._by_key.pop(key, None)
@@ -56,6 +63,8 @@ class AnchorIndex:
             depths[rec.depth] -= 1
             if depths[rec.depth] <= 0:
                 del depths[rec.depth]
+                ordered = self._sorted[rec.namespace]
+                del ordered[bisect.bisect_left(ordered, rec.depth)]
         return rec
 
     def chain(self, key: bytes) -> list[AnchorRecord] | None:
@@ -77,4 +86,5 @@ class AnchorIndex:
         n = len(self._by_key)
         self._by_key.clear()
         self._depths.clear()
+        self._sorted.clear()
         return n

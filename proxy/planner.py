@@ -267,7 +267,7 @@ class Planner:
         n = len(ids)
         cuts = self._cuts(split)
         instr_depth = next((d for d, k in cuts if k == AnchorKind.INSTRUCTION), None)
-        known = [d for d in self.index.depths(ns) if d < n]
+        known = self.index.depths(ns, below=n)
         buf = split.token_bytes
 
         shared_root = None

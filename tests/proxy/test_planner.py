@@ -287,6 +287,8 @@ def test_the_chain_keyed_deepest_first_is_the_one_every_known_depth_gives():
         s = split(ids, instruction=40, conversation=max(turns) if turns else None, turns=turns)
         plan = p.plan(s, NS)
         assert list(plan.chain) == brute_force_chain(p, NS, ids), step
+        # the index keeps its depths sorted as anchors come and go
+        assert p.index.depths(NS) == sorted({r.depth for r in p.index._by_key.values()})
         commit_all(p, plan, ids, slot0=slot)
         slot += 10
         if rng.random() < 0.3:  # an eviction somewhere in the namespace

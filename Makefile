@@ -119,11 +119,12 @@ $(AGENT_CLIS_STAMP): | $(STAMP)
 
 agent-clis: $(AGENT_CLIS_STAMP)
 
-# Two processes (pytest-xdist), each test file in one of them (its module fixtures start once):
-# a test spends most of its time in one Python thread or waiting on a server it started.
+# Two processes (pytest-xdist): a test spends most of its time in one Python thread or waiting
+# on a server it started. Each test file runs in one of them (its module fixtures start once),
+# the files that start SGLang servers all in the same one (tests/conftest.py, SGLANG_FILES).
 TEST_PROCESSES ?= 2
 test: setup current-sdk agent-clis
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_PROCESSES) --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_PROCESSES) --dist loadgroup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

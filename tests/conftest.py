@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from anchorcache.testing import sandbox
+from anchorcache.testing import groups, sandbox
 
 if TYPE_CHECKING:
     from anchorcache.testing.servers import Server
@@ -37,6 +37,14 @@ def hermetic() -> Iterator[sandbox.Sandbox]:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     SANDBOX.remove()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs two processes (pytest-xdist, `--dist loadgroup`): each test file is
+    a group of its own, except the files that start SGLang servers (`testing.groups`)."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(groups.of(path)))
 
 
 def prepare_default_model() -> Path:

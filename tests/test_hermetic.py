@@ -81,3 +81,22 @@ def test_parallel_processes_pick_ports_from_slices_of_their_own(monkeypatch):
         monkeypatch.setenv("ANCHORCACHE_PORT_SHARD", f"{k}/2")
         ports = {free_port() for _ in range(20)}
         assert all(lo + k * width <= p < lo + (k + 1) * width for p in ports), (k, ports)
+
+
+def test_every_file_that_starts_sglang_servers_runs_in_the_sglang_process():
+    """`testing.groups` puts them in one pytest-xdist process (memory): a new file that
+    starts SGLang servers, or uses the session's, must be listed there."""
+    import re
+    from pathlib import Path
+
+    from anchorcache.testing.groups import SGLANG_FILES
+
+    root = Path(__file__).resolve().parents[1]
+    starts = re.compile(r'sglang_worker_process\(|def \w+\([^)]*\bsglang\b[,)]'
+                        r'|getfixturevalue\("sglang"\)|"--backend", "sglang"')
+    found = {str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
+             if starts.search(p.read_text())}
+    # this file (the pattern above), and one whose `--backend sglang` stops at once: SGLang
+    # is hidden from it
+    found -= {"tests/test_hermetic.py", "tests/test_cli_without_sglang.py"}
+    assert found and found <= SGLANG_FILES, sorted(found - SGLANG_FILES)

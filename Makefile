@@ -121,10 +121,11 @@ agent-clis: $(AGENT_CLIS_STAMP)
 
 # Two processes (pytest-xdist): a test spends most of its time in one Python thread or waiting
 # on a server it started. Each test file runs in one of them (its module fixtures start once),
-# the files that start SGLang servers all in the same one (tests/conftest.py, SGLANG_FILES).
+# the files that start SGLang servers all in the same one (anchorcache/testing/groups.py: the
+# scheduler is tests/conftest.py's).
 TEST_PROCESSES ?= 2
 test: setup current-sdk agent-clis
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_PROCESSES) --dist loadgroup
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_PROCESSES) --dist loadfile
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

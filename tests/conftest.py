@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -39,12 +39,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     SANDBOX.remove()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs two processes (pytest-xdist, `--dist loadgroup`): each test file is
-    a group of its own, except the files that start SGLang servers (`testing.groups`)."""
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(groups.of(path)))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs two processes (pytest-xdist): each test file whole in one of them,
+    the files that start SGLang servers all in the same one (`testing.groups`). A scheduler
+    of our own, as `--dist loadgroup`'s marks do not reach the scheduler under pytest 9 (it
+    renames `_nodeid`, which xdist 3.8 rewrites to carry the group)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return groups.of(nodeid.split("::", 1)[0])
+
+    return ByGroup(config, log)
 
 
 def prepare_default_model() -> Path:

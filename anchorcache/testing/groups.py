@@ -1,5 +1,5 @@
-"""Which test files share a pytest-xdist process (`make test` runs two, `--dist loadgroup`;
-tests/conftest.py marks every test with its file's group).
+"""Which test files share a pytest-xdist process (`make test` runs two; the scheduler in
+tests/conftest.py sends each group whole to one process).
 
 Each file is a group of its own, so its module fixtures start once, except the files that
 start SGLang servers: one group, so that one process alone holds SGLang servers (3-4 GB of

@@ -131,7 +131,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(body, memo=state.messages,
                              scope=request[TENANT].caller(salt).namespace)
     check_model(state, req.model)
-    gen = generation(req, body.get("cache_salt"))
+    gen = generation(req, salt)
     if not anchors_wanted(request):
         gen = dataclasses.replace(gen, anchors=False)
     completion = await Completion.create(state, gen, tenant=request[TENANT])

@@ -74,10 +74,11 @@ def run_pass(client: httpx.Client, target: bench.BenchTarget, worker: str, convs
 
 
 def concurrent(url: str, convs, turns: int, max_tokens: int, worker: str,
-               tokenize=None) -> dict:
+               tokenize=None, ttfts: bool = False) -> dict:
     """Every conversation in its own thread (its turns in order): requests/s and TTFT.
     With `tokenize`, the prompts go as token ids to `/v1/completions` (SGLang's own
-    server, nothing rendered in front of it), else as chats to `/v1/chat/completions`."""
+    server, nothing rendered in front of it), else as chats to `/v1/chat/completions`.
+    With `ttfts`, every request's TTFT too (`ttfts`)."""
     import concurrent.futures as cf
     import time
 
@@ -96,11 +97,12 @@ def concurrent(url: str, convs, turns: int, max_tokens: int, worker: str,
     with cf.ThreadPoolExecutor(len(convs)) as pool:
         replies = [r for rs in pool.map(one, convs) for r in rs]
     wall = time.perf_counter() - t0
-    ttfts = [r.ttft_s for r in replies]
-    return {"requests": len(replies), "wall_s": round(wall, 2),
+    times = [r.ttft_s for r in replies]
+    return {**({"ttfts": times} if ttfts else {}), "requests": len(replies),
+            "wall_s": round(wall, 2),
             "requests_per_s": round(len(replies) / wall, 3),
-            "ttft_median_s": round(statistics.median(ttfts), 3),
-            "ttft_max_s": round(max(ttfts), 3),
+            "ttft_median_s": round(statistics.median(times), 3),
+            "ttft_max_s": round(max(times), 3),
             "prompt_tokens": sum(r.usage["prompt_tokens"] for r in replies),
             "completion_tokens": sum(r.usage["completion_tokens"] for r in replies)}
 

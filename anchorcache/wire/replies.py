@@ -168,6 +168,19 @@ class DiskStatsRecord(Record, frozen=True):
     imports: NonNeg = 0  # files another worker wrote into a shared directory, found on a miss
 
 
+# how a hybrid model's anchors get their recurrent state: captured inside the forward
+# (ext/sglang/capture.py), or at a prefill chunk that ends at the anchor's depth
+StateCapture = Literal["in_forward", "chunk_cut"]
+
+
+class CaptureStatsRecord(Record, frozen=True):
+    """A hybrid model's state captures in `/anchor/stats` (`captures`; null elsewhere)."""
+
+    mode: StateCapture
+    taken: NonNeg = 0  # states captured inside a forward
+    no_slot: NonNeg = 0  # planned depths not captured: no free recurrent-state slot
+
+
 class StatsReply(SlotCounters, frozen=True):
     """`/anchor/stats`: the slot table's counters, the staged anchors, and what pins lock on
     the device (SGLang; 0 on a worker without a device tier)."""
@@ -178,6 +191,7 @@ class StatsReply(SlotCounters, frozen=True):
     device_pin_budget_tokens: NonNeg = 0
     scheduler_calls: tuple[CallTime, ...] = ()  # a worker with a scheduler loop (SGLang)
     disk: DiskStatsRecord | None = None  # the disk tier's figures, when it has one
+    captures: CaptureStatsRecord | None = None  # a hybrid model's (SGLang)
 
 
 # what a pin did on the device: `none` where nothing was locked there (not pinned, or a

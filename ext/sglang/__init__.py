@@ -4,9 +4,10 @@
 starts; it registers the `anchorcache` radix-cache backend (`--radix-cache-backend
 anchorcache`) and, around `Scheduler.get_prefill_adder_class`, a prefill adder that
 passes over requests whose restore is in flight and, on hybrid models, ends prefill chunks
-at anchor depths (ext/sglang/admission.py); and, around `Scheduler.init_ipc_channels`, the
-scheduler RPC socket of each data-parallel rank at a name our HTTP process knows
-(ext/sglang/rpc.py). Nothing here imports SGLang at module level,
+at anchor depths where the kernels cannot capture a state inside the forward
+(ext/sglang/admission.py); around `Scheduler.run_batch`, those captures (ext/sglang/
+capture.py); and, around `Scheduler.init_ipc_channels`, the scheduler RPC socket of each
+data-parallel rank at a name our HTTP process knows (ext/sglang/rpc.py). Nothing here imports SGLang at module level,
 so the package imports without it.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 BACKEND_NAME = "anchorcache"
 ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
 IPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_ipc_channels"
+RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 
 def plugin() -> None:
@@ -39,6 +41,20 @@ def plugin() -> None:
 
     HookRegistry.register(ADDER_TARGET, _prefill_adder, HookType.AROUND)
     HookRegistry.register(IPC_TARGET, _rank_rpc, HookType.AROUND)
+    HookRegistry.register(RUN_BATCH_TARGET, _run_batch, HookType.AROUND)
+
+
+def _run_batch(original, scheduler, batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """SGLang's forward of `batch`; with our cache on a hybrid model, the states our
+    kernels capture inside it named first (ext/sglang/capture.py)."""
+    cache = scheduler.tree_cache
+    if not hasattr(cache, "begin_forward"):
+        return original(scheduler, batch, *args, **kwargs)
+    cache.begin_forward(batch)
+    try:
+        return original(scheduler, batch, *args, **kwargs)
+    finally:
+        cache.end_forward()
 
 
 def _rank_rpc(original, scheduler, port_args, *args, **kwargs):  # type: ignore[no-untyped-def]

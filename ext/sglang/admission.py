@@ -9,7 +9,8 @@ is in use):
   goes on with the requests behind it and with the running batch, and a later round
   admits it once its rows have landed. This is the pattern of SGLang's HiCache prefetch
   (`check_prefetch_progress`), which 0.5.23 runs only for its own storage tiers.
-- On a hybrid model a prefill chunk ends at each planned anchor depth
+- On a hybrid model whose kernels cannot capture a state inside the forward
+  (ext/sglang/capture.py), a prefill chunk ends at each planned anchor depth
   (`tree_cache.next_cut`, ext/sglang/hybrid.py): a request whose next depth lies inside
   this round's extend is admitted as a chunked request whose chunk ends there, and a
   chunked request's next chunk stops there too. SGLang tracks one chunked request at a

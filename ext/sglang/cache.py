@@ -35,8 +35,10 @@ from typing import Any, cast
 
 from anchorcache.ext.slots import SlotTable
 from anchorcache.ext.store import AnchorStore
+from anchorcache.wire import CaptureStatsRecord
 
 from . import cpu, hybrid, swa, tp
+from .capture import Captures, kernels_capture
 from .config import SGLangAnchorConfig
 from .device import Placer
 from .faults import Faults
@@ -120,7 +122,11 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
                                    tp_group=setup.tp_group)
         self.restores = Restores(self, self.placer, self.anchors, self.times)
         self.plans = Plans(model_id, self.anchors, settle=self.restores.settle,
-                           join=self.snapshots.join)
+                           join=self._join)
+        # hybrid: states captured inside the forward where the kernels can, else cuts
+        self.captures = (Captures(params.req_to_token_pool, self.placer.alloc_state)
+                         if kv.states is not None and config.in_forward_capture
+                         and kernels_capture(params.req_to_token_pool.mamba_pool) else None)
         self.rpc = RpcOps(tree=self, kv=kv, store=self.anchors, plans=self.plans,
                           pins=self.pins, faults=faults, times=self.times, config=config,
                           model_id=model_id, epoch=setup.epoch, tp_rank=setup.tp_rank,
@@ -162,16 +168,42 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             self.restores.land_if_copied(rid, p)
 
     def next_cut(self, req: Any, start: int) -> int | None:
-        """On a hybrid model, the depth where request `req`'s prefill chunk from `start` must
-        end: its next planned snapshot past `start` and past what it restored (the prefill
-        adder asks, after SGLang matched the request). An anchor the store already holds
-        needs no cut: the request chains on it without a copy."""
-        p = self.plans.get(req.rid) if self.kv.states is not None else None
+        """On a hybrid model whose kernels cannot capture a state inside the forward
+        (ext/sglang/capture.py), the depth where request `req`'s prefill chunk from `start`
+        must end: its next planned snapshot past `start` and past what it restored (the
+        prefill adder asks, after SGLang matched the request). An anchor the store already
+        holds needs no cut: the request chains on it without a copy."""
+        p = (self.plans.get(req.rid)
+             if self.kv.states is not None and self.captures is None else None)
         if p is None:
             return None
         floor = max(start, self.anchors.tip_depth(req.rid))
         return next((s.depth for s in p.todo if s.depth > floor
                      and not self.anchors.table.contains(p.keys[s.depth], s.depth)), None)
+
+    # ---- around each forward (`Scheduler.run_batch`, hooked in ext/sglang/__init__.py) ---
+    def begin_forward(self, batch: Any) -> None:
+        """Before an extend batch runs: the states to capture inside it (`Captures.begin`)."""
+        if self.captures is not None and self.plans.active and batch.forward_mode.is_extend():
+            self.captures.begin(batch, self.plans, self.anchors)
+
+    def end_forward(self) -> None:
+        if self.captures is not None:
+            self.captures.end()
+
+    def capture_stats(self) -> CaptureStatsRecord | None:
+        """How this hybrid model's anchors get their state (`/anchor/stats` `captures`)."""
+        if self.kv.states is None:
+            return None
+        c = self.captures
+        return (CaptureStatsRecord("in_forward", c.taken, c.no_slot) if c is not None
+                else CaptureStatsRecord("chunk_cut"))
+
+    def _join(self, rid: str, p: Any) -> None:
+        """A request's copies joined at its release or end; its spare Mamba slots freed."""
+        self.snapshots.join(rid, p)
+        if p.captured and self.captures is not None:
+            self.captures.free(p)
 
     # ---- SGLang's tree, overridden ------------------------------------------------------
     def match_prefix(self, params: Any) -> Any:
@@ -214,6 +246,8 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
             return
         t = time.perf_counter()
         self.snapshots.take(req, p, up_to, finished=finished)
+        if p.captured and self.captures is not None:  # (their states are copied now)
+            self.captures.free(p, up_to)
         p.snapshot_s += time.perf_counter() - t
         self.times.add("snapshot", t)
         if finished:
@@ -229,7 +263,7 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         if p is None:
             return
         # its rows are free now, though no one can take them before this returns
-        self.snapshots.join(req.rid, p)
+        self._join(req.rid, p)
         if not req.finished():  # (a retracted request comes back)
             return
         t = time.perf_counter()

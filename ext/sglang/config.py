@@ -5,7 +5,8 @@ is the environment it inherits. The launcher (`anchorcache worker --backend sgla
 writes one JSON variable, the scheduler's cache factory reads it back. Two more: with
 data parallelism, the folder of the ranks' RPC sockets (`rpc.RANK_RPC_DIR`, read by the
 plugin's hook), and for tests only (no launcher flag sets it)
-`ANCHORCACHE_SGLANG_SLAB_DUMP_DIR`: `slab_dump_dir`.
+`ANCHORCACHE_SGLANG_SLAB_DUMP_DIR`: `slab_dump_dir`; for benchmarks,
+`ANCHORCACHE_SGLANG_HYBRID_CUTS=1`: `in_forward_capture` off.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from anchorcache.defaults import ANCHOR_BYTES, ANCHOR_SLOTS, PINNED_SLOTS
 
 ENV = "ANCHORCACHE_SGLANG_CONFIG"
 DUMP_ENV = "ANCHORCACHE_SGLANG_SLAB_DUMP_DIR"
+CUTS_ENV = "ANCHORCACHE_SGLANG_HYBRID_CUTS"
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class SGLangAnchorConfig:
     # budget (None: a share of the free disk; 0: off); TP 1 and DP 1 only
     anchor_disk_dir: str | None = None
     anchor_disk_bytes: int | None = None
+    # hybrid models: states at anchor depths captured inside the forward where the kernels
+    # can (ext/sglang/capture.py); off, prefill chunks end at anchor depths everywhere (the
+    # path before, kept for the benchmark that compares the two)
+    in_forward_capture: bool = True
 
     def __post_init__(self) -> None:
         if self.anchor_slots < 1 or not 0 <= self.pinned_slots < self.anchor_slots:
@@ -56,4 +62,8 @@ class SGLangAnchorConfig:
         raw = os.environ.get(ENV)
         config = cls(**orjson.loads(raw)) if raw else cls()
         dump = os.environ.get(DUMP_ENV)
-        return replace(config, slab_dump_dir=dump) if dump else config
+        if dump:
+            config = replace(config, slab_dump_dir=dump)
+        if os.environ.get(CUTS_ENV) == "1":
+            config = replace(config, in_forward_capture=False)
+        return config

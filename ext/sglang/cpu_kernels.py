@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import capture
+
 NAMESPACE = "sgl_kernel"
 
 SCHEMAS = {
@@ -136,10 +138,12 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, state: torch.Tensor, l2norm: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                beta: torch.Tensor, state: torch.Tensor, l2norm: bool,
+                at: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, token by token: q/k `[L, H, K]`, v `[L, HV, V]`, g/beta `[L, HV]`,
-    state `[HV, K, V]` (float32). Returns (out `[L, HV, V]` float32, final state)."""
+    state `[HV, K, V]` (float32). Returns (out `[L, HV, V]` float32, final state). `at`:
+    {offset: where}: the state after `offset` tokens is copied into `where` on the way
+    (ext/sglang/capture.py)."""
     hv = v.shape[1]
     q, k = q.float(), k.float()
     if l2norm:
@@ -156,6 +160,8 @@ def _delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         delta = (v[t] - kv_mem) * beta[t][:, None]
         state = state + k[t][:, :, None] * delta[:, None, :]
         out[t] = (state * q[t][:, :, None]).sum(-2)
+        if at and t + 1 in at:
+            at[t + 1].copy_(state)
     return out, state
 
 
@@ -167,8 +173,9 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
                            eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over packed sequences (prefill). Sequence i starts from
     `initial_state[initial_state_indices[i]]` (or `initial_state[i]` without indices) and
-    its final state is written back there. Returns (out like value, final states
-    `[N, HV, K, V]`)."""
+    its final state is written back there; a capture the running forward asks of that slot
+    (`capture.wanted`) is written into its spare slot. Returns (out like value, final
+    states `[N, HV, K, V]`)."""
     if head_first:
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)
@@ -178,9 +185,10 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     for i in range(len(bounds) - 1):
         s, e = bounds[i], bounds[i + 1]
         slot = int(initial_state_indices[i]) if initial_state_indices is not None else i
+        at = {o: initial_state[spare] for o, spare in capture.wanted(slot)}
         o, final = _delta_rule(query[0, s:e], key[0, s:e], value[0, s:e], g[0, s:e],
                                beta[0, s:e], initial_state[slot].float(),
-                               use_qk_l2norm_in_kernel)
+                               use_qk_l2norm_in_kernel, at)
         out[0, s:e] = o.to(out.dtype)
         initial_state[slot] = final.to(initial_state.dtype)
         finals.append(final.to(initial_state.dtype))
@@ -241,7 +249,9 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       pad_slot_id: int, is_vnni: bool) -> torch.Tensor:
     """Prefill: x `[dim, T]` packed by `query_start_loc`; each sequence starts from its
     conv state (`conv_states[cache_indices[i]]` when `has_initial_state[i]`, else zeros)
-    and leaves its last `width - 1` inputs there. Returns `[dim, T]`."""
+    and leaves its last `width - 1` inputs there; a capture the running forward asks of
+    that slot (`capture.wanted`) gets the `width - 1` inputs before its offset in its spare
+    slot. Returns `[dim, T]`."""
     dim, total = x.shape
     hist = weight.shape[1] - 1
     out = torch.empty_like(x)
@@ -260,6 +270,8 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         out[:, s:e] = _conv(seq, weight, bias, silu_activation).to(x.dtype)
         if conv_states is not None:
             conv_states[slot] = seq[:, seq.shape[1] - hist:].to(conv_states.dtype)
+            for offset, spare in capture.wanted(slot):  # (seq: `hist` inputs, then x)
+                conv_states[spare] = seq[:, offset:offset + hist].to(conv_states.dtype)
     return out
 
 
@@ -299,6 +311,9 @@ IMPLS: dict[str, Any] = {
 }
 
 _LIBRARY: torch.library.Library | None = None
+INSTALLED: set[str] = set()  # the ops `install` registered in this process
+# the ops that write the states a forward captures (ext/sglang/capture.py)
+CAPTURING = frozenset({"causal_conv1d_fwd_cpu", "chunk_gated_delta_rule_cpu"})
 
 
 def missing() -> list[str]:
@@ -321,6 +336,7 @@ def install() -> list[str]:
     for name in names:
         _LIBRARY.define(name + SCHEMAS[name])
         _LIBRARY.impl(name, IMPLS[name], "CompositeExplicitAutograd")
+        INSTALLED.add(name)
     if "fused_rmsnorm_gated_cpu" in names:
         route_gated_norm()
     return names

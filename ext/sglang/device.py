@@ -134,7 +134,7 @@ class Placer:
             rows = fresh.rows if fresh is not None else None
         else:
             rows = self._alloc(need) if need else path[:0]
-        slot = self._alloc_state() if hybrid else None
+        slot = self.alloc_state() if hybrid else None
         if rows is None or (hybrid and slot is None):
             self._free(rows, slot)
             tree.unlock(head_lock)
@@ -242,7 +242,7 @@ class Placer:
         if slot is not None:
             self._kv.req_to_token_pool.mamba_allocator.free(slot)
 
-    def _alloc_state(self) -> torch.Tensor | None:
+    def alloc_state(self) -> torch.Tensor | None:
         """A free Mamba slot (`[1]`), evicting one unlocked tree state for it if need be."""
         allocator = self._kv.req_to_token_pool.mamba_allocator
         got = allocator.alloc(1)

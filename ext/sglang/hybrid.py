@@ -5,8 +5,10 @@ SGLang keeps a Mamba state only at a tree node's end (`no_buffer`: where a prefi
 a finished request ended), so a prefix that ends at an anchor boundary inside a node matches
 nothing: the recurrent state for it is gone. So on a hybrid model:
 
-- `AnchorRadixCache.next_cut` names a request's next planned anchor depth, and our prefill
-  adder (ext/sglang/admission.py, around `Scheduler.get_prefill_adder_class`) ends a
+- Where the kernels can (CPU, Gated DeltaNet), the state at an anchor depth inside a
+  prefill is captured by the forward itself into a spare slot (ext/sglang/capture.py).
+- Elsewhere `AnchorRadixCache.next_cut` names a request's next planned anchor depth, and our
+  prefill adder (ext/sglang/admission.py, around `Scheduler.get_prefill_adder_class`) ends a
   prefill chunk there. SGLang's own checkpoint at the chunk end then runs with the request's state
   at exactly that depth, and our checkpoint hook copies it (`state_slot`) with the KV rows.
 - A restore puts the rows into fresh token slots and the state into a fresh Mamba slot,

@@ -62,6 +62,8 @@ class Plan:
     cut: int | None = None  # stopped by the proxy: the response anchor's depth (`cut` op)
     failed: bool = False  # a snapshot of it failed on this rank (its anchors go on every rank)
     own_from: int | None = None  # its rows past what it matched in the tree (first checkpoint)
+    # hybrid: states captured inside a forward, {depth: (spare Mamba slot [1], physical)}
+    captured: dict[int, tuple[Any, int]] = field(default_factory=dict)
 
     def record(self, w: AnchorWritten | AnchorHeld | None) -> None:
         if isinstance(w, AnchorHeld):

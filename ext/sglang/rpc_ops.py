@@ -173,7 +173,8 @@ class RpcOps:
     def _stats(self, body: dict[str, Any]) -> dict[str, Any]:
         reply = self._store.stats(self._epoch, device_pinned_tokens=self._pins.pinned_tokens,
                                   device_pin_budget_tokens=self._pins.budget_tokens)
-        return replace(reply, scheduler_calls=self._times.rows()).to_json()
+        return replace(reply, scheduler_calls=self._times.rows(),
+                       captures=self._tree.capture_stats()).to_json()
 
     def _pin(self, body: dict[str, Any]) -> dict[str, Any]:
         """Pin in the host tier (never evicted from the slot table) and, with `device`, lock

@@ -69,8 +69,9 @@ class Snapshots:
             return
         p.todo = [s for s in p.todo if s.depth > up_to]
         keys, store, window_pool = p.keys, self._store, self._kv.window
-        if self._kv.states is not None:  # a state exists at `up_to` only (held ones need none)
-            ready = [s for s in ready if s.depth == up_to
+        if self._kv.states is not None:  # a state exists at `up_to` and where the forward
+            # captured one (ext/sglang/capture.py) only; held anchors need none
+            ready = [s for s in ready if s.depth == up_to or s.depth in p.captured
                      or store.table.contains(keys[s.depth], s.depth)]
             if not ready:
                 return
@@ -130,7 +131,8 @@ class Snapshots:
         still holds (and locks) while SGLang checkpoints it: the slab is allocated here and
         filled on the copy thread (`p.copies`), which `join` waits for. On a hybrid model
         the request's recurrent state, which is at depth `state_at` (SGLang's `up_to`), is
-        copied in `capture`, at once: the request's next forward overwrites it in place. On
+        copied in `capture`, at once: the request's next forward overwrites it in place; a
+        state the forward captured at `depth` comes from its spare slot (`p.captured`). On
         the sliding-window pool the state slab is `window` (`_window_of`), made host bytes
         on the copy thread."""
         kv = self._kv
@@ -139,10 +141,13 @@ class Snapshots:
         def capture(start: int, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             state = None
             if kv.states is not None:
-                if depth != state_at:
+                if depth in p.captured:
+                    slot = p.captured[depth][1]
+                elif depth == state_at:
+                    slot = hybrid.state_slot(kv.req_to_token_pool, req)
+                else:
                     raise RuntimeError(f"no recurrent state at depth {depth} (at {state_at})")
-                state = kernels.snapshot_state(kv.states,
-                                           hybrid.state_slot(kv.req_to_token_pool, req))
+                state = kernels.snapshot_state(kv.states, slot)
             elif window is not None:
                 state = torch.empty(window.numel() * window.element_size(), dtype=torch.uint8,
                                     pin_memory=kv.pinned)

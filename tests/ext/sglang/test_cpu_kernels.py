@@ -77,6 +77,56 @@ def test_decode_update_continues_the_prefill_state():
     torch.testing.assert_close(pool[1], ref_final[0], rtol=1e-4, atol=1e-4)
 
 
+def test_a_capture_inside_a_prefill_is_the_state_of_a_prefill_that_ends_there(monkeypatch):
+    """ext/sglang/capture.py: the states (delta rule and conv window) the kernels write into
+    a spare slot at an offset inside a sequence are, bit for bit, those a prefill of the
+    sequence up to that offset leaves in its own slot; and the captures change nothing else
+    (outputs, final states, other slots)."""
+    from anchorcache.ext.sglang import capture
+
+    lengths = [9, 13]
+    q, k, v, gate, beta = _gdn_inputs(lengths, seed=3)
+    cu, slots = torch.tensor([0, 9, 22]), torch.tensor([0, 1])
+    dim, width = 6, 4
+    g = torch.Generator().manual_seed(4)
+    w, bias = torch.randn(dim, width, generator=g), torch.randn(dim, generator=g)
+    x = torch.randn(dim, 22, generator=g)
+    has_init = torch.tensor([True, False])
+
+    def run(pool, conv, wanted):
+        monkeypatch.setattr(capture, "_WANTED", wanted)
+        y = ck.causal_conv1d_fwd(x, w, bias, conv, cu, slots, has_init, True, -1, False)
+        out, _ = ck.chunk_gated_delta_rule(q, k, v, gate, beta, pool, True, cu, False, True,
+                                           slots)
+        return y, out
+
+    g0 = torch.Generator().manual_seed(5)
+    pool0, conv0 = torch.randn(6, HV, K, V, generator=g0) * 0.1, torch.randn(6, dim, width - 1,
+                                                                          generator=g0)
+    plain_pool, plain_conv = pool0.clone(), conv0.clone()
+    plain = run(plain_pool, plain_conv, None)
+    pool, conv = pool0.clone(), conv0.clone()
+    captured = run(pool, conv, {1: [(4, 3), (11, 5)], 0: [(1, 2)]})
+    for a, b in zip(captured, plain, strict=True):
+        assert torch.equal(a, b)  # outputs: the same bits
+    assert torch.equal(pool[:2], plain_pool[:2]) and torch.equal(conv[:2], plain_conv[:2])
+    assert torch.equal(pool[4], pool0[4]) and torch.equal(conv[4], conv0[4])  # not named
+    # each capture against a prefill of its sequence that ends at its offset
+    for seq, offset, spare in ((1, 4, 3), (1, 11, 5), (0, 1, 2)):
+        s = int(cu[seq])
+        ref_pool, ref_conv = pool0.clone(), conv0.clone()
+        monkeypatch.setattr(capture, "_WANTED", None)
+        ck.causal_conv1d_fwd(x[:, s:s + offset].contiguous(), w, bias, ref_conv,
+                             torch.tensor([0, offset]), slots[seq:seq + 1],
+                             has_init[seq:seq + 1], True, -1, False)
+        ck.chunk_gated_delta_rule(*(t[:, s:s + offset] for t in (q, k, v, gate, beta)),
+                                  ref_pool, True, torch.tensor([0, offset]), False, True,
+                                  slots[seq:seq + 1])
+        slot = int(slots[seq])
+        assert torch.equal(pool[spare], ref_pool[slot]), (seq, offset)
+        assert torch.equal(conv[spare], ref_conv[slot]), (seq, offset)
+
+
 def test_gdn_gating_is_the_transformers_formula():
     a_log, dt_bias = torch.rand(HV), torch.randn(HV)
     a, b = torch.randn(3, HV) * 10, torch.randn(3, HV)

@@ -13,9 +13,10 @@ For each:
 - Its greedy tokens and their logprobs equal transformers' on the same weights, cold and
   over SGLang's own cached state (a second turn).
 - Anchors keep the recurrent state (conv window + SSM / delta-rule state) at their depths:
-  a chain restored from the host tier after a flush gives the tokens and logprobs of a cold
-  run whose prefill chunks end at the same depths, bit for bit, and the tokens of a plain
-  cold run (anchors off); the tree's state equals the slab (`/anchor/verify`), and a
+  a chain restored from the host tier after a flush gives the tokens of a cold run whose
+  prefill chunks end at the same depths, logprobs to float32 rounding (`close`: on a GDN
+  model the state was captured inside a forward over the whole first prompt), and the
+  tokens of a plain cold run (anchors off); the tree's state equals the slab (`/anchor/verify`), and a
   corrupted state restore is what that check catches.
 
 One server per architecture (module-scoped, parametrized): one to two minutes each to start
@@ -30,11 +31,11 @@ import torch
 
 from anchorcache.testing.data import two_turn_prompts
 from anchorcache.testing.exactness import (
+    close,
     cold_cut,
     equal_to_transformers,
     generate,
     restore,
-    same,
     save,
 )
 from anchorcache.testing.servers import sglang_worker_process
@@ -99,7 +100,7 @@ def test_chain_restore_after_a_flush_equals_a_cold_run(hybrid, qwen3_tokenizer):
     assert warm["meta_info"]["cached_tokens"] == conv_depth
     assert [r["depth"] for r in warm["meta_info"]["anchors"]["restored"]] == [tool_depth,
                                                                               conv_depth]
-    same(warm, cold)
+    close(warm, cold)
     assert warm["output_ids"] == off["output_ids"]
     ok = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
     assert ok["device_tokens"] == conv_depth and ok["mismatch"] is None
@@ -110,4 +111,4 @@ def test_chain_restore_after_a_flush_equals_a_cold_run(hybrid, qwen3_tokenizer):
     generate(url, p2, chain)
     assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["state_equal"] is False
     flush_device(url)
-    same(generate(url, p2, chain, logprobs=True), cold)
+    close(generate(url, p2, chain, logprobs=True), cold)

@@ -3,12 +3,17 @@ worker on CPU: SGLang 0.5.23's scheduler, radix cache and Mamba pool, the CPU re
 reference kernels (ext/sglang/cpu_kernels.py, `no_buffer` Mamba strategy), our anchor cache.
 
 - Its greedy tokens and their logprobs equal transformers' on the same weights.
-- Anchors keep the recurrent state at their depths (prefill chunks end there): the seeds'
+- Anchors keep the recurrent state at their depths, captured inside the forward without
+  ending a prefill chunk there (ext/sglang/capture.py: the anchored run's outputs are the
+  plain run's, bit for bit): the seeds'
   headline case, a second conversation with the same tools and another first message,
   restores the instruction anchor, where SGLang alone reuses nothing; a later turn
   restores the conversation anchor after a flush.
-- A restore is exact: tokens and logprobs equal a cold run whose prefill chunks end at the
-  same depths (`cold_cut`). A cold run in one chunk differs in the last float bits (1e-4
+- A restore is exact: its state is the captured one byte for byte, and its tokens equal a
+  cold run whose prefill chunks end at the same depths (`cold_cut`: the prefixes run first
+  as requests of their own), logprobs to float32 rounding (`close`: the captured state
+  came from a forward over the whole first prompt, the cold run's from one that ended at
+  the depth). A cold run in one chunk differs in the last float bits (1e-4
   on logprobs: the projections' matrix products over another number of rows), which a
   random tiny model can turn into another token at a near-tie; so through the proxy,
   anchors on equal anchors off up to such a tie (`same_up_to_a_tie`).
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import httpx
 import openai
 import pytest
 import torch
@@ -40,6 +46,7 @@ from hypothesis import strategies as st
 from anchorcache.testing.data import conversations, turn_requests, two_turn_prompts
 from anchorcache.testing.exactness import (
     NEW,
+    close,
     cold_cut,
     equal_to_transformers,
     generate,
@@ -133,20 +140,28 @@ def test_instruction_anchor_serves_a_new_conversation_sglang_alone_does_not(hybr
     alone = generate(url, other)
     assert alone["meta_info"]["cached_tokens"] == 0
     assert alone["output_ids"] == cold["output_ids"]
-    # with anchors: the first conversation's prefill ends a chunk at the anchor's depth, so
-    # SGLang's own tree now holds the state there too, and the host tier holds it after a flush
+    # with anchors: the first conversation's forward captures the state at the anchor's
+    # depth without ending its prefill there (ext/sglang/capture.py), so its outputs are the
+    # anchors-off ones, bit for bit; SGLang's tree holds the KV rows of the shared prefix, so
+    # a restore over them puts back the state only; after a flush, the rows as well
     # (the shared prefix runs a few tokens past the tools: the next turn's opening)
     ref = cold_cut(url, other, tool_depth)
     flush_device(url)
-    keys = save(url, p1, tool_depth)
-    in_tree = generate(url, other, logprobs=True)
+    plain = generate(url, p1, logprobs=True)
+    flush_device(url)
+    keys, first = save(url, p1, tool_depth, out=True)
+    same(first, plain)
+    stats = httpx.get(url + "/anchor/stats", timeout=60).json()
+    assert stats["captures"]["mode"] == "in_forward" and stats["captures"]["taken"] >= 1
+    in_tree = generate(url, other, restore((tool_depth, keys[tool_depth])), logprobs=True)
     assert in_tree["meta_info"]["cached_tokens"] == tool_depth
-    same(in_tree, ref)
+    assert in_tree["meta_info"]["anchors"]["restored_tokens"] == 0  # (the state only)
+    close(in_tree, ref)
     flush_device(url)
     warm = generate(url, other, restore((tool_depth, keys[tool_depth])), logprobs=True)
     assert warm["meta_info"]["cached_tokens"] == tool_depth
     assert warm["meta_info"]["anchors"]["restored"][0]["depth"] == tool_depth
-    same(warm, ref)
+    close(warm, ref)
 
 
 def test_turn_boundary_chain_restores_after_a_flush_and_verifies(hybrid, prompts):
@@ -166,7 +181,7 @@ def test_turn_boundary_chain_restores_after_a_flush_and_verifies(hybrid, prompts
         plan = restore((tool_depth, keys[tool_depth])) if only_tool else chain
         warm = generate(url, p2, plan, logprobs=True)
         assert warm["meta_info"]["cached_tokens"] == (tool_depth if only_tool else conv_depth)
-        same(warm, cold_tool if only_tool else cold)
+        close(warm, cold_tool if only_tool else cold)
     ok = post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})
     assert ok["device_tokens"] == conv_depth and ok["mismatch"] is None
     assert ok["state_equal"] is True
@@ -177,7 +192,7 @@ def test_turn_boundary_chain_restores_after_a_flush_and_verifies(hybrid, prompts
     assert bad["device_tokens"] == conv_depth and bad["mismatch"] is None
     assert bad["state_equal"] is False
     flush_device(url)
-    same(generate(url, p2, chain, logprobs=True), cold)
+    close(generate(url, p2, chain, logprobs=True), cold)
     assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["state_equal"] is True
 
 
@@ -376,8 +391,9 @@ def test_tensor_parallel_restores_each_ranks_state_exactly(prompts):
 
     model = build_tiny_model("qwen3_5", tiny_model_dir("qwen3_5"))
     tool_depth, conv_depth, p1, p2 = prompts[1]
-    with sglang_worker_process("--max-total-tokens", str(POOL), "--tp", "2", model=str(model),
-                               env=CONV_FLOAT32) as worker:
+    # float32, as the module's server (`close`'s bound is float32 rounding)
+    with sglang_worker_process("--max-total-tokens", str(POOL), "--tp", "2", "--dtype",
+                               "float32", model=str(model), env=CONV_FLOAT32) as worker:
         url = worker.url
         cold = cold_cut(url, p2, tool_depth, conv_depth)
         flush_device(url)
@@ -386,7 +402,7 @@ def test_tensor_parallel_restores_each_ranks_state_exactly(prompts):
         flush_device(url)
         warm = generate(url, p2, chain, logprobs=True)
         assert warm["meta_info"]["cached_tokens"] == conv_depth
-        same(warm, cold)
+        close(warm, cold)
         assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["state_equal"] is True
         flush_device(url)
         post(url, "/debug/fault", {"where": "restore_state_flip", "rank": 1})

@@ -179,6 +179,7 @@ class CaptureStatsRecord(Record, frozen=True):
     mode: StateCapture
     taken: NonNeg = 0  # states captured inside a forward
     no_slot: NonNeg = 0  # planned depths not captured: no free recurrent-state slot
+    unwritten: NonNeg = 0  # captures a kernel did not write whole: dropped, never read
 
 
 class StatsReply(SlotCounters, frozen=True):

@@ -196,8 +196,8 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         if self.kv.states is None:
             return None
         c = self.captures
-        return (CaptureStatsRecord("in_forward", c.taken, c.no_slot) if c is not None
-                else CaptureStatsRecord("chunk_cut"))
+        return (CaptureStatsRecord("in_forward", c.taken, c.no_slot, c.unwritten)
+                if c is not None else CaptureStatsRecord("chunk_cut"))
 
     def _join(self, rid: str, p: Any) -> None:
         """A request's copies joined at its release or end; its spare Mamba slots freed."""

@@ -14,18 +14,21 @@ not cut at all:
   after the forward, as before), takes a spare Mamba slot and names it to the kernels: the
   request's state slot, the offset into its extend, the spare slot.
 - The CPU recipe's reference kernels (`cpu_kernels.causal_conv1d_fwd`,
-  `cpu_kernels.chunk_gated_delta_rule`) run the delta rule token by token, so the state
-  after any token is at hand: at each named offset they write the conv window (the last
-  `width - 1` inputs) and the recurrent state of every GDN layer into the spare slot, in
-  the pool's own layout, as they write a sequence's final state into its own slot. Nothing
-  else of the forward changes: the request's outputs and its final state are the same bits
-  with or without captures.
+  `cpu_kernels.chunk_gated_delta_rule`; for Mamba2, `cpu_mamba2.mamba_chunk_scan_combined`)
+  run the recurrence token by token, so the state after any token is at hand: at each
+  named offset they write the conv window (the last `width - 1` inputs) and the recurrent
+  state of every layer into the spare slot, in the pool's own layout, as they write a
+  sequence's final state into its own slot. Nothing else of the forward changes: the
+  request's outputs and its final state are the same bits with or without captures. The
+  Mamba2 scan is handed gathered initial states, not the pool: it learns each sequence's
+  slot from the conv call just before it in the same layer (`conv_called`) and the layer's
+  state tensor from that conv's state tensor (`scan_targets`, named by `Captures.begin`).
 - SGLang's checkpoint after the forward (`Snapshots.take`) copies the spare slot's state
   with the KV rows into the anchor, then frees the slot (`Captures.free`); a request that
   ends first frees its spare slots at its end (`Snapshots.join`).
 
-Where the kernels cannot (a GPU's Triton/FLA kernels, a real `sgl_kernel` CPU build, the
-Mamba2 mixer's scan) `enabled` is false and prefill chunks still end at anchor depths
+Where the kernels cannot (a GPU's Triton/FLA kernels, a real `sgl_kernel` CPU build)
+`kernels_capture` is false and prefill chunks still end at anchor depths
 (ext/sglang/admission.py): docs/sglang.md says where and why.
 """
 
@@ -39,11 +42,38 @@ log = logging.getLogger("anchorcache.sglang")
 # What the kernels read while a forward runs: request state slot (physical) → [(offset into
 # its extend, spare slot (physical))], offsets ascending. None between forwards.
 _WANTED: dict[int, list[tuple[int, int]]] | None = None
+# Mamba2: each layer's conv state tensor's address → the layer's SSM state tensor; and the
+# last conv call's (state tensor address, sequences' slots), which the scan after it reads
+_LAYER_STATES: dict[int, Any] = {}
+_LAST_CONV: tuple[int, list[int]] | None = None
+# spare slot → the pieces written into it in this forward (a conv window and a recurrent
+# state per layer): a capture with fewer is never read (`Captures.end`)
+_WRITES: dict[int, int] = {}
 
 
 def wanted(slot: int) -> list[tuple[int, int]]:
     """The captures the running forward asks of the sequence in state slot `slot`."""
     return _WANTED.get(slot, []) if _WANTED else []
+
+
+def wrote(spare: int) -> None:
+    """A kernel wrote one piece of a capture (a layer's conv window or state) into `spare`."""
+    _WRITES[spare] = _WRITES.get(spare, 0) + 1
+
+
+def conv_called(conv_states: Any, slots: list[int]) -> None:
+    """A prefill conv ran over sequences in `slots` with layer state `conv_states`."""
+    global _LAST_CONV
+    if _WANTED:
+        _LAST_CONV = (conv_states.data_ptr(), slots)
+
+
+def scan_targets() -> tuple[Any, list[int]] | None:
+    """For the Mamba2 scan running now: (the layer's SSM state tensor, the sequences'
+    slots), from the conv call before it; None when nothing is captured."""
+    if not _WANTED or _LAST_CONV is None or _LAST_CONV[0] not in _LAYER_STATES:
+        return None
+    return _LAYER_STATES[_LAST_CONV[0]], _LAST_CONV[1]
 
 
 def kernels_capture(pool: Any) -> bool:
@@ -52,10 +82,13 @@ def kernels_capture(pool: Any) -> bool:
     recipe's reference kernels (not a real `sgl_kernel` CPU build's)."""
     from sglang.srt.utils import is_cpu
 
-    from . import cpu_kernels
+    from . import cpu_kernels, cpu_mamba2
 
-    return (is_cpu() and getattr(pool, "conv_shard_groups", None) is not None
-            and cpu_kernels.CAPTURING <= cpu_kernels.INSTALLED)
+    if not is_cpu():
+        return False
+    if getattr(pool, "conv_shard_groups", None) is not None:  # Gated DeltaNet
+        return cpu_kernels.CAPTURING <= cpu_kernels.INSTALLED
+    return cpu_mamba2.CAPTURING <= cpu_mamba2.INSTALLED  # Mamba2
 
 
 class Captures:
@@ -65,14 +98,20 @@ class Captures:
     def __init__(self, req_to_token_pool: Any, alloc_state: Any) -> None:
         self._pool = req_to_token_pool
         self._alloc_state = alloc_state
+        cache = req_to_token_pool.mamba_pool.mamba_cache
+        self._layers = {cache.conv[0][layer].data_ptr(): cache.temporal[layer]
+                        for layer in range(cache.temporal.shape[0])}
+        self._pieces = 2 * int(cache.temporal.shape[0])  # a conv window and a state per layer
+        self._named: list[tuple[Any, int]] = []  # (plan, depth) named to this forward
         self.taken = 0  # captures named to the kernels, since start
         self.no_slot = 0  # planned depths not captured: no Mamba slot free
+        self.unwritten = 0  # named, but the kernels did not write every piece: dropped
 
     def begin(self, batch: Any, plans: Any, store: Any) -> None:
         """Name the captures of extend batch `batch` (its requests' planned depths strictly
         inside their extends) to the kernels; each request's spare slots go in its plan's
         `captured` {depth: (logical slot tensor, physical slot)}."""
-        global _WANTED
+        global _WANTED, _LAYER_STATES
         from .hybrid import state_slot
 
         wanted: dict[int, list[tuple[int, int]]] = {}
@@ -94,13 +133,27 @@ class Captures:
                 physical = int(self._pool.translate_mamba_indices(slot)[0])
                 p.captured[d] = (slot, physical)
                 wanted.setdefault(state_slot(self._pool, req), []).append((d - start, physical))
+                self._named.append((p, d))
                 self.taken += 1
         _WANTED = wanted or None
+        _LAYER_STATES = self._layers
+        _WRITES.clear()
 
-    @staticmethod
-    def end() -> None:
-        global _WANTED
-        _WANTED = None
+    def end(self) -> None:
+        """After the forward: a capture whose spare slot did not get every layer's conv
+        window and state (a kernel that did not see it) is dropped, its slot freed, and the
+        request's anchors with it (on every rank: a rank may not hold what another lacks):
+        never an anchor written with a stale state."""
+        global _WANTED, _LAST_CONV
+        _WANTED = _LAST_CONV = None
+        for p, d in self._named:
+            got = p.captured.get(d)
+            if got is not None and _WRITES.get(got[1], 0) != self._pieces:
+                self.unwritten += 1
+                self._pool.mamba_allocator.free(p.captured.pop(d)[0])
+                p.failed = True  # (its anchors go, on every rank alike: `Snapshots.join`)
+        self._named = []
+        _WRITES.clear()
 
     def free(self, p: Any, up_to: int | None = None) -> None:
         """Give back plan `p`'s spare slots (those at depths up to `up_to`; all by default)."""

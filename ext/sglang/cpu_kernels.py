@@ -189,6 +189,9 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         o, final = _delta_rule(query[0, s:e], key[0, s:e], value[0, s:e], g[0, s:e],
                                beta[0, s:e], initial_state[slot].float(),
                                use_qk_l2norm_in_kernel, at)
+        for offset, spare in capture.wanted(slot):
+            if offset <= e - s:  # (the loop reached it)
+                capture.wrote(spare)
         out[0, s:e] = o.to(out.dtype)
         initial_state[slot] = final.to(initial_state.dtype)
         finals.append(final.to(initial_state.dtype))
@@ -256,6 +259,9 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     hist = weight.shape[1] - 1
     out = torch.empty_like(x)
     bounds = query_start_loc.tolist() if query_start_loc is not None else [0, total]
+    if conv_states is not None:  # (a Mamba2 scan after it learns its sequences' slots here)
+        capture.conv_called(conv_states, [int(cache_indices[i]) if cache_indices is not None
+                                          else i for i in range(len(bounds) - 1)])
     for i in range(len(bounds) - 1):
         s, e = bounds[i], bounds[i + 1]
         slot = int(cache_indices[i]) if cache_indices is not None else i
@@ -272,6 +278,7 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             conv_states[slot] = seq[:, seq.shape[1] - hist:].to(conv_states.dtype)
             for offset, spare in capture.wanted(slot):  # (seq: `hist` inputs, then x)
                 conv_states[spare] = seq[:, offset:offset + hist].to(conv_states.dtype)
+                capture.wrote(spare)
     return out
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import capture
 from .cpu_kernels import causal_conv1d_fwd
 from .cpu_kernels import causal_conv1d_update as _conv_update
 
@@ -70,15 +71,20 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
 
 
 def _ssd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-         C: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+         C: torch.Tensor, state: torch.Tensor, at: dict[int, torch.Tensor] | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, token by token, all float32: x `[L, H, P]`, dt `[L, H, P]` (already
     discretized: bias, softplus, limits), A `[H, P, N]`, B and C `[L, H, N]` (per head),
-    state `[H, P, N]`. Returns (y `[L, H, P]` without the D skip, final state)."""
+    state `[H, P, N]`. Returns (y `[L, H, P]` without the D skip, final state). `at`:
+    {offset: where}: the state after `offset` tokens is copied into `where` on the way
+    (ext/sglang/capture.py)."""
     y = torch.empty(x.shape, dtype=torch.float32)
     for t in range(x.shape[0]):
         state = state * torch.exp(dt[t, :, :, None] * A) \
             + (dt[t] * x[t])[:, :, None] * B[t][:, None, :]
         y[t] = (state * C[t][:, None, :]).sum(-1)
+        if at and t + 1 in at:
+            at[t + 1].copy_(state)
     return y, state
 
 
@@ -152,11 +158,19 @@ def mamba_chunk_scan_combined(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     decay = A.float()[:, None, None].expand(heads, head_dim, B.shape[-1])
     skip = None if D is None else (D.float()[:, None] if D.dim() == 1 else D.float())
     finals = []
+    # states captured inside this prefill go into the layer's pool (ext/sglang/capture.py)
+    targets = capture.scan_targets()
     for i, (r, s, e) in enumerate(_bounds(batch, seqlen, cu_seqlens, seq_idx)):
         state = initial_states[i].float() if initial_states is not None \
             else x.new_zeros((heads, head_dim, B.shape[-1]), dtype=torch.float32)
         xs = x[r, s:e].float()
-        y, state = _ssd(xs, step[r, s:e], decay, Bh[r, s:e], Ch[r, s:e], state)
+        caps = capture.wanted(targets[1][i]) if targets is not None and i < len(targets[1]) \
+            else []
+        at = {o: targets[0][spare] for o, spare in caps} if targets is not None else None
+        y, state = _ssd(xs, step[r, s:e], decay, Bh[r, s:e], Ch[r, s:e], state, at)
+        for offset, spare in caps:
+            if offset <= e - s:  # (the loop reached it)
+                capture.wrote(spare)
         if skip is not None:
             y = y + skip * xs
         if z is not None:
@@ -224,6 +238,11 @@ BINDINGS: dict[str, Any] = {
 }
 
 
+INSTALLED: set[str] = set()  # the names `install` bound in this process
+# the kernels that write the states a forward captures (ext/sglang/capture.py)
+CAPTURING = frozenset({"causal_conv1d_fn", "mamba_chunk_scan_combined"})
+
+
 def install() -> list[str]:
     """Bind every name of BINDINGS in SGLang's Mamba2 mixer module to our kernel (the CPU
     engine has no other: the conv names are unbound there, the scan and the state update
@@ -236,4 +255,5 @@ def install() -> list[str]:
         return []
     for name, kernel in BINDINGS.items():
         setattr(module, name, kernel)
+    INSTALLED.update(BINDINGS)
     return list(BINDINGS)

@@ -334,3 +334,43 @@ def test_sink_attention_in_blocks_equals_one_block(monkeypatch):
                                                 scaling=0.3, q_start=17, window=window,
                                                 k_start=first)
             torch.testing.assert_close(seen, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_a_capture_the_kernels_did_not_write_whole_is_never_read():
+    """`Captures.end`: a spare slot named to the forward that did not get every layer's
+    conv window and state (here the second layer's kernels never ran: a fault no real
+    forward produces, hence the stand-ins for SGLang's pool, batch and plan) is dropped,
+    freed, and its request's anchors fail; one written whole is kept."""
+    from types import SimpleNamespace
+
+    from anchorcache.ext.sglang import capture
+
+    layers, slots, dim, width = 2, 6, 6, 4
+    conv = torch.zeros(layers, slots, dim, width - 1)
+    temporal = torch.zeros(layers, slots, HV, K, V)
+    freed: list[int] = []
+    pool = SimpleNamespace(
+        mamba_pool=SimpleNamespace(mamba_cache=SimpleNamespace(conv=[conv], temporal=temporal)),
+        translate_mamba_indices=lambda t: t,
+        mamba_allocator=SimpleNamespace(free=lambda t: freed.append(int(t[0]))))
+    req = SimpleNamespace(rid="r", kv=SimpleNamespace(mamba_pool_idx=torch.tensor([1])))
+    spares = iter([torch.tensor([4]), torch.tensor([5])])
+    caps = capture.Captures(pool, lambda: next(spares))
+    store = SimpleNamespace(tip_depth=lambda rid: 0,
+                            table=SimpleNamespace(contains=lambda key, depth: False))
+    batch = SimpleNamespace(reqs=[req], prefix_lens=[0], extend_lens=[9])
+    q, k, v, gate, beta = _gdn_inputs([9], seed=8)
+    x, w = torch.randn(dim, 9), torch.randn(dim, width)
+    for run_layers, kept in ((1, False), (2, True)):
+        plan = SimpleNamespace(todo=[SimpleNamespace(depth=5)], keys={5: b"k"}, captured={},
+                               failed=False)
+        plans = SimpleNamespace(get=lambda rid, plan=plan: plan)
+        caps.begin(batch, plans, store)
+        for layer in range(run_layers):
+            ck.causal_conv1d_fwd(x, w, None, conv[layer], torch.tensor([0, 9]),
+                                 torch.tensor([1]), torch.tensor([False]), True, -1, False)
+            ck.chunk_gated_delta_rule(q, k, v, gate, beta, temporal[layer], True,
+                                      torch.tensor([0, 9]), False, True, torch.tensor([1]))
+        caps.end()
+        assert (5 in plan.captured) is kept and plan.failed is not kept
+    assert freed == [4] and caps.unwritten == 1 and caps.taken == 2

@@ -229,3 +229,53 @@ def test_mixer_chunked_prefill_and_decode_equal_transformers():
         torch.testing.assert_close(conv_pool[slot], layer.conv_states[0][0, :, 1:], **TOL)
         torch.testing.assert_close(ssm_pool[slot], layer.recurrent_states[0][0], **TOL)
     assert F.mse_loss(out2, torch.zeros_like(out2)) > 0  # not a vacuous comparison
+
+
+def test_a_capture_inside_a_prefill_is_the_state_of_a_scan_that_ends_there(monkeypatch):
+    """ext/sglang/capture.py on Mamba2: the scan learns each sequence's slot from the conv
+    call before it (its state tensor names the layer's SSM state tensor) and writes the
+    state after the named number of tokens into the spare slot: bit for bit the recurrence
+    over those tokens of the same forward's inputs, and the final state of a scan of the
+    sequence up to there to rounding (its dt's softplus over fewer elements rounds its last
+    ones otherwise); outputs and final states are unchanged."""
+    from anchorcache.ext.sglang import capture
+
+    cu = torch.tensor([0, 9, 22])
+    x, dt, A, B, C, D, dt_bias = _scan_inputs(22, seed=6)
+    g = torch.Generator().manual_seed(7)
+    dim = 12
+    xc, w = torch.randn(dim, 22, generator=g), torch.randn(dim, WIDTH, generator=g)
+    conv_pool = torch.zeros(6, dim, WIDTH - 1)
+    ssm_pool = torch.zeros(6, HEADS, HEAD_DIM, STATE)
+    slots = torch.tensor([4, 1])
+
+    def run(wanted):
+        monkeypatch.setattr(capture, "_WANTED", wanted)
+        monkeypatch.setattr(capture, "_LAST_CONV", None)
+        monkeypatch.setattr(capture, "_LAYER_STATES", {conv_pool.data_ptr(): ssm_pool})
+        mk.causal_conv1d_fn(xc, w, None, cu, slots, torch.tensor([False, False]), conv_pool)
+        return mk.mamba_chunk_scan_combined(x, dt, A, B, C, CHUNK, D=D, dt_bias=dt_bias,
+                                            cu_seqlens=cu, dt_softplus=True,
+                                            return_varlen_states=True)
+
+    plain = run(None)
+    captured = run({1: [(6, 3)], 4: [(2, 0)]})
+    assert torch.equal(plain, captured)
+    monkeypatch.setattr(capture, "_WANTED", None)  # (the references below capture nothing)
+    for seq, offset, spare in ((1, 6, 3), (0, 2, 0)):
+        s = int(cu[seq])
+        part = slice(s, s + offset)
+        step = mk._dt(dt, dt_bias, True)[..., None].expand(-1, -1, -1, HEAD_DIM)
+        decay = A.float()[:, None, None].expand(HEADS, HEAD_DIM, STATE)
+        _, same_forward = mk._ssd(x[0, part].float(), step[0, part], decay,
+                                  mk._per_head(B, HEADS)[0, part],
+                                  mk._per_head(C, HEADS)[0, part],
+                                  torch.zeros(HEADS, HEAD_DIM, STATE))
+        assert torch.equal(ssm_pool[spare], same_forward), (seq, offset)
+        ref = mk.mamba_chunk_scan_combined(x[:, part], dt[:, part], A, B[:, part], C[:, part],
+                                           CHUNK, D=D, dt_bias=dt_bias,
+                                           cu_seqlens=torch.tensor([0, offset]),
+                                           dt_softplus=True, return_varlen_states=True)
+        torch.testing.assert_close(ssm_pool[spare], ref[0], **TOL)
+        history = torch.cat([torch.zeros(dim, WIDTH - 1), xc[:, s:]], dim=1)  # (no state)
+        assert torch.equal(conv_pool[spare], history[:, offset:offset + WIDTH - 1])

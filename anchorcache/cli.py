@@ -13,7 +13,6 @@ import logging
 import os
 import random
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -138,21 +137,28 @@ def _logging(level: str) -> None:
 
 
 async def _serve_forever(web_app, host: str, port: int, banner: str) -> None:
-    from aiohttp import web
+    from anchorcache.proxy.processes import run_site
 
-    runner = web.AppRunner(web_app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    print(banner.format(host=host, port=port), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await run_site(web_app, host, port,
+                   on_started=lambda: print(banner.format(host=host, port=port), flush=True))
+
+
+PROXY_BANNER = "anchorcache proxy listening on http://{host}:{port}/v1"
+Processes = Annotated[int | None, typer.Option(
+    envvar="ANCHORCACHE_PROCESSES", min=1, show_default=False,
+    help="Proxy processes sharing the port (SO_REUSEPORT) and the ledger (default: one per "
+         "core, at most 8, for `proxy`; 1 for `serve`, whose worker shares the box).")]
+
+
+async def _serve_processes(config, log_level: str) -> int:
+    """`config.processes` proxy processes (anchorcache/proxy/processes.py); the exit status."""
+    from anchorcache.proxy.processes import ProxyProcesses
+
+    def banner() -> None:
+        print(PROXY_BANNER.format(host=config.host, port=config.port)
+              + f" ({config.processes} processes)", flush=True)
+
+    return await ProxyProcesses(config, log_level=log_level).run(on_ready=banner)
 
 
 Backend = Annotated[str, typer.Option(envvar="ANCHORCACHE_BACKEND",
@@ -315,12 +321,14 @@ def proxy(
     worker_secret: WorkerSecret = None,
     tenant_anchor_share: TenantShare = 0.5,
     response_ttl_s: ResponseTtl = 24 * 3600.0,
+    processes: Processes = None,
     log_level: LogLevel = "info",
 ) -> None:
     """Run the OpenAI-compatible proxy in front of running workers (one or more)."""
     _logging(log_level)
     from anchorcache.proxy.app import create_app
     from anchorcache.proxy.config import ProxyConfig
+    from anchorcache.proxy.processes import default_processes
     from anchorcache.state.records import Quotas
 
     urls = [u.strip() for w in (worker or []) for u in w.split(",") if u.strip()]
@@ -346,14 +354,17 @@ def proxy(
                              metrics_worker_timeout_s=metrics_worker_timeout_s,
                              worker_secret=worker_secret,
                              tenant_anchor_share=tenant_anchor_share,
-                             response_ttl_s=response_ttl_s)
+                             response_ttl_s=response_ttl_s,
+                             processes=processes or default_processes())
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     from anchorcache.state.ledger import LedgerError
 
     try:
-        asyncio.run(_serve_forever(create_app(config), host, port,
-                                   "anchorcache proxy listening on http://{host}:{port}/v1"))
+        if config.processes == 1:
+            asyncio.run(_serve_forever(create_app(config), host, port, PROXY_BANNER))
+        elif code := asyncio.run(_serve_processes(config, log_level)):
+            raise typer.Exit(code)
     except LedgerError as e:  # another proxy holds this ledger
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -442,6 +453,7 @@ def serve(
     worker_secret: WorkerSecret = None,
     tenant_anchor_share: TenantShare = 0.5,
     response_ttl_s: ResponseTtl = 24 * 3600.0,
+    processes: Processes = None,
     log_level: LogLevel = "info",
     sglang_log_level: SGLangLogLevel = "warning",
 ) -> None:
@@ -487,7 +499,7 @@ def serve(
                              metrics_worker_timeout_s=metrics_worker_timeout_s,
                              worker_secret=worker_secret or secrets.token_urlsafe(32),
                              tenant_anchor_share=tenant_anchor_share,
-                             response_ttl_s=response_ttl_s)
+                             response_ttl_s=response_ttl_s, processes=processes or 1)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     # the worker learns the secret from its environment (a command line is public)
@@ -497,7 +509,8 @@ def serve(
     from anchorcache.state.ledger import LedgerError
 
     try:
-        asyncio.run(_serve_supervised(cmd, config, watch))
+        if code := asyncio.run(_serve_supervised(cmd, config, watch, log_level)):
+            raise typer.Exit(code)
     except WorkerExited as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -506,15 +519,20 @@ def serve(
         raise typer.Exit(2) from None
 
 
-async def _serve_supervised(worker_cmd: list[str], config, watch: SuperviseConfig) -> None:
+async def _serve_supervised(worker_cmd: list[str], config, watch: SuperviseConfig,
+                            log_level: str) -> int:
     """The proxy in front of a supervised worker (anchorcache/supervise.py): the worker is
-    given by its command line only, whatever its backend."""
+    given by its command line only, whatever its backend. Several proxy processes see a
+    restarted worker's new epoch at their next health check or reply, and the worker is not
+    watched for stalls (the requests it holds are theirs); the exit status."""
     from anchorcache.proxy.app import create_app, refresh_worker_epoch
     from anchorcache.proxy.running import STATE
 
     supervisor = Supervisor(worker_cmd, config.worker_url + "/health", watch)
     await supervisor.start()
     try:
+        if config.processes > 1:
+            return await _serve_processes(config, log_level)
         web_app = create_app(config, worker_status=supervisor.status)
 
         async def on_ready() -> None:
@@ -526,8 +544,8 @@ async def _serve_supervised(worker_cmd: list[str], config, watch: SuperviseConfi
 
         supervisor.on_ready = on_ready
         supervisor.stalled_s = stalled_s
-        await _serve_forever(web_app, config.host, config.port,
-                             "anchorcache proxy listening on http://{host}:{port}/v1")
+        await _serve_forever(web_app, config.host, config.port, PROXY_BANNER)
+        return 0
     finally:
         await supervisor.stop()
 

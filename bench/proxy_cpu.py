@@ -15,13 +15,23 @@ thread's run time, /proc/<pid>/task/*/schedstat, in nanoseconds). Then `--concur
 conversations of the 8k size at once: requests/s of the proxy alone and its CPU per
 request. Prints a table, writes bench/results/<name>.json and .png.
 
+`--processes 1,2` measures instead how requests/s scale with proxy processes
+(`anchorcache proxy --processes N`, one proxy per N, each its own ledger): `--concurrent`
+agents of the 8k size for `--seconds`, each request on a new connection (the kernel spreads
+connections over the processes, SO_REUSEPORT, so a conversation's turns land anywhere), then
+each agent on one keep-alive connection (its turns stay with one process); requests/s and
+the CPU of every proxy process per request. The load generator and the stub worker run on the same machine and
+compete with the proxies for its cores (the JSON records how many there were).
+
     .venv/bin/python bench/proxy_cpu.py [--turns 10] [--concurrent 8] [--name proxy_cpu]
+    .venv/bin/python bench/proxy_cpu.py --processes 1,2 [--concurrent 16] [--name proxy_processes]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import copy
 import json
 import os
@@ -92,6 +102,8 @@ def stub_worker(port: int, tokenizer_path: str) -> None:
                                         [s.depth for s in plan.snapshot])
                 parent = plan.restore[-1].key if plan.restore else None
                 for s in plan.snapshot:
+                    if plan.restore and s.depth <= plan.restore[-1].depth:
+                        continue  # restored already: a worker saves only past its restore
                     self.slot += 1
                     written.append(wire.AnchorWritten(self.slot, keys[s.depth], s.depth, parent,
                                                       1024, s.kind))
@@ -279,22 +291,86 @@ def throughput(url: str, pid: int, concurrent: int, turns: int, count_tokens: An
     def agent(j: int) -> int:
         # each agent its own conversation: a different first user message
         msgs = [dict(m) for m in messages]
-        first_user = next(m for m in msgs if m["role"] == "user")
-        first_user["content"] = f"[agent {j}] " + str(first_user["content"])
+        own(msgs, j)
         with httpx.Client(timeout=300) as client:
             for stop in stops:
                 request(client, url, tools, msgs[:stop], True)
         return len(stops)
 
-    before, start = cpu_ns(pid), time.perf_counter()
-    with cf.ThreadPoolExecutor(concurrent) as pool:
-        n = sum(pool.map(agent, range(concurrent)))
-    wall = time.perf_counter() - start
-    cpu_ms = (cpu_ns(pid) - before) / 1e6
+    n, wall, cpu_ms = run_agents(agent, concurrent, lambda: cpu_ns(pid))
     return {"concurrent": concurrent, "requests": n, "wall_s": round(wall, 2),
             "requests_per_s": round(n / wall, 1),
             "cpu_ms_per_request": round(cpu_ms / n, 2),
             "cpu_bound_requests_per_s": round(1000 * n / cpu_ms, 1)}
+
+
+def own(messages: list[dict], j: int | str) -> None:
+    """Make `messages` agent `j`'s own conversation: a different first user message."""
+    first_user = next(m for m in messages if m["role"] == "user")
+    first_user["content"] = f"[agent {j}] " + str(first_user["content"])
+
+
+def run_agents(agent: Any, concurrent: int, cpu: Any) -> tuple[int, float, float]:
+    """Run `agent(j)` for j < `concurrent` at once: (requests, wall s, `cpu()` ms spent)."""
+    before, start = cpu(), time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrent) as pool:
+        n = sum(pool.map(agent, range(concurrent)))
+    return n, time.perf_counter() - start, (cpu() - before) / 1e6
+
+
+def tree_cpu_ns(pid: int) -> int:
+    """`cpu_ns` of process `pid` and every process below it (a proxy's processes)."""
+    import psutil
+
+    pids = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    return sum(cpu_ns(p) for p in pids if Path(f"/proc/{p}").exists())
+
+
+def scaling(url: str, pid: int, concurrent: int, seconds: float, count_tokens: Any,
+            per_agent: bool) -> dict:
+    """Requests/s of `concurrent` agents for `seconds`, and the proxy's CPU (all its
+    processes) per request. Each request on a new connection, or (`per_agent`) each agent's
+    on one keep-alive connection (its conversation stays with one process)."""
+    (conv,), stops = grown(8_000, 40, count_tokens)
+    tools, messages = conv["tools"], conv["messages"]
+    deadline = time.perf_counter() + seconds
+
+    def agent(j: int) -> int:
+        n, rounds = 0, 0
+        kept = httpx.Client(timeout=300) if per_agent else None
+        while time.perf_counter() < deadline:
+            msgs = [dict(m) for m in messages]  # each round a new conversation
+            own(msgs, f"{j}.{rounds}")
+            rounds += 1
+            for stop in stops:
+                if time.perf_counter() >= deadline:
+                    break
+                with contextlib.nullcontext(kept) if kept else httpx.Client(timeout=300) as client:
+                    request(client, url, tools, msgs[:stop], True)
+                n += 1
+        if kept is not None:
+            kept.close()
+        return n
+
+    request(httpx.Client(timeout=300), url, tools, messages[:stops[0]], True)  # warm up
+    n, wall, cpu_ms = run_agents(agent, concurrent, lambda: tree_cpu_ns(pid))
+    return {"concurrent": concurrent, "requests": n, "wall_s": round(wall, 2),
+            "requests_per_s": round(n / wall, 1), "cpu_ms_per_request": round(cpu_ms / n, 2)}
+
+
+def by_processes(stub_url: str, counts: list[int], concurrent: int, seconds: float,
+                 count_tokens: Any) -> list[dict]:
+    rows = []
+    for connections in ("per_request", "per_agent"):
+        for n in counts:
+            with proxy_process(stub_url, "--processes", str(n)) as proxy:
+                rows.append({"processes": n, "connections": connections,
+                             **scaling(proxy.url, proxy.proc.pid, concurrent, seconds,
+                                       count_tokens, connections == "per_agent")})
+        base = rows[-len(counts)]["requests_per_s"]
+        for r in rows[-len(counts):]:
+            r["speedup"] = round(r["requests_per_s"] / base, 2) if base else None
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -327,6 +403,10 @@ def main() -> None:
                     help="conversation lengths in tokens, comma-separated")
     ap.add_argument("--no-throughput", action="store_true", help="skip the concurrent run")
     ap.add_argument("--profile", help="py-spy record the proxy into this file (raw format)")
+    ap.add_argument("--processes", help="proxy process counts to compare in requests/s, "
+                                        "comma-separated (e.g. 1,2); only that is measured")
+    ap.add_argument("--seconds", type=float, default=20.0,
+                    help="how long each process count is loaded (--processes)")
     ap.add_argument("--stub-worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -348,6 +428,29 @@ def main() -> None:
     stub = subprocess.Popen([sys.executable, __file__, "--stub-worker", str(port),
                              "--tokenizer", tokenizer_path], start_new_session=True)
     spy = None
+    if args.processes:
+        try:
+            wait_ready(f"http://127.0.0.1:{port}/health", stub, timeout_s=120)
+            counts = [int(x) for x in args.processes.split(",")]
+            scale = by_processes(f"http://127.0.0.1:{port}", counts, args.concurrent,
+                                 args.seconds, count_tokens)
+        finally:
+            stub.terminate()
+            stub.wait(timeout=30)
+        print(f"{'connections':>12} {'processes':>9} {'requests/s':>10} {'speedup':>8} "
+              f"{'CPU ms/req':>10} {'requests':>8}")
+        for r in scale:
+            print(f"{r['connections']:>12} {r['processes']:>9} {r['requests_per_s']:>10} "
+                  f"{r['speedup']:>8} {r['cpu_ms_per_request']:>10} {r['requests']:>8}")
+        RESULTS.mkdir(exist_ok=True)
+        name = args.name if args.name != "proxy_cpu" else "proxy_processes"
+        out = {"command": " ".join(["bench/proxy_cpu.py", *sys.argv[1:]]),
+               "cpus": os.cpu_count(), "client": f"{args.concurrent} threads of httpx in "
+               "one process on the same machine, streamed; a new connection per request "
+               "(per_request) or one keep-alive connection per agent (per_agent)",
+               "output_text": OUTPUT_TEXT, "by_processes": scale}
+        (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+        return
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", stub, timeout_s=120)
         with proxy_process(f"http://127.0.0.1:{port}") as proxy:

@@ -70,9 +70,12 @@ def spawn(*args: str, tail: tuple[str, ...] = (), port: int | None = None):
     if args[0] == "proxy" and "--state-dir" not in args:
         state = tempfile.TemporaryDirectory(prefix="anchorcache-bench-")
         args = (*args, "--state-dir", state.name)
+    # one proxy process unless a bench asks for more (`--processes`): the figures in
+    # docs/benchmarks.md are one process's, whatever the box's cores
     proc = subprocess.Popen([sys.executable, "-m", "anchorcache.cli", *args, "--port", str(port),
                              "--log-level", "warning", *tail], start_new_session=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                            env={"ANCHORCACHE_PROCESSES": "1", **os.environ,
+                                 "TOKENIZERS_PARALLELISM": "false"})
     url = Url(f"http://127.0.0.1:{port}")
     url.pid = proc.pid
     try:

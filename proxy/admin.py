@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import re
 from collections import Counter
 from typing import Any
@@ -109,13 +110,13 @@ async def create_tenant(request: web.Request) -> web.Response:
 
 async def list_tenants(request: web.Request) -> web.Response:
     state = _state(request)
-    led, tenants = state.ledger, request.app[TENANTS]
+    led, in_flight = state.ledger, request.app[TENANTS].in_flight_now()
     out = []
     for t in led.tenants():
         if t.name == SHARED_TENANT:
             continue
         out.append({**t.to_json(), "keys": [k.to_json() for k in led.keys(t.name)],
-                    "in_flight": tenants.in_flight.get(t.name, 0),
+                    "in_flight": in_flight.get(t.name, 0),
                     "anchor_bytes": sum(led.anchor_bytes(t.name, w.id, w.lifecycle.epoch)
                                         for w in state.targets.all),
                     "toolsets": len(led.toolsets(t.name)),
@@ -370,7 +371,8 @@ async def evict(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     """The ledger's numbers, and the first serving worker's (`worker`, `epoch`...) with
-    every worker's under `workers`."""
+    every worker's under `workers`. `requests` and the routing counts are the answering
+    process's (`process`: which of how many, its pid; /metrics sums every process)."""
     state = _state(request)
     workers, requests = [], Counter[str]()
     primary, first = state.targets.primary, None
@@ -388,7 +390,9 @@ async def stats(request: web.Request) -> web.Response:
                           "worker": first,
                           "requests": dict(requests),
                           "epoch": lc.epoch, "worker_url": lc.worker_id, "workers": workers,
-                          "in_flight": dict(request.app[TENANTS].in_flight),
+                          "in_flight": request.app[TENANTS].in_flight_now(),
+                          "process": {"index": state.config.process_index,
+                                      "of": state.config.processes, "pid": os.getpid()},
                           "last_reconcile": lc.last_reconcile.to_json() if lc.last_reconcile else None})
 
 
@@ -422,9 +426,19 @@ async def list_workers(request: web.Request) -> web.Response:
                           "route": _state(request).config.route})
 
 
+def _one_process(state: ProxyState) -> None:
+    """Workers are added and removed in one process's memory: with several processes the
+    others would never route to (or stop routing to) it, so the change is refused."""
+    if state.config.processes > 1:
+        raise ApiError("conflict", f"this proxy runs {state.config.processes} processes: "
+                       "workers are changed by restarting it with the new --worker list (or "
+                       "with --processes 1, which changes them live)")
+
+
 async def add_worker(request: web.Request) -> web.Response:
     """Add a worker; with `warm_from` (a worker's name or URL), then copy that worker's
     disk-tier files into the new one's and reconcile it (`_warm`)."""
+    _one_process(_state(request))
     body = await _json_body(request)
     url, warm_from = body.get("url"), body.get("warm_from")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -476,6 +490,7 @@ async def _warm(state: ProxyState, source: Target, dest: Target) -> dict[str, in
 async def remove_worker(request: web.Request) -> web.Response:
     """Drain a worker (no new requests; its in-flight ones finish) and remove it."""
     state = _state(request)
+    _one_process(state)
     target = state.targets.find(request.match_info["name"])
     if target is None:
         raise ApiError("not_found", f"no worker {request.match_info['name']!r}")

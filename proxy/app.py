@@ -18,6 +18,7 @@ from .anthropic_api import count_tokens, messages
 from .completions_api import completions
 from .config import ProxyConfig
 from .errors import ApiError, error_middleware, json_response
+from .lifecycle import pid_alive
 from .metrics import METRICS, ProxyMetrics, metrics_endpoint, metrics_middleware
 from .openai_api import chat_completions
 from .planner import tenant_namespace
@@ -41,6 +42,44 @@ class HasStatus(Protocol):
 
 # set by `anchorcache serve`, which supervises the worker process (anchorcache/supervise.py)
 WORKER_STATUS = web.AppKey[Callable[[], HasStatus] | None]("worker_status")
+PROCESS_HEADER = "X-Anchorcache-Process"  # which process of several answered (its index)
+
+
+class AnchorSync:
+    """One of several processes of a proxy: the anchors the other processes committed or
+    let go since this one last looked, read from the ledger (`Ledger.anchor_changes`, one
+    indexed read, empty when nothing changed) and folded into each worker's index before
+    every request, so a conversation whose turns land on different processes restores its
+    chain. The workers' slot listings stay the truth: the worker verifies every link it is
+    asked to restore, and a stale entry costs a miss, never a wrong restore."""
+
+    def __init__(self, ledger: Ledger, targets: Targets) -> None:
+        self.ledger = ledger
+        self.targets = targets
+        self.seq = ledger.anchor_seq()  # before the targets' start loads what is committed
+
+    def pull(self) -> int:
+        """Fold the changes in; how many rows were read."""
+        n = 0
+        while True:
+            self.seq, rows = self.ledger.anchor_changes(self.seq)
+            if not rows:
+                return n
+            n += len(rows)
+            for target in self.targets.all:
+                target.lifecycle.absorb(rows)
+
+
+ANCHOR_SYNC = web.AppKey("anchor_sync", AnchorSync)
+
+
+@web.middleware
+async def sync_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Several processes: the other processes' anchors before each request (`AnchorSync`)."""
+    sync = request.app.get(ANCHOR_SYNC)
+    if sync is not None:
+        sync.pull()
+    return await handler(request)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -139,19 +178,30 @@ def create_app(config: ProxyConfig, *,
     """`worker_status`: given when this process supervises the worker (`anchorcache serve`);
     `/health` then reports the worker process's state, and `degraded` while it restarts."""
     # metrics outermost: it counts the status the other middlewares made of a request
+    several = config.processes > 1  # one of several processes (proxy/processes.py)
     app = web.Application(middlewares=[metrics_middleware, error_middleware,
-                                       admin.admin_middleware, tenant_middleware],
+                                       admin.admin_middleware, tenant_middleware,
+                                       *([sync_middleware] if several else [])],
                           client_max_size=config.max_body_bytes)
     app[METRICS] = ProxyMetrics(max_tenants=config.metrics_max_tenants,
-                                worker_timeout_s=config.metrics_worker_timeout_s)
+                                worker_timeout_s=config.metrics_worker_timeout_s,
+                                multiprocess_dir=config.metrics_dir)
     app[WORKER_STATUS] = worker_status
+    if several:
+        async def name_process(request: web.Request, response: web.StreamResponse) -> None:
+            response.headers[PROCESS_HEADER] = str(config.process_index)
+
+        app.on_response_prepare.append(name_process)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=config.worker_timeout_s, sock_connect=5)
         # every worker call carries the shared secret (a worker given one refuses the rest)
         secret = ({"Authorization": f"Bearer {config.worker_secret}"}
                   if config.worker_secret is not None else None)
-        ledger = Ledger.open(config.state_dir, exclusive=True)
+        # several processes: their parent holds the ledger's lock (proxy/processes.py)
+        ledger = Ledger.open(config.state_dir, exclusive=not several)
+        if several:
+            ledger.number_anchor_changes()
         try:
             async with aiohttp.ClientSession(timeout=timeout, headers=secret) as session:
                 reached, info = await _first_answer(session, config.worker_urls)
@@ -174,7 +224,11 @@ def create_app(config: ProxyConfig, *,
                                         ledger, app[METRICS])
                 app[TENANTS] = Tenants(ledger, anonymous=config.anonymous_access,
                                        placeholder_keys=config.placeholder_keys,
-                                       default_quotas=config.default_quotas)
+                                       default_quotas=config.default_quotas,
+                                       across_processes=several)
+                if several:
+                    ledger.forget_flights(pid_alive)  # a dead sibling's (or pid's) requests
+                    app[ANCHOR_SYNC] = AnchorSync(ledger, targets)
                 await targets.start(reached, info)
                 log.info("proxy ready: model %s, %d worker(s) routed by %s, adapter %s, "
                          "anchors %s, tools in %s order, ledger %s", info.model_id,

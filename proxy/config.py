@@ -73,6 +73,13 @@ class ProxyConfig:
     single_flight_wait_s: float = 60.0  # how long a request waits for another one's new toolset
     # requests waiting for the split threads (one tenant: half of them); more get 503 overloaded
     max_pending_splits: int = 64
+    # processes of this proxy on one port and one ledger (proxy/processes.py), and which one
+    # this is; `process_restarts`: how often this one was restarted (see `leads_processes`)
+    processes: int = 1
+    process_index: int = 0
+    process_restarts: int = 0
+    # the processes' prometheus-client multiprocess directory (None: one process)
+    metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_urls:
@@ -119,6 +126,21 @@ class ProxyConfig:
             raise ValueError("pin_budget_bytes must be >= 0")
         if self.lease_budget_bytes < 0:
             raise ValueError("lease_budget_bytes must be >= 0")
+        if self.processes < 1 or not 0 <= self.process_index < self.processes:
+            raise ValueError("processes must be >= 1 (process_index in 0..processes-1)")
+
+    @property
+    def leads_processes(self) -> bool:
+        """Whether this process cleans up after an earlier proxy at start (unpins the leases
+        it left pinned): the only one, or the first of several at the proxy's start (later,
+        a pinned anchor may be a sibling's lease)."""
+        return self.process_index == 0 and self.process_restarts == 0
+
+    @property
+    def process_lease_budget_bytes(self) -> int:
+        """This process's part of `lease_budget_bytes`: leases are kept per process, so each
+        of several keeps to an equal share and all together to the whole."""
+        return self.lease_budget_bytes // self.processes
 
     @property
     def worker_url(self) -> str:

@@ -28,6 +28,11 @@ them for anchors:
   settle) unpins the expired ones. A new epoch drops the old one's leases; `close()` unpins
   the leases it still holds, and `start()` unpins what a proxy that stopped without doing
   so left pinned.
+- Several processes of one proxy (`processes` > 1, proxy/processes.py) share the ledger and
+  the workers: `absorb()` folds the anchors the others committed or let go into this one's
+  index (the app reads the ledger's changes once per request), reconcile leaves the others'
+  open reservations alone, `warm()` takes a ledger lock so that a toolset is warmed once, not
+  once per process, and only the first process unpins strays at start (`unpin_strays`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Mapping
@@ -44,6 +50,7 @@ from typing import Any
 from anchorcache.defaults import LEASE_BUDGET_BYTES, TOOL_ANCHOR_GAP_TOKENS
 from anchorcache.state.ledger import Ledger
 from anchorcache.state.records import (
+    AnchorRow,
     AnchorStatus,
     HeldSlot,
     NewAnchor,
@@ -72,6 +79,7 @@ log = logging.getLogger("anchorcache.proxy")
 
 LEASE_SWEEP_S = 1.0  # how often expired leases are looked for while there are any
 LEASE_RELEASE_S = 10.0  # how long `close()` tries to unpin the leases it holds
+WARM_POLL_S = 0.05  # how often a process waits on another's warming of a toolset looks again
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,22 @@ class AnchoredRequest:
     closed: bool = False
 
 
+def _record(row: AnchorRow) -> AnchorRecord:
+    return AnchorRecord(row.namespace, row.key, row.depth, row.parent, AnchorKind(row.kind),
+                        row.slot, row.nbytes, row.epoch)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (a sibling process of this proxy)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: not ours, but it exists
+        return True
+    return True
+
+
 def _new(entries: Iterable[AnchorWritten]) -> list[NewAnchor]:
     return [NewAnchor(w.key, w.depth, w.parent, w.slot, w.nbytes, w.kind.value) for w in entries]
 
@@ -106,9 +130,13 @@ class AnchorLifecycle:
                  single_flight_wait_s: float = 60.0, hybrid: bool = False,
                  tool_gap: int = TOOL_ANCHOR_GAP_TOKENS, tenant_anchor_share: float = 1.0,
                  lease_budget_bytes: int = LEASE_BUDGET_BYTES,
-                 on_lease: Callable[[str, str], None] | None = None) -> None:
+                 on_lease: Callable[[str, str], None] | None = None,
+                 processes: int = 1, unpin_strays: bool = True) -> None:
         """`on_lease(tenant, outcome)`: told each lease granted, refreshed, refused, expired
-        or dropped (metrics)."""
+        or dropped (metrics). `processes`: how many processes of this proxy share the ledger
+        and the worker; `unpin_strays`: whether `start()` unpins what an earlier proxy left
+        pinned (in one process of several, the first at the proxy's start only: later, a
+        pinned anchor may be a sibling's lease)."""
         self.worker = worker
         self.ledger = ledger
         self._planner = Planner(model_id, epoch, hybrid=hybrid, tool_gap=tool_gap)
@@ -116,6 +144,8 @@ class AnchorLifecycle:
         self.shared_namespace = shared_namespace
         self.single_flight_wait_s = single_flight_wait_s
         self.tenant_anchor_share = tenant_anchor_share  # of the worker's bytes, per tenant
+        self.processes = processes
+        self.unpin_strays = unpin_strays
         self._instruction_writers: dict[bytes, asyncio.Future[None]] = {}
         self._running: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -166,7 +196,8 @@ class AnchorLifecycle:
     async def start(self) -> ReconcileReport | None:
         """Reconcile with the worker, load what it still holds, re-warm pinned toolsets."""
         report = await self.reconcile("proxy_start")
-        await self._unpin_strays()
+        if self.unpin_strays:
+            await self._unpin_strays()
         self._spawn(self.toolsets.rewarm_pinned())
         return report
 
@@ -198,7 +229,8 @@ class AnchorLifecycle:
         held += [HeldSlot(None, d.key, d.depth, d.parent, d.nbytes) for d in listing.disk]
         staged = [(s.slot, s.key) for s in listing.slots if s.state == "reserved"]
         report = self.ledger.reconcile(self.worker_id, listing.epoch, held, staged=staged,
-                                       in_flight=self._running, reason=reason)
+                                       in_flight=self._running, reason=reason,
+                                       alive=pid_alive if self.processes > 1 else None)
         if report.stale_reserved_slots:
             try:
                 await self.worker.abort_slots(list(report.stale_reserved_slots))
@@ -207,9 +239,7 @@ class AnchorLifecycle:
         for row in self.ledger.anchors(worker=self.worker_id, epoch=listing.epoch,
                                        status=AnchorStatus.COMMITTED):
             if self._planner.index.get(row.key) is None:
-                self._planner.index.add(AnchorRecord(row.namespace, row.key, row.depth, row.parent,
-                                                     AnchorKind(row.kind), row.slot, row.nbytes,
-                                                     row.epoch))
+                self._planner.index.add(_record(row))
         self.last_reconcile = report
         log.info("reconcile (%s): %s", reason, report.to_json())
         return report
@@ -244,6 +274,28 @@ class AnchorLifecycle:
         self.ledger.event("worker_lost", None, worker=self.worker_id, epoch=old, lost=lost,
                           error=why)
         return lost
+
+    def absorb(self, rows: Iterable[AnchorRow]) -> int:
+        """Fold ledger rows of this worker, as they are now, into the index: committed ones
+        in, evicted, lost and aborted ones out (reserved ones wait for their outcome); rows
+        of another epoch than the one this process knows are left out (a new epoch reconciles,
+        which loads them all). Another process of this proxy wrote them; each keeps the
+        namespace its request derived the key in, as this process's own do. How many changed
+        the index."""
+        index, n = self._planner.index, 0
+        for row in rows:
+            if row.worker != self.worker_id or row.epoch != self.epoch or not self.epoch:
+                continue
+            have = index.get(row.key)
+            if row.status == AnchorStatus.COMMITTED:
+                rec = _record(row)
+                if have != rec:
+                    index.add(rec)
+                    n += 1
+            elif row.status != AnchorStatus.RESERVED and have is not None:
+                index.remove(row.key)
+                n += 1
+        return n
 
     def anchor_count(self) -> int:
         return len(self._planner.index)
@@ -489,6 +541,26 @@ class AnchorLifecycle:
                 pass
             if (rec := self.live(key)) is not None:
                 return rec
+        if self.processes == 1:
+            return await self._warm(tenant, namespace, ids, key)
+        # another process of this proxy may be warming it: one warms, the others wait for
+        # its anchor to show up in the ledger (bounded, as within one process)
+        lock, owner = f"warm/{self.worker_id}/{key.hex()}", f"{os.getpid()}/{uuid.uuid4().hex}"
+        deadline = asyncio.get_running_loop().time() + self.single_flight_wait_s
+        while not self.ledger.try_lock(lock, owner, self.single_flight_wait_s):
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(WARM_POLL_S)
+        try:
+            self.absorb(self.ledger.anchors(worker=self.worker_id, epoch=self.epoch, key=key))
+            if (rec := self.live(key)) is not None:
+                return rec
+            return await self._warm(tenant, namespace, ids, key)
+        finally:
+            self.ledger.unlock(lock, owner)
+
+    async def _warm(self, tenant: str, namespace: bytes, ids: tuple[int, ...],
+                    key: bytes) -> AnchorRecord:
         rid = "warm-" + uuid.uuid4().hex
         plan = Plan(namespace, self._planner.warm(ids, namespace))
         anchored = AnchoredRequest(rid, Caller(tenant, namespace, own_namespace=tenant != SHARED_TENANT),

@@ -14,6 +14,15 @@ Three sources feed it:
   writes, loads, skips, evictions, imports, enabled), fetched at once with a short timeout so a dead or hung worker costs one gauge
   (`anchorcache_worker_up` 0), never the whole `/metrics` reply.
 
+Several processes of one proxy (`--processes`, proxy/processes.py) write their counters and
+histograms to files in one directory (prometheus-client's multiprocess mode: its parent sets
+`PROMETHEUS_MULTIPROC_DIR` before any child imports prometheus-client, and gives the same
+directory as `ProxyConfig.metrics_dir`); whichever process answers `/metrics` sums them all
+(`MultiProcessCollector`), so one scrape shows the whole proxy. The workers' own numbers
+come from the workers, the same whichever process asks; `anchorcache_worker_load` and
+`anchorcache_worker_routed` are the answering process's view. There are no prometheus
+`Gauge`s of the proxy's own (they would need a `multiprocess_mode`).
+
 Per-tenant series take their label from `TenantLabels`, the one place that maps a tenant id
 to a label: the first `max_tenants` distinct ids pass, later ones become "other", so a flood
 of API keys cannot grow the series without bound.
@@ -163,7 +172,10 @@ class WorkerCollector:
 class ProxyMetrics:
     """Every metric of one proxy app, on its own registry."""
 
-    def __init__(self, *, max_tenants: int = 100, worker_timeout_s: float = 1.0) -> None:
+    def __init__(self, *, max_tenants: int = 100, worker_timeout_s: float = 1.0,
+                 multiprocess_dir: str | None = None) -> None:
+        """`multiprocess_dir`: one of several processes, whose metrics files are there;
+        `scrape` then reads every process's."""
         self.registry = CollectorRegistry()
         self.tenant = TenantLabels(max_tenants)
         self.worker_timeout_s = worker_timeout_s
@@ -214,6 +226,13 @@ class ProxyMetrics:
                               "(past the budget), expired, dropped (worker restarted)",
                               ["tenant", "outcome"], registry=r)
         r.register(self.worker)
+        self.scrape = r  # what /metrics encodes
+        if multiprocess_dir is not None:
+            from prometheus_client import multiprocess
+
+            self.scrape = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.scrape, path=multiprocess_dir)
+            self.scrape.register(self.worker)
         # the workers `/metrics` scrapes: none until the app hands them over (`watch`)
         self._session: aiohttp.ClientSession | None = None
         self._workers: Callable[[], Sequence[WorkerView]] = tuple
@@ -312,4 +331,4 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     await metrics.refresh_workers()
     encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    return web.Response(body=encoder(metrics.registry), headers={"Content-Type": content_type})
+    return web.Response(body=encoder(metrics.scrape), headers={"Content-Type": content_type})

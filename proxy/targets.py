@@ -142,7 +142,8 @@ class Targets:
             single_flight_wait_s=self.config.single_flight_wait_s, hybrid=self.info.hybrid,
             tool_gap=self.config.tool_anchor_gap,
             tenant_anchor_share=self.config.tenant_anchor_share,
-            lease_budget_bytes=self.config.lease_budget_bytes, on_lease=self.on_lease)
+            lease_budget_bytes=self.config.process_lease_budget_bytes, on_lease=self.on_lease,
+            processes=self.config.processes, unpin_strays=self.config.leads_processes)
         return Target(f"w{next(self._names)}", worker.base_url, worker, lifecycle,
                       healthy=info is not None, verified=info is not None,
                       error=None if info is not None else "not reached yet")

@@ -14,6 +14,12 @@ caller shares the anonymous tenant's anchors. Each tenant has its own secret sal
 the ledger, so its anchor keys live in its own namespace; a client `cache_salt` can only
 narrow that further (`TenantContext.caller`). `/health`, `/metrics` and `/admin` are not
 tenant routes (the admin API has its own token, proxy/admin.py).
+
+The in-flight quota holds across the processes of one proxy (`--processes`): each counts its
+own requests in memory, and with several, in the ledger too (`Ledger.enter_flight`: one
+short immediate transaction checks the tenant's total and counts the request), because a
+limit divided among processes would refuse a tenant whose requests the kernel happened to
+hand to one process while the others sit idle.
 """
 
 from __future__ import annotations
@@ -82,14 +88,17 @@ class Tenants:
     tenant exists (only for a caller with anonymous access)."""
 
     def __init__(self, ledger: Ledger, *, anonymous: bool | str, default_quotas: Quotas,
-                 placeholder_keys: bool = False) -> None:
+                 placeholder_keys: bool = False, across_processes: bool = False) -> None:
+        """`across_processes`: this is one of several processes of a proxy; the in-flight
+        quota is counted in the ledger, for all of them together."""
         if anonymous not in (True, False, "local"):
             raise ValueError(f"anonymous must be True, False or 'local', not {anonymous!r}")
         self.ledger = ledger
         self.anonymous = anonymous
         self.placeholder_keys = placeholder_keys
         self.default_quotas = default_quotas
-        self.in_flight: Counter[str] = Counter()
+        self.in_flight: Counter[str] = Counter()  # this process's
+        self.across_processes = across_processes
         self._tenants_exist = False  # once true, stays true: tenants are never deleted
 
     def tenants_exist(self) -> bool:
@@ -100,6 +109,28 @@ class Tenants:
             self._tenants_exist = any(t.name not in (ANONYMOUS, SHARED_TENANT)
                                       for t in self.ledger.tenants())
         return self._tenants_exist
+
+    def enter(self, tenant: Tenant) -> bool:
+        """Count a request of `tenant` in flight, unless that would pass its quota (False)."""
+        limit = tenant.quotas.max_in_flight
+        if self.across_processes:
+            if not self.ledger.enter_flight(tenant.name, limit):
+                return False
+        elif limit is not None and self.in_flight[tenant.name] >= limit:
+            return False
+        self.in_flight[tenant.name] += 1
+        return True
+
+    def leave(self, tenant: Tenant) -> None:
+        self.in_flight[tenant.name] -= 1
+        if self.in_flight[tenant.name] <= 0:
+            del self.in_flight[tenant.name]
+        if self.across_processes:
+            self.ledger.leave_flight(tenant.name)
+
+    def in_flight_now(self) -> dict[str, int]:
+        """Requests in flight per tenant: this process's, or with several, all of theirs."""
+        return self.ledger.flights() if self.across_processes else dict(self.in_flight)
 
     def resolve(self, api_key: str | None, *, local: bool = False) -> Tenant:
         """The tenant of `api_key`; `local`: whether the caller is on this machine."""
@@ -136,15 +167,12 @@ async def tenant_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return await handler(request)
     tenants = request.app[TENANTS]
     tenant = tenants.resolve(bearer(request), local=local_caller(request))
-    limit = tenant.quotas.max_in_flight
-    if limit is not None and tenants.in_flight[tenant.name] >= limit:
-        raise ApiError("rate_limit_exceeded", f"tenant {tenant.name!r} already has {limit} "
-                       "requests in flight (its quota); retry when one finishes")
+    if not tenants.enter(tenant):
+        raise ApiError("rate_limit_exceeded", f"tenant {tenant.name!r} already has "
+                       f"{tenant.quotas.max_in_flight} requests in flight (its quota); retry "
+                       "when one finishes")
     request[TENANT] = TenantContext(tenant)
-    tenants.in_flight[tenant.name] += 1
     try:
         return await handler(request)
     finally:
-        tenants.in_flight[tenant.name] -= 1
-        if tenants.in_flight[tenant.name] <= 0:
-            del tenants.in_flight[tenant.name]
+        tenants.leave(tenant)

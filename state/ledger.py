@@ -1,10 +1,14 @@
 """The SQLite ledger: tenants, API keys, toolsets, anchors, reservations, events.
 
 Pure bookkeeping over one SQLite file (sqlite-utils, WAL): no network, no clock but the one
-it is given, so it is tested in milliseconds on a real file. The proxy is its only writer
-(one process, one event loop); every method is one short transaction, so a proxy killed at
-any point leaves a ledger that opens cleanly and that `reconcile` brings back in line with
-the worker.
+it is given, so it is tested in milliseconds on a real file. The proxy is its only writer:
+one process, or the processes of one proxy (`--processes`), each with its own connection;
+every method is one short transaction (writers wait for each other, `busy_timeout`), so a
+proxy killed at any point leaves a ledger that opens cleanly and that `reconcile` brings
+back in line with the worker. For several processes the ledger numbers every anchor change
+(`anchor_changes`), names the process of each open reservation (`owner`), counts requests
+in flight per tenant and process (`enter_flight`) and keeps named, expiring locks
+(`try_lock`).
 
 Invariant: an anchor is `committed` only after its worker acknowledged it (a confirm reply
 naming its slot, or the worker reporting it already held), and it stays committed only
@@ -74,6 +78,7 @@ class Ledger:
         self.db = db
         self.clock = clock
         self._lock = lock  # the file descriptor holding `exclusive`'s lock, if any
+        self.owner = os.getpid()  # the reservations and requests in flight this process holds
 
     @classmethod
     def open(cls, path: Path | str, *, clock: Callable[[], float] = time.time,
@@ -82,7 +87,9 @@ class Ledger:
         `ledger.sqlite3`. Runs pending migrations. `exclusive` (a proxy): hold a lock beside
         it until `close`, so that a second proxy on the same ledger refuses to start (each
         would take the other's open reservations for its own crash leftovers) with a
-        LedgerError naming the holder."""
+        LedgerError naming the holder. The processes of one proxy (`--processes`) open it
+        without: their parent holds the lock, and each tells its reservations from its
+        siblings' by `owner` (its pid)."""
         path = Path(path)
         if path.is_dir() or not path.suffix:
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -351,7 +358,7 @@ class Ledger:
         self.db.table("reservations").insert({"rid": rid, "tenant": tenant, "worker": worker,
                                         "epoch": epoch, "opened_at": self.clock(),
                                         "closed_at": None, "outcome": ReservationOutcome.OPEN.value,
-                                        "reason": None})
+                                        "reason": None, "owner": self.owner})
 
     def close_reservation(self, rid: str, outcome: ReservationOutcome, reason: str | None = None) -> bool:
         """Close an open reservation; anchors of it still reserved become aborted. False if it
@@ -471,10 +478,91 @@ class Ledger:
                 "toolsets": q("SELECT count(*) FROM toolsets").fetchone()[0],
                 "pinned_toolsets": q("SELECT count(*) FROM toolsets WHERE pinned").fetchone()[0]}
 
+    # ---- several processes on one ledger -------------------------------------------------
+    def number_anchor_changes(self) -> None:
+        """From now on, number every change this connection makes to an anchor's status,
+        slot or epoch (for `anchor_changes`): one of several processes calls it at start.
+        Temporary triggers, this connection's alone: one process, which nobody reads the
+        numbers of, pays nothing for them. SQLite's one writer at a time makes the numbers
+        commit in order."""
+        bump = ("BEGIN UPDATE anchor_seq SET value = value + 1 WHERE id = 1; "
+                "UPDATE anchors SET seq = (SELECT value FROM anchor_seq WHERE id = 1) "
+                "WHERE rowid = NEW.rowid; END")
+        self.db.execute("CREATE TEMP TRIGGER IF NOT EXISTS anchors_seq_insert AFTER INSERT ON "
+                        f"main.anchors {bump}")
+        self.db.execute("CREATE TEMP TRIGGER IF NOT EXISTS anchors_seq_update AFTER UPDATE OF "
+                        f"status, slot, epoch ON main.anchors {bump}")
+
+    def anchor_seq(self) -> int:
+        """The number of the last anchor change (`anchor_changes` reads those after it)."""
+        return int(self.db.execute("SELECT value FROM anchor_seq WHERE id = 1").fetchone()[0])
+
+    def anchor_changes(self, after: int, limit: int = 10_000) -> tuple[int, list[AnchorRow]]:
+        """Anchors whose status, slot or epoch changed after change number `after` (by any
+        process), as they are now, in the order of their last change; and the number to
+        ask after next time. One indexed read; nothing when nothing changed."""
+        cur = self.db.execute("SELECT * FROM anchors WHERE seq > ? ORDER BY seq LIMIT ?",
+                              [after, limit])
+        names = [d[0] for d in cur.description]
+        rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+        return (rows[-1]["seq"] if rows else after), [self._anchor(r) for r in rows]
+
+    def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Take the lock `name` for `owner` until `ttl_s` from now (again, if `owner` holds
+        it); False while another owner holds it unexpired. One statement: atomic across
+        processes."""
+        now = self.clock()
+        with self.db.conn:
+            return bool(self.db.execute(
+                "INSERT INTO locks (name, owner, expires_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, "
+                "expires_at = excluded.expires_at "
+                "WHERE locks.expires_at <= ? OR locks.owner = excluded.owner",
+                [name, owner, now + ttl_s, now]).rowcount)
+
+    def unlock(self, name: str, owner: str) -> None:
+        with self.db.conn:
+            self.db.execute("DELETE FROM locks WHERE name = ? AND owner = ?", [name, owner])
+
+    def enter_flight(self, tenant: str, limit: int | None) -> bool:
+        """One more request of `tenant` in flight in this process, unless the tenant has
+        `limit` in flight in all processes together already (then False, nothing counted).
+        One statement, which takes the write lock before it reads the total: two processes
+        cannot both take the last place."""
+        with self.db.conn:
+            return bool(self.db.execute(
+                "INSERT INTO in_flight (tenant, owner, num_requests) SELECT ?, ?, 1 "
+                "WHERE ? IS NULL OR (SELECT coalesce(sum(num_requests), 0) FROM in_flight "
+                "WHERE tenant = ?) < ? "
+                "ON CONFLICT (tenant, owner) DO UPDATE SET num_requests = num_requests + 1",
+                [tenant, self.owner, limit, tenant, limit]).rowcount)
+
+    def leave_flight(self, tenant: str) -> None:
+        with self.db.conn:
+            self.db.execute("UPDATE in_flight SET num_requests = num_requests - 1 "
+                            "WHERE tenant = ? AND owner = ?", [tenant, self.owner])
+            self.db.execute("DELETE FROM in_flight WHERE owner = ? AND num_requests <= 0",
+                            [self.owner])
+
+    def flights(self) -> dict[str, int]:
+        """Requests in flight per tenant, every process's together."""
+        return dict(self.db.execute("SELECT tenant, sum(num_requests) FROM in_flight "
+                                    "GROUP BY tenant HAVING sum(num_requests) > 0").fetchall())
+
+    def forget_flights(self, alive: Callable[[int], bool]) -> int:
+        """Drop the requests in flight of processes that are gone (`alive` False) and this
+        one's (a process starts with none; its pid may be a dead one's); how many rows."""
+        owners = [o for (o,) in self.db.execute("SELECT DISTINCT owner FROM in_flight")
+                  if o == self.owner or not alive(o)]
+        with self.db.conn:
+            return sum(self.db.execute("DELETE FROM in_flight WHERE owner = ?", [o]).rowcount
+                       for o in owners)
+
     # ---- reconcile ----------------------------------------------------------------------
     def reconcile(self, worker: str, epoch: str, held: Iterable[HeldSlot], *,
                   staged: Iterable[tuple[int, bytes]] = (), in_flight: Iterable[str] = (),
-                  reason: str = "reconcile") -> ReconcileReport:
+                  reason: str = "reconcile",
+                  alive: Callable[[int], bool] | None = None) -> ReconcileReport:
         """Bring the ledger in line with `worker`'s slot listing at `epoch`.
 
         `held`: the worker's committed slots; `staged`: its reserved (unconfirmed) slots as
@@ -494,11 +582,19 @@ class Ledger:
         worker at any epoch; the key is derived from that namespace, so no other tenant's
         prompt can ever key it. A key the ledger never saw, or saw at another depth or for
         more than one (namespace, tenant), is left out: nothing says whose it is.
+
+        `alive(owner)` (one of several processes of a proxy): the open reservations of
+        another process for which it says True are in flight too, as this one's own are.
         """
         now = self.clock()
         by_key = {h.key.hex(): h for h in held}
         staged_set = {(slot, key.hex()) for slot, key in staged}
         keep = set(in_flight)
+        if alive is not None:
+            keep |= {rid for rid, owner in self.db.execute(
+                "SELECT rid, owner FROM reservations WHERE worker = ? AND outcome = 'open' "
+                "AND owner IS NOT NULL AND owner != ?", [worker, self.owner])
+                if alive(owner)}
         kept = adopted = evicted = aborted = 0
         stale: list[int] = []
         with self.db.conn:

@@ -56,7 +56,31 @@ def _v3(db: sqlite_utils.Database) -> None:
     db.table("anchors").create_index(["key"], if_not_exists=True)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3]
+def _v4(db: sqlite_utils.Database) -> None:
+    # several proxy processes on one ledger (proxy/processes.py):
+    # - with several, every change of an anchor's status, slot or epoch takes the next number
+    #   of `anchor_seq` (`Ledger.number_anchor_changes`), so a process reads what the others
+    #   changed since it last looked (`Ledger.anchor_changes`); a counter, not max(seq):
+    #   deleted rows never hand a number out twice
+    # - a reservation names the process that opened it (`owner`, its pid): a process
+    #   reconciling leaves a live sibling's open reservations alone
+    # - `in_flight`: each process's requests in flight per tenant (the tenant quota across
+    #   processes); `locks`: named, expiring, cross-process locks (warming a toolset once)
+    if "seq" not in db.table("anchors").columns_dict:
+        db.execute("ALTER TABLE anchors ADD COLUMN seq INTEGER")
+    db.table("anchors").create_index(["seq"], if_not_exists=True)
+    db.execute("CREATE TABLE IF NOT EXISTS anchor_seq (id INTEGER PRIMARY KEY, value INTEGER NOT NULL)")
+    db.execute("INSERT OR IGNORE INTO anchor_seq (id, value) VALUES (1, 0)")
+    if "owner" not in db.table("reservations").columns_dict:
+        db.execute("ALTER TABLE reservations ADD COLUMN owner INTEGER")
+    db.table("in_flight").create({"tenant": str, "owner": int, "num_requests": int},
+                                 pk=("tenant", "owner"), not_null={"num_requests"},
+                                 if_not_exists=True)
+    db.table("locks").create({"name": str, "owner": str, "expires_at": float}, pk="name",
+                             not_null={"owner", "expires_at"}, if_not_exists=True)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_v1, _v2, _v3, _v4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

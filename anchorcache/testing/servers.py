@@ -113,12 +113,14 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}  # the headers of an admin re
 def proxy_process(worker_url: str | list[str], *extra: str, env: dict[str, str] | None = None,
                   state_dir: str | None = None, port: int | None = None) -> Iterator[Server]:
     """A proxy with its own ledger (a fresh temporary one unless `state_dir` is given) and
-    the admin API on (token `ADMIN_TOKEN`), in front of one worker or several."""
+    the admin API on (token `ADMIN_TOKEN`), in front of one worker or several; one process
+    unless `extra` says `--processes N` (tests/test_processes.py)."""
     urls = [worker_url] if isinstance(worker_url, str) else worker_url
     with contextlib.ExitStack() as stack:
         if state_dir is None:
             state_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="anchorcache-state-"))
-        env = {"ANCHORCACHE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})}
+        env = {"ANCHORCACHE_ADMIN_TOKEN": ADMIN_TOKEN, "ANCHORCACHE_PROCESSES": "1",
+               **(env or {})}
         workers = [arg for url in urls for arg in ("--worker", url)]
         server = _spawn(["proxy", *workers, "--state-dir", state_dir, *extra],
                         port or free_port(), env)

@@ -25,7 +25,7 @@ not cut at all:
   state tensor from that conv's state tensor (`scan_targets`, named by `Captures.begin`).
 - SGLang's checkpoint after the forward (`Snapshots.take`) copies the spare slot's state
   with the KV rows into the anchor, then frees the slot (`Captures.free`); a request that
-  ends first frees its spare slots at its end (`Snapshots.join`).
+  ends first frees its spare slots at its end (`AnchorRadixCache._join`).
 
 Where the kernels cannot (a GPU's Triton/FLA kernels, a real `sgl_kernel` CPU build)
 `kernels_capture` is false and prefill chunks still end at anchor depths
@@ -34,10 +34,7 @@ Where the kernels cannot (a GPU's Triton/FLA kernels, a real `sgl_kernel` CPU bu
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-log = logging.getLogger("anchorcache.sglang")
 
 # What the kernels read while a forward runs: request state slot (physical) → [(offset into
 # its extend, spare slot (physical))], offsets ascending. None between forwards.
@@ -78,8 +75,9 @@ def scan_targets() -> tuple[Any, list[int]] | None:
 
 def kernels_capture(pool: Any) -> bool:
     """Whether this process's kernels for `pool`'s mixers capture inside a prefill: on CPU,
-    Gated DeltaNet layers (the pool names their conv's q/k/v blocks), served by the CPU
-    recipe's reference kernels (not a real `sgl_kernel` CPU build's)."""
+    Gated DeltaNet layers (the pool names their conv's q/k/v blocks) served by the CPU
+    recipe's reference kernels (not a real `sgl_kernel` CPU build's), and Mamba2 layers
+    served by its Mamba2 kernels (SGLang has no other on CPU)."""
     from sglang.srt.utils import is_cpu
 
     from . import cpu_kernels, cpu_mamba2
@@ -150,13 +148,15 @@ class Captures:
             got = p.captured.get(d)
             if got is not None and _WRITES.get(got[1], 0) != self._pieces:
                 self.unwritten += 1
-                self._pool.mamba_allocator.free(p.captured.pop(d)[0])
+                self._give_back(p, d)
                 p.failed = True  # (its anchors go, on every rank alike: `Snapshots.join`)
         self._named = []
         _WRITES.clear()
 
     def free(self, p: Any, up_to: int | None = None) -> None:
         """Give back plan `p`'s spare slots (those at depths up to `up_to`; all by default)."""
-        done = [d for d in p.captured if up_to is None or d <= up_to]
-        for d in done:
-            self._pool.mamba_allocator.free(p.captured.pop(d)[0])
+        for d in [d for d in p.captured if up_to is None or d <= up_to]:
+            self._give_back(p, d)
+
+    def _give_back(self, p: Any, depth: int) -> None:
+        self._pool.mamba_allocator.free(p.captured.pop(depth)[0])

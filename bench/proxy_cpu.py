@@ -410,9 +410,9 @@ def main() -> None:
     ap.add_argument("--stub-worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from anchorcache.ext.embedded.tiny_models import tiny_model_dir
+    from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
 
-    tokenizer_path = args.tokenizer or str(tiny_model_dir("qwen3"))
+    tokenizer_path = args.tokenizer or str(build_tiny_model("qwen3", tiny_model_dir("qwen3")))
     if args.stub_worker:
         stub_worker(args.stub_worker, tokenizer_path)
         return

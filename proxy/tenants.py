@@ -16,10 +16,11 @@ narrow that further (`TenantContext.caller`). `/health`, `/metrics` and `/admin`
 tenant routes (the admin API has its own token, proxy/admin.py).
 
 The in-flight quota holds across the processes of one proxy (`--processes`): each counts its
-own requests in memory, and with several, in the ledger too (`Ledger.enter_flight`: one
-short immediate transaction checks the tenant's total and counts the request), because a
-limit divided among processes would refuse a tenant whose requests the kernel happened to
-hand to one process while the others sit idle.
+own requests in memory, and with several, a tenant's that has a quota in the ledger too
+(`Ledger.enter_flight`: one short immediate transaction checks the tenant's total and counts
+the request), because a limit divided among processes would refuse a tenant whose requests
+the kernel happened to hand to one process while the others sit idle. A tenant without a
+quota (the anonymous one by default) costs no ledger write per request.
 """
 
 from __future__ import annotations
@@ -110,10 +111,16 @@ class Tenants:
                                       for t in self.ledger.tenants())
         return self._tenants_exist
 
+    def _in_ledger(self, tenant: Tenant) -> bool:
+        """Whether `tenant`'s requests are counted in the ledger: with several processes, for
+        a tenant with a quota only (a tenant without one costs no write per request). The
+        same `Tenant` record is passed to `enter` and `leave`, so both agree."""
+        return self.across_processes and tenant.quotas.max_in_flight is not None
+
     def enter(self, tenant: Tenant) -> bool:
         """Count a request of `tenant` in flight, unless that would pass its quota (False)."""
         limit = tenant.quotas.max_in_flight
-        if self.across_processes:
+        if self._in_ledger(tenant):
             if not self.ledger.enter_flight(tenant.name, limit):
                 return False
         elif limit is not None and self.in_flight[tenant.name] >= limit:
@@ -125,12 +132,15 @@ class Tenants:
         self.in_flight[tenant.name] -= 1
         if self.in_flight[tenant.name] <= 0:
             del self.in_flight[tenant.name]
-        if self.across_processes:
+        if self._in_ledger(tenant):
             self.ledger.leave_flight(tenant.name)
 
     def in_flight_now(self) -> dict[str, int]:
-        """Requests in flight per tenant: this process's, or with several, all of theirs."""
-        return self.ledger.flights() if self.across_processes else dict(self.in_flight)
+        """Requests in flight per tenant: this process's; with several, every process's for
+        the tenants with a quota (counted in the ledger), this process's for the others."""
+        if not self.across_processes:
+            return dict(self.in_flight)
+        return {**self.in_flight, **self.ledger.flights()}
 
     def resolve(self, api_key: str | None, *, local: bool = False) -> Tenant:
         """The tenant of `api_key`; `local`: whether the caller is on this machine."""

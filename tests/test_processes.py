@@ -21,8 +21,9 @@ import psutil
 import pytest
 
 from anchorcache.cli import free_port, wait_ready
+from anchorcache.proxy.tenants import Tenants
 from anchorcache.state.ledger import Ledger
-from anchorcache.state.records import AnchorStatus, NewAnchor
+from anchorcache.state.records import AnchorStatus, NewAnchor, Quotas
 from anchorcache.testing.servers import ADMIN, Server, proxy_process, worker_process
 
 PROCESS = "X-Anchorcache-Process"
@@ -87,6 +88,31 @@ def test_locks_and_the_in_flight_quota_hold_across_connections(tmp_path):
         # a process that died with requests in flight: its count goes at the next start
         assert one.forget_flights(lambda pid: pid != two.owner) == 1  # and this one's own
         assert two.enter_flight("t", 1)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_only_a_tenant_with_a_quota_costs_ledger_writes_per_request(tmp_path):
+    """With several processes a tenant with an in-flight quota is counted in the ledger (all
+    processes together), one without is counted in memory only: no write per request."""
+    one, two = Ledger.open(tmp_path), Ledger.open(tmp_path)
+    two.owner = one.owner + 1
+    try:
+        limited, _, _ = one.create_tenant("limited", Quotas(max_in_flight=1))
+        free, _, _ = one.create_tenant("free")
+        mine = Tenants(one, anonymous=False, default_quotas=Quotas(), across_processes=True)
+        other = Tenants(two, anonymous=False, default_quotas=Quotas(), across_processes=True)
+        assert mine.enter(free) and mine.enter(free) and other.enter(free)
+        assert mine.enter(limited) and not other.enter(limited)  # 1 in all processes
+        assert one.flights() == {"limited": 1}  # the free tenant wrote nothing
+        assert mine.in_flight_now() == {"free": 2, "limited": 1}
+        mine.leave(limited)
+        assert other.enter(limited) and one.flights() == {"limited": 1}
+        for tenants in (mine, mine, other):
+            tenants.leave(free)
+        other.leave(limited)
+        assert one.flights() == {} and mine.in_flight_now() == {}
     finally:
         one.close()
         two.close()

@@ -224,7 +224,8 @@ class Completion:
             function=gen.tool_choice.function, response_format=gen.response_format,
             grammar=gen.grammar, parallel_tool_calls=gen.parallel_tool_calls,
             thinking=adapter.name == "qwen3"
-            and gen.template_kwargs.get("enable_thinking", True) is not False)
+            and gen.template_kwargs.get("enable_thinking", True) is not False,
+            scope=self.caller.namespace)
 
     @property
     def tool_grammar(self) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -58,6 +59,24 @@ def default_processes() -> int:
     return max(1, min(MAX_DEFAULT_PROCESSES, os.cpu_count() or 1))
 
 
+# The cyclic garbage collector's first threshold (CPython's default: 700). A turn of a long
+# conversation allocates tens of thousands of containers (its parsed body, the messages'
+# normalized copies) that die by reference counting when the turn ends; at 700, collections
+# run while they are alive, promote them, and the full collections that follow walk the
+# memos' long-lived messages every few turns: a quarter of a 100k-token turn's CPU, and
+# most of its p99 (docs/benchmarks.md, proxy-side costs).
+GC_THRESHOLD = (50_000, 20, 20)
+
+
+def steady_gc() -> None:
+    """Garbage collection for a serving process, once it has started: what start-up built
+    (tokenizer, adapter, configuration) moved out of the collector's sight (`gc.freeze`),
+    and collections rarer (`GC_THRESHOLD`)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+
+
 async def run_site(web_app: web.Application, host: str, port: int, *, reuse_port: bool = False,
                    on_started: Callable[[], None] | None = None,
                    stop: asyncio.Event | None = None) -> None:
@@ -66,6 +85,7 @@ async def run_site(web_app: web.Application, host: str, port: int, *, reuse_port
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     await site.start()
+    steady_gc()
     if on_started is not None:
         on_started()
     stop = stop or asyncio.Event()

@@ -20,7 +20,8 @@ own requests in memory, and with several, a tenant's that has a quota in the led
 (`Ledger.enter_flight`: one short immediate transaction checks the tenant's total and counts
 the request), because a limit divided among processes would refuse a tenant whose requests
 the kernel happened to hand to one process while the others sit idle. A tenant without a
-quota (the anonymous one by default) costs no ledger write per request.
+quota (an admin removed it: every tenant gets the proxy's default at creation) costs no
+ledger write per request.
 """
 
 from __future__ import annotations

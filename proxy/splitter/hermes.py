@@ -34,6 +34,7 @@ TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with
                 "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
                 '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 _PROBE = "\ue000probe\ue001"
+CALLS_MEMO_CHARS = 8 << 20  # tool-call text kept by `HermesAdapter._calls_text`
 GENERATION_PROMPT_TOKENS = 16  # covers `<|im_start|>assistant\n<think>\n\n</think>\n\n`
 
 
@@ -97,6 +98,8 @@ class HermesAdapter(TextAdapter):
         super().__init__(tokenizer, **kwargs)
         ids = (tokenizer.token_to_id(t) for t in self.stop_tokens)
         self.stop_token_ids = tuple(i for i in ids if i is not None)
+        self._calls_memo: dict[int, tuple[list[dict], str]] = {}
+        self._calls_chars = 0
 
     def output_parser(self, tools: list[dict] | None, *, tool_choice: Any = None
                       ) -> OutputParser:
@@ -122,10 +125,21 @@ class HermesAdapter(TextAdapter):
             return Piece(text + "<|im_end|>\n", i + 1)
         return Piece(text, None)
 
-    @staticmethod
-    def _calls_text(content: str, calls: list[dict]) -> str:
-        return "".join(("\n" if (j == 0 and content) or j > 0 else "") + tool_call_text(c)
-                       for j, c in enumerate(calls))
+    def _calls_text(self, content: str, calls: list[dict]) -> str:
+        if not calls:
+            return ""
+        # a message's calls list is the message memo's (memo.py), shared by every turn that
+        # resends the message and never mutated: its text is kept by identity (the entry
+        # holds the list, so its id is not reused while kept)
+        kept = self._calls_memo.get(id(calls))
+        if kept is None or kept[0] is not calls:
+            kept = (calls, "\n".join(map(tool_call_text, calls)))
+            self._calls_chars += len(kept[1])
+            if self._calls_chars > CALLS_MEMO_CHARS:  # the lists it holds are about as big
+                self._calls_memo.clear()
+                self._calls_chars = len(kept[1])
+            self._calls_memo[id(calls)] = kept
+        return ("\n" if content else "") + kept[1]
 
 
 class Qwen3Adapter(HermesAdapter):

@@ -9,6 +9,7 @@ from array import array
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
+from typing import NamedTuple
 
 
 class CutKind(str, Enum):
@@ -21,9 +22,10 @@ class CutKind(str, Enum):
     #                added after splitting (proxy/cut_hints.py) and verified like the others
 
 
-@dataclass(frozen=True)
-class Cut:
-    """A verified cut: `input_ids[:position]` is an exact token prefix of the full prompt."""
+class Cut(NamedTuple):
+    """A verified cut: `input_ids[:position]` is an exact token prefix of the full prompt.
+    (A named tuple: a long conversation's split makes one per turn, and a frozen dataclass
+    costs several times as much to build.)"""
 
     kind: CutKind
     position: int  # number of tokens in the verified prefix

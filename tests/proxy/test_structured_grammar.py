@@ -16,6 +16,7 @@ from anchorcache.proxy.splitter import get_adapter
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.structured import (
     ResponseFormat,
+    _build_constraint,
     build_constraint,
     check_schema,
     normalize_schema,
@@ -201,3 +202,27 @@ def test_normalize_schema_rewrites_python_type_names() -> None:
     assert normalize_schema(schema) == {"type": "object", "properties": {
         "a": {"type": "array", "items": {"type": "number"}}, "type": {}}}
     check_schema(schema, "x")  # valid once normalized
+
+
+def test_a_toolsets_constraint_is_kept_per_caller_and_equals_a_fresh_one() -> None:
+    """An agent sends its tools every turn: the constraint is built once per caller (scope)
+    and toolset; another caller's is never the same object (no caller times another's), a
+    changed toolset gets its own, and a toolset that fails is refused every time."""
+    kw: dict[str, Any] = dict(adapter="chatml", mode="auto", function=None,
+                              response_format=None, grammar=None)
+    first = build_constraint(tools=TOOLS, scope=b"caller a", **kw)
+    assert build_constraint(tools=TOOLS, scope=b"caller a", **kw) is first
+    other = build_constraint(tools=TOOLS, scope=b"caller b", **kw)
+    assert other == first and other is not first
+    assert first == _build_constraint(tools=TOOLS, parallel_tool_calls=True, thinking=False, **kw)
+    renamed = tuple({**t, "function": {**t["function"], "name": t["function"]["name"] + "_2"}}
+                    for t in TOOLS)
+    changed = build_constraint(tools=renamed, scope=b"caller a", **kw)
+    assert changed is not None and first is not None and changed.text != first.text
+    assert "get_weather_2" in changed.text
+    bad_tools = ({"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": "city"}}},)
+    for _ in range(2):
+        with pytest.raises(ApiError):
+            build_constraint(adapter="chatml", tools=bad_tools, mode="required", function=None,
+                             response_format=None, grammar=None, scope=b"caller a")

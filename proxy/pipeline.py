@@ -225,7 +225,7 @@ class Completion:
             grammar=gen.grammar, parallel_tool_calls=gen.parallel_tool_calls,
             thinking=adapter.name == "qwen3"
             and gen.template_kwargs.get("enable_thinking", True) is not False,
-            scope=self.caller.namespace)
+            memo=self.state.constraints, scope=self.caller.namespace)
 
     @property
     def tool_grammar(self) -> bool:

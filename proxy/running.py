@@ -33,6 +33,8 @@ class ProxyState:
     metrics: ProxyMetrics  # the same object as app[METRICS]
     # chat messages validated at the edge, per caller (splitter/memo.py)
     messages: MessageMemo = field(default_factory=MessageMemo)
+    # toolsets' grammar constraints, per caller (structured.build_constraint)
+    constraints: MessageMemo = field(default_factory=MessageMemo)
 
     @property
     def anchors_on(self) -> bool:

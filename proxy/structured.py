@@ -38,6 +38,7 @@ import jsonschema
 import orjson
 
 from .errors import ApiError
+from .splitter.memo import MessageMemo
 
 # Python type names some tool sets (BFCL's among them) use in place of JSON Schema's
 PY_TYPES = {"float": "number", "int": "integer", "dict": "object", "list": "array",
@@ -310,45 +311,18 @@ def structural_tag(fmt: dict[str, Any]) -> Constraint:
 def build_constraint(*, adapter: str, tools: tuple[dict[str, Any], ...], mode: str,
                      function: str | None, response_format: ResponseFormat | None,
                      grammar: Constraint | None, parallel_tool_calls: bool = True,
-                     thinking: bool = False, scope: bytes = b"") -> Constraint | None:
+                     thinking: bool = False, memo: MessageMemo | None = None,
+                     scope: bytes = b"") -> Constraint | None:
     """The request's constraint, or None (free text). `mode` is the tool choice
-    ("auto" | "none" | "required" | "function" with `function` named). An agent sends the
-    same tools every turn: a toolset's constraint is kept by its JSON bytes, per `scope` (the
-    caller's namespace: no caller times another's toolset), a pure function of them and the
-    other arguments; a toolset that fails is checked again each time."""
-    if not tools or response_format is not None or grammar is not None:
-        return _build_constraint(adapter=adapter, tools=tools, mode=mode, function=function,
-                                 response_format=response_format, grammar=grammar,
-                                 parallel_tool_calls=parallel_tool_calls, thinking=thinking)
-    try:
-        key = (scope, adapter, orjson.dumps(tools), mode, function, parallel_tool_calls,
-               thinking)
-    except (TypeError, orjson.JSONEncodeError):
-        key = None
-    with _TOOL_CONSTRAINTS_LOCK:
-        kept = _TOOL_CONSTRAINTS.get(key) if key is not None else None
-    if kept is not None:
-        return kept[0]
-    found = _build_constraint(adapter=adapter, tools=tools, mode=mode, function=function,
-                              response_format=None, grammar=None,
-                              parallel_tool_calls=parallel_tool_calls, thinking=thinking)
-    if key is not None:
-        with _TOOL_CONSTRAINTS_LOCK:
-            _TOOL_CONSTRAINTS[key] = (found, len(scope) + len(key[2]))
-    return found
-
-
-# toolsets' constraints by their JSON bytes (`build_constraint`), within a byte budget
-_TOOL_CONSTRAINTS: cachetools.LRUCache[Any, tuple[Constraint | None, int]] = \
-    cachetools.LRUCache(maxsize=64 << 20, getsizeof=lambda kept: 256 + kept[1] + (
-        len(kept[0].text) if kept[0] is not None else 0))
-_TOOL_CONSTRAINTS_LOCK = threading.Lock()
-
-
-def _build_constraint(*, adapter: str, tools: tuple[dict[str, Any], ...], mode: str,
-                      function: str | None, response_format: ResponseFormat | None,
-                      grammar: Constraint | None, parallel_tool_calls: bool,
-                      thinking: bool) -> Constraint | None:
+    ("auto" | "none" | "required" | "function" with `function` named). With a `memo`, a
+    toolset's constraint is kept there by the JSON bytes of the tools and the other
+    arguments, per `scope` (the caller's namespace: splitter/memo.py), since an agent sends
+    the same tools every turn; a toolset that fails is refused again each time."""
+    if memo is not None and tools and response_format is None and grammar is None:
+        toolset = (adapter, mode, function, parallel_tool_calls, thinking, tools)
+        return memo.map(scope, [toolset], lambda _, __: build_constraint(
+            adapter=adapter, tools=tools, mode=mode, function=function, response_format=None,
+            grammar=None, parallel_tool_calls=parallel_tool_calls, thinking=thinking))[0]
     family = FAMILY.get(adapter)
     use_tools = bool(tools) and mode != "none" and family is not None
     if grammar is not None:

@@ -13,10 +13,10 @@ import pytest
 
 from anchorcache.proxy.errors import ApiError
 from anchorcache.proxy.splitter import get_adapter
+from anchorcache.proxy.splitter.memo import MessageMemo
 from anchorcache.proxy.splitter.tokenizers import load_tokenizer
 from anchorcache.proxy.structured import (
     ResponseFormat,
-    _build_constraint,
     build_constraint,
     check_schema,
     normalize_schema,
@@ -210,14 +210,15 @@ def test_a_toolsets_constraint_is_kept_per_caller_and_equals_a_fresh_one() -> No
     changed toolset gets its own, and a toolset that fails is refused every time."""
     kw: dict[str, Any] = dict(adapter="chatml", mode="auto", function=None,
                               response_format=None, grammar=None)
-    first = build_constraint(tools=TOOLS, scope=b"caller a", **kw)
-    assert build_constraint(tools=TOOLS, scope=b"caller a", **kw) is first
-    other = build_constraint(tools=TOOLS, scope=b"caller b", **kw)
+    memo = MessageMemo()
+    first = build_constraint(tools=TOOLS, memo=memo, scope=b"caller a", **kw)
+    assert build_constraint(tools=TOOLS, memo=memo, scope=b"caller a", **kw) is first
+    other = build_constraint(tools=TOOLS, memo=memo, scope=b"caller b", **kw)
     assert other == first and other is not first
-    assert first == _build_constraint(tools=TOOLS, parallel_tool_calls=True, thinking=False, **kw)
+    assert first == build_constraint(tools=TOOLS, **kw)
     renamed = tuple({**t, "function": {**t["function"], "name": t["function"]["name"] + "_2"}}
                     for t in TOOLS)
-    changed = build_constraint(tools=renamed, scope=b"caller a", **kw)
+    changed = build_constraint(tools=renamed, memo=memo, scope=b"caller a", **kw)
     assert changed is not None and first is not None and changed.text != first.text
     assert "get_weather_2" in changed.text
     bad_tools = ({"type": "function", "function": {"name": "f", "parameters": {
@@ -225,4 +226,4 @@ def test_a_toolsets_constraint_is_kept_per_caller_and_equals_a_fresh_one() -> No
     for _ in range(2):
         with pytest.raises(ApiError):
             build_constraint(adapter="chatml", tools=bad_tools, mode="required", function=None,
-                             response_format=None, grammar=None, scope=b"caller a")
+                             response_format=None, grammar=None, memo=memo, scope=b"caller a")

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated
 
@@ -382,13 +383,18 @@ def _ephemeral_floor() -> int:
 PORT_SHARD_ENV = "ANCHORCACHE_PORT_SHARD"  # "k/n": pick from the k-th of n slices (tests)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+_handed_ports: set[int] = set()  # what free_port returned in this process
+
+
+def free_port(host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> int:
     """A port free now, for a server we start. Chosen below the ephemeral range: an SGLang
     worker binds its port only after loading its model, up to a minute later, and a port from
     that range can meanwhile be taken by any outgoing connection on the machine. Under
     `ANCHORCACHE_PORT_SHARD=k/n` (the test suite's k-th of n parallel processes), only from the
     k-th of n slices of that range, so that processes running side by side never pick the
-    same port for servers that bind late."""
+    same port for servers that bind late. A port is never handed out twice by one process,
+    nor one in `avoid` (a port chosen elsewhere, say by our parent, and not bound yet): two
+    servers that bind late would otherwise race for it."""
     floor = _ephemeral_floor()
     lo, hi = floor // 2, floor
     shard = os.environ.get(PORT_SHARD_ENV, "")
@@ -396,18 +402,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         k, n = (int(x) for x in shard.split("/"))
         width = (hi - lo) // n
         lo, hi = lo + k * width, lo + (k + 1) * width
+    taken = _handed_ports | set(avoid)
     rng = random.SystemRandom()
     for _ in range(64 if floor > 4096 else 0):
         port = rng.randrange(lo, hi)
+        if port in taken:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        _handed_ports.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_ports.add(port)
+    return port
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -470,7 +482,7 @@ def serve(
         if not (default_model_dir() / "config.json").exists():
             print("preparing the default model (one-time conversion, ~20 s)...", flush=True)
         model = str(prepare_default_model())
-    worker_port = free_port()
+    worker_port = free_port(avoid=(port,))  # ours may be chosen but not bound yet
     cmd = [sys.executable, "-m", "anchorcache.cli", "worker", "--host", "127.0.0.1",
            "--port", str(worker_port), "--model", model, "--anchor-slots", str(anchor_slots),
            "--anchor-bytes", str(anchor_bytes), "--log-level", log_level, "--backend", backend]

@@ -6,6 +6,7 @@ change the ledger folder, which is what the session's check compares."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -81,6 +82,21 @@ def test_parallel_processes_pick_ports_from_slices_of_their_own(monkeypatch):
         monkeypatch.setenv("ANCHORCACHE_PORT_SHARD", f"{k}/2")
         ports = {free_port() for _ in range(20)}
         assert all(lo + k * width <= p < lo + (k + 1) * width for p in ports), (k, ports)
+
+
+def test_a_port_is_never_handed_out_twice_nor_one_to_avoid(monkeypatch):
+    """`serve` picks its worker's port while its own (chosen by whoever started it) may not
+    be bound yet: it once got the same one, and its worker answered the proxy's health."""
+    from anchorcache.cli import _ephemeral_floor
+
+    floor = _ephemeral_floor()
+    n = (floor - floor // 2) // 4  # slices of 4 ports
+    k = random.randrange(n)
+    monkeypatch.setenv("ANCHORCACHE_PORT_SHARD", f"{k}/{n}")
+    lo = floor // 2 + k * ((floor - floor // 2) // n)
+    avoid = {lo, lo + 1, lo + 2}
+    ports = [free_port(avoid=avoid) for _ in range(3)]
+    assert len(set(ports)) == 3 and not avoid & set(ports), (lo, ports)
 
 
 def test_every_file_that_starts_sglang_servers_runs_in_the_sglang_process():

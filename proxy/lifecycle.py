@@ -413,15 +413,17 @@ class AnchorLifecycle:
             confirmed, evicted = reply.confirmed, reply.evicted
         settled = self._planner.record(caller.namespace, report, confirmed, evicted)
         ok = set(confirmed)
-        led.commit(self.worker_id, epoch, [w.key for w in report.written if w.slot in ok])
-        if report.held:
-            led.record_held(self.worker_id, epoch, caller.namespace, caller.tenant, _new(report.held))
-        if settled.removed:
-            led.mark(self.worker_id, epoch, settled.removed, AnchorStatus.EVICTED)
-        if report.restored:
-            led.record_hits(self.worker_id, epoch, [h.key for h in report.restored])
-        led.close_reservation(anchored.rid, ReservationOutcome.CONFIRMED,
-                              reason if ok == {w.slot for w in report.written} else "confirm_refused")
+        with led.transaction():  # one commit for all of it
+            led.commit(self.worker_id, epoch, [w.key for w in report.written if w.slot in ok])
+            if report.held:
+                led.record_held(self.worker_id, epoch, caller.namespace, caller.tenant,
+                                _new(report.held))
+            if settled.removed:
+                led.mark(self.worker_id, epoch, settled.removed, AnchorStatus.EVICTED)
+            if report.restored:
+                led.record_hits(self.worker_id, epoch, [h.key for h in report.restored])
+            led.close_reservation(anchored.rid, ReservationOutcome.CONFIRMED, reason
+                                  if ok == {w.slot for w in report.written} else "confirm_refused")
         if caller.own_namespace and caller.tenant != SHARED_TENANT:
             for rec in settled.committed:
                 if rec.kind == AnchorKind.INSTRUCTION and rec.namespace == caller.namespace:

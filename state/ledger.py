@@ -117,12 +117,31 @@ class Ledger:
             self._lock = None
 
     @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One transaction around what runs inside; within another, part of it. (sqlite-utils
+        4 commits each statement of its own `execute` at once unless a transaction is open:
+        a method of several statements, or several methods, are atomic only inside one.)"""
+        if self.db.conn.in_transaction:
+            yield
+            return
+        with self.db.atomic():
+            yield
+
+    def _rows(self, sql: str, args: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        """The rows of one read, as dicts (on the request path: sqlite-utils' `rows_where`
+        looks the table up in the schema first, two reads more, and `query` wraps the read
+        in a savepoint)."""
+        cur = self.db.conn.execute(sql, list(args))
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+    @contextlib.contextmanager
     def _durable(self) -> Iterator[None]:
         """One transaction, fsynced at commit (`synchronous=FULL`): a key revoked or a tenant
         created survives a power loss once the call returns."""
         self.db.execute("PRAGMA synchronous=FULL")
         try:
-            with self.db.conn:
+            with self.db.atomic():
                 yield
         finally:
             self.db.execute("PRAGMA synchronous=NORMAL")
@@ -134,7 +153,7 @@ class Ledger:
         go once they expire, whatever `retention_s`. The rows deleted, by table."""
         before = self.clock() - retention_s
         deleted = {}
-        with self.db.conn:
+        with self.transaction():
             deleted["responses"] = self.db.execute(
                 "DELETE FROM responses WHERE expires_at <= ?", [self.clock()]).rowcount
             deleted["reservations"] = self.db.execute(
@@ -173,7 +192,7 @@ class Ledger:
                       r["created_at"])
 
     def tenant(self, name: str) -> Tenant | None:
-        rows = list(self.db.table("tenants").rows_where("name = ?", [name]))
+        rows = self._rows("SELECT * FROM tenants WHERE name = ?", [name])
         return self._tenant(rows[0]) if rows else None
 
     def tenants(self) -> list[Tenant]:
@@ -195,6 +214,8 @@ class Ledger:
 
     def ensure_tenant(self, name: str, quotas: Quotas = Quotas()) -> Tenant:
         """The tenant `name`, created (without a key) if it does not exist yet."""
+        if (tenant := self.tenant(name)) is not None:  # (every anonymous request)
+            return tenant
         try:
             with self._durable():
                 return self.tenant(name) or self._insert_tenant(name, quotas)
@@ -251,7 +272,7 @@ class Ledger:
 
     def lookup_key(self, api_key: str) -> ApiKey | None:
         """The key record for a presented API key (revoked ones too), or None."""
-        rows = list(self.db.table("api_keys").rows_where("key_hash = ?", [hash_key(api_key)]))
+        rows = self._rows("SELECT * FROM api_keys WHERE key_hash = ?", [hash_key(api_key)])
         if not rows:
             return None
         r = rows[0]
@@ -286,7 +307,7 @@ class Ledger:
         return ts
 
     def toolset(self, toolset: str) -> Toolset | None:
-        rows = list(self.db.table("toolsets").rows_where("toolset = ?", [toolset]))
+        rows = self._rows("SELECT * FROM toolsets WHERE toolset = ?", [toolset])
         return self._toolset(rows[0]) if rows else None
 
     def toolsets(self, tenant: str | None = None, *, pinned: bool | None = None,
@@ -313,7 +334,7 @@ class Ledger:
         `max_tenant_bytes`, the tenant's oldest other responses are deleted until its stored
         bodies fit (one tenant cannot fill the disk); how many were deleted."""
         now = self.clock()
-        with self.db.conn:
+        with self.transaction():
             self.db.table("responses").upsert({"id": response_id, "tenant": tenant,
                                                "created_at": now, "expires_at": now + ttl_s,
                                                "body": body}, pk="id")
@@ -339,7 +360,7 @@ class Ledger:
 
     def delete_response(self, response_id: str, tenant: str) -> bool:
         """Delete a response `tenant` stored; False if it has none by that id."""
-        with self.db.conn:
+        with self.transaction():
             cur = self.db.execute("DELETE FROM responses WHERE id = ? AND tenant = ? AND "
                                   "expires_at > ?", [response_id, tenant, self.clock()])
         return bool(cur.rowcount)
@@ -355,16 +376,16 @@ class Ledger:
         return (" AND ".join(parts) or None), args
 
     def open_reservation(self, rid: str, tenant: str, worker: str, epoch: str) -> None:
-        self.db.table("reservations").insert({"rid": rid, "tenant": tenant, "worker": worker,
-                                        "epoch": epoch, "opened_at": self.clock(),
-                                        "closed_at": None, "outcome": ReservationOutcome.OPEN.value,
-                                        "reason": None, "owner": self.owner})
+        self.db.execute("INSERT INTO reservations (rid, tenant, worker, epoch, opened_at, outcome, "
+                        "owner) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        [rid, tenant, worker, epoch, self.clock(), ReservationOutcome.OPEN.value,
+                         self.owner])
 
     def close_reservation(self, rid: str, outcome: ReservationOutcome, reason: str | None = None) -> bool:
         """Close an open reservation; anchors of it still reserved become aborted. False if it
         was not open (closed already, e.g. by reconcile)."""
         now = self.clock()
-        with self.db.conn:
+        with self.transaction():
             cur = self.db.execute(
                 "UPDATE reservations SET outcome = ?, reason = ?, closed_at = ? "
                 "WHERE rid = ? AND outcome = 'open'", [outcome.value, reason, now, rid])
@@ -379,9 +400,8 @@ class Ledger:
     def _upsert_anchors(self, rid: str | None, worker: str, epoch: str, namespace: bytes,
                         tenant: str, anchors: Iterable[NewAnchor], status: AnchorStatus) -> None:
         now = self.clock()
-        for a in anchors:
-            # a re-written key starts over; one reported held keeps its hits
-            self.db.execute(
+        # a re-written key starts over; one reported held keeps its hits
+        self.db.conn.executemany(
                 "INSERT INTO anchors (worker, epoch, key, depth, parent, namespace, tenant, slot, "
                 "nbytes, kind, status, hits, last_hit, rid, created_at, updated_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?) "
@@ -391,57 +411,53 @@ class Ledger:
                 "namespace = excluded.namespace, tenant = excluded.tenant, "
                 "updated_at = excluded.updated_at, "
                 "hits = CASE WHEN anchors.status = 'committed' THEN anchors.hits ELSE 0 END",
-                [worker, epoch, a.key.hex(), a.depth, _hex(a.parent), namespace.hex(), tenant,
-                 a.slot, a.nbytes, a.kind, status.value, rid, now, now])
+                [[worker, epoch, a.key.hex(), a.depth, _hex(a.parent), namespace.hex(), tenant,
+                  a.slot, a.nbytes, a.kind, status.value, rid, now, now] for a in anchors])
 
     def record_written(self, rid: str, worker: str, epoch: str, namespace: bytes, tenant: str,
                        anchors: Iterable[NewAnchor]) -> None:
         """Snapshots the worker wrote for `rid`: reserved until `commit`."""
-        with self.db.conn:
+        with self.transaction():
             self._upsert_anchors(rid, worker, epoch, namespace, tenant, anchors, AnchorStatus.RESERVED)
 
     def record_held(self, worker: str, epoch: str, namespace: bytes, tenant: str,
                     anchors: Iterable[NewAnchor]) -> None:
         """Anchors the worker reported it already held: committed (the worker says so)."""
-        with self.db.conn:
+        with self.transaction():
             self._upsert_anchors(None, worker, epoch, namespace, tenant, anchors, AnchorStatus.COMMITTED)
 
     def commit(self, worker: str, epoch: str, keys: Iterable[bytes]) -> None:
         """The worker confirmed these anchors."""
         now = self.clock()
-        with self.db.conn:
-            for key in keys:
-                self.db.execute("UPDATE anchors SET status = 'committed', updated_at = ? "
-                                "WHERE worker = ? AND epoch = ? AND key = ?",
-                                [now, worker, epoch, key.hex()])
+        with self.transaction():
+            self.db.conn.executemany("UPDATE anchors SET status = 'committed', updated_at = ? "
+                                     "WHERE worker = ? AND epoch = ? AND key = ?",
+                                     [[now, worker, epoch, key.hex()] for key in keys])
 
     def mark(self, worker: str, epoch: str, keys: Iterable[bytes], status: AnchorStatus) -> int:
         """Set committed/reserved anchors' status (evicted, lost...); returns how many changed."""
-        now, n = self.clock(), 0
-        with self.db.conn:
-            for key in keys:
-                n += self.db.execute(
-                    "UPDATE anchors SET status = ?, updated_at = ? WHERE worker = ? AND epoch = ? "
-                    "AND key = ? AND status IN ('committed', 'reserved')",
-                    [status.value, now, worker, epoch, key.hex()]).rowcount
-        return n
+        now = self.clock()
+        with self.transaction():
+            return self.db.conn.executemany(
+                "UPDATE anchors SET status = ?, updated_at = ? WHERE worker = ? AND epoch = ? "
+                "AND key = ? AND status IN ('committed', 'reserved')",
+                [[status.value, now, worker, epoch, key.hex()] for key in keys]).rowcount
 
     def lose_worker(self, worker: str) -> int:
         """`worker` went out of reach: its committed and reserved anchors become lost (a
         reconcile at the same epoch, once it answers again, takes back those it still lists).
         Returns how many."""
-        with self.db.conn:
+        with self.transaction():
             return self.db.execute(
                 "UPDATE anchors SET status = 'lost', updated_at = ? WHERE worker = ? "
                 "AND status IN ('committed', 'reserved')", [self.clock(), worker]).rowcount
 
     def record_hits(self, worker: str, epoch: str, keys: Iterable[bytes]) -> None:
         now = self.clock()
-        with self.db.conn:
-            for key in keys:
-                self.db.execute("UPDATE anchors SET hits = hits + 1, last_hit = ? "
-                                "WHERE worker = ? AND epoch = ? AND key = ?",
-                                [now, worker, epoch, key.hex()])
+        with self.transaction():
+            self.db.conn.executemany("UPDATE anchors SET hits = hits + 1, last_hit = ? "
+                                     "WHERE worker = ? AND epoch = ? AND key = ?",
+                                     [[now, worker, epoch, key.hex()] for key in keys])
 
     @staticmethod
     def _anchor(r: dict[str, Any]) -> AnchorRow:
@@ -501,10 +517,8 @@ class Ledger:
         """Anchors whose status, slot or epoch changed after change number `after` (by any
         process), as they are now, in the order of their last change; and the number to
         ask after next time. One indexed read; nothing when nothing changed."""
-        cur = self.db.execute("SELECT * FROM anchors WHERE seq > ? ORDER BY seq LIMIT ?",
-                              [after, limit])
-        names = [d[0] for d in cur.description]
-        rows = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+        rows = self._rows("SELECT * FROM anchors WHERE seq > ? ORDER BY seq LIMIT ?",
+                          [after, limit])
         return (rows[-1]["seq"] if rows else after), [self._anchor(r) for r in rows]
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
@@ -512,7 +526,7 @@ class Ledger:
         it); False while another owner holds it unexpired. One statement: atomic across
         processes."""
         now = self.clock()
-        with self.db.conn:
+        with self.transaction():
             return bool(self.db.execute(
                 "INSERT INTO locks (name, owner, expires_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, "
@@ -521,7 +535,7 @@ class Ledger:
                 [name, owner, now + ttl_s, now]).rowcount)
 
     def unlock(self, name: str, owner: str) -> None:
-        with self.db.conn:
+        with self.transaction():
             self.db.execute("DELETE FROM locks WHERE name = ? AND owner = ?", [name, owner])
 
     def enter_flight(self, tenant: str, limit: int | None) -> bool:
@@ -529,7 +543,7 @@ class Ledger:
         `limit` in flight in all processes together already (then False, nothing counted).
         One statement, which takes the write lock before it reads the total: two processes
         cannot both take the last place."""
-        with self.db.conn:
+        with self.transaction():
             return bool(self.db.execute(
                 "INSERT INTO in_flight (tenant, owner, num_requests) SELECT ?, ?, 1 "
                 "WHERE ? IS NULL OR (SELECT coalesce(sum(num_requests), 0) FROM in_flight "
@@ -538,7 +552,7 @@ class Ledger:
                 [tenant, self.owner, limit, tenant, limit]).rowcount)
 
     def leave_flight(self, tenant: str) -> None:
-        with self.db.conn:
+        with self.transaction():
             self.db.execute("UPDATE in_flight SET num_requests = num_requests - 1 "
                             "WHERE tenant = ? AND owner = ?", [tenant, self.owner])
             self.db.execute("DELETE FROM in_flight WHERE owner = ? AND num_requests <= 0",
@@ -554,7 +568,7 @@ class Ledger:
         one's (a process starts with none; its pid may be a dead one's); how many rows."""
         owners = [o for (o,) in self.db.execute("SELECT DISTINCT owner FROM in_flight")
                   if o == self.owner or not alive(o)]
-        with self.db.conn:
+        with self.transaction():
             return sum(self.db.execute("DELETE FROM in_flight WHERE owner = ?", [o]).rowcount
                        for o in owners)
 
@@ -597,7 +611,7 @@ class Ledger:
                 if alive(owner)}
         kept = adopted = evicted = aborted = 0
         stale: list[int] = []
-        with self.db.conn:
+        with self.transaction():
             lost = self.db.execute(
                 "UPDATE anchors SET status = 'lost', updated_at = ? WHERE worker = ? AND epoch != ? "
                 "AND status IN ('committed', 'reserved')", [now, worker, epoch]).rowcount

@@ -97,7 +97,7 @@ def migrate(db: sqlite_utils.Database) -> int:
                           f"up to {SCHEMA_VERSION} (upgrade anchorcache or use another "
                           f"ANCHORCACHE_STATE_DIR)")
     for i in range(version, SCHEMA_VERSION):
-        with db.conn:
+        with db.atomic():  # a migration and its version number, whole or not at all
             MIGRATIONS[i](db)
             db.execute(f"PRAGMA user_version = {i + 1}")
     return int(version)

@@ -275,3 +275,40 @@ def test_a_tenants_stored_responses_are_held_to_its_byte_cap_oldest_first(tmp_pa
     assert led.put_response("big", "a", b"x" * 500, ttl_s=60, max_tenant_bytes=100) == 2
     assert led.response("big", "a") is not None and led.size()["responses_rows"] == 2
     led.close()
+
+
+def test_a_request_settles_in_one_transaction_that_others_see_whole_or_not_at_all(tmp_path):
+    """sqlite-utils 4 commits each statement of its `execute` at once outside a transaction:
+    what a request's settle writes (commit, hits, the reservation's close) must be one
+    transaction, seen by another connection (another proxy process) all at once, and
+    rolled back whole when it fails midway. One BEGIN and one COMMIT, however many
+    anchors."""
+    led = Ledger.open(tmp_path / "state")
+    other = Ledger.open(tmp_path / "state")
+    led.ensure_tenant("t")
+    led.open_reservation("r1", "t", W, E1)
+    led.record_written("r1", W, E1, NS, "t", [anchor(i, 10 * i, slot=i) for i in range(1, 30)])
+
+    statements: list[str] = []
+    led.db.conn.set_trace_callback(statements.append)
+    with led.transaction():
+        led.commit(W, E1, [key(i) for i in range(1, 30)])
+        led.record_hits(W, E1, [key(i) for i in range(1, 30)])
+        assert led.close_reservation("r1", ReservationOutcome.CONFIRMED)
+        # not yet visible to another connection
+        assert {a.status for a in other.anchors(worker=W)} == {AnchorStatus.RESERVED}
+        assert other.reservations(ReservationOutcome.OPEN)
+    led.db.conn.set_trace_callback(None)
+    assert [s for s in statements if s in ("BEGIN", "COMMIT")] == ["BEGIN", "COMMIT"]
+    assert {(a.status, a.hits) for a in other.anchors(worker=W)} == {(AnchorStatus.COMMITTED, 1)}
+    assert not other.reservations(ReservationOutcome.OPEN)
+
+    led.open_reservation("r2", "t", W, E1)
+    with pytest.raises(RuntimeError), led.transaction():
+        led.record_written("r2", W, E1, NS, "t", [anchor(40, 400, slot=40)])
+        led.close_reservation("r2", ReservationOutcome.CONFIRMED)
+        raise RuntimeError("the worker's confirm reply was garbage")
+    assert other.anchors(key=key(40)) == []
+    assert [r["rid"] for r in other.reservations(ReservationOutcome.OPEN)] == ["r2"]
+    led.close()
+    other.close()

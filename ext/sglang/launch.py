@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from typing import Any
 
 
 def main(argv: list[str]) -> None:
@@ -37,6 +38,8 @@ def main(argv: list[str]) -> None:
     from .rpc import RANK_RPC_DIR
 
     load_plugins()
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":  # the CPU recipe (ext/sglang/cpu.py)
+        _fork_children()
     server_args = prepare_server_args(argv)
     secret = os.environ.pop(WORKER_SECRET_ENV, None)
     if secret:
@@ -58,6 +61,29 @@ def main(argv: list[str]) -> None:
         launch_server(server_args, init_tokenizer_manager_func=tokenizer_manager)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
+
+
+def _fork_children() -> None:
+    """SGLang's children (each rank's scheduler, the detokenizer, the data-parallel
+    controller) start by fork instead of spawn, on the CPU engine only (CUDA cannot be
+    forked into; on a GPU SGLang's spawn stays). A spawned child imports SGLang, torch and
+    our plugin again, ~11 s of CPU each: a start took 30-38 s and 45-50 s of CPU on a 2-core
+    machine, forked 21-23 s and 24-27 s (same tokens). This process has loaded no model and
+    run no torch op yet when SGLang starts them (`_launch_subprocesses`), and the children
+    inherit the plugin's hooks as loaded here. SGLang sets "spawn" in
+    `_set_envs_and_config`, which `_launch_subprocesses` calls first: this sets "fork"
+    right after it."""
+    import importlib
+    import multiprocessing as mp
+
+    engine: Any = importlib.import_module("sglang.srt.entrypoints.engine")
+    configure = engine._set_envs_and_config
+
+    def set_envs_and_config(server_args: object) -> None:
+        configure(server_args)
+        mp.set_start_method("fork", force=True)
+
+    engine._set_envs_and_config = set_envs_and_config
 
 
 if __name__ == "__main__":

@@ -415,11 +415,13 @@ def free_port(host: str = "127.0.0.1", avoid: Iterable[int] = ()) -> int:
                 continue
         _handed_ports.add(port)
         return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    _handed_ports.add(port)
-    return port
+    while True:  # the kernel's choice, from the ephemeral range
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            _handed_ports.add(port)
+            return port
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:

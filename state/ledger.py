@@ -402,17 +402,17 @@ class Ledger:
         now = self.clock()
         # a re-written key starts over; one reported held keeps its hits
         self.db.conn.executemany(
-                "INSERT INTO anchors (worker, epoch, key, depth, parent, namespace, tenant, slot, "
-                "nbytes, kind, status, hits, last_hit, rid, created_at, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?) "
-                "ON CONFLICT (worker, epoch, key) DO UPDATE SET depth = excluded.depth, "
-                "parent = excluded.parent, slot = excluded.slot, nbytes = excluded.nbytes, "
-                "kind = excluded.kind, status = excluded.status, rid = excluded.rid, "
-                "namespace = excluded.namespace, tenant = excluded.tenant, "
-                "updated_at = excluded.updated_at, "
-                "hits = CASE WHEN anchors.status = 'committed' THEN anchors.hits ELSE 0 END",
-                [[worker, epoch, a.key.hex(), a.depth, _hex(a.parent), namespace.hex(), tenant,
-                  a.slot, a.nbytes, a.kind, status.value, rid, now, now] for a in anchors])
+            "INSERT INTO anchors (worker, epoch, key, depth, parent, namespace, tenant, slot, "
+            "nbytes, kind, status, hits, last_hit, rid, created_at, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, NULL, ?, ?, ?) "
+            "ON CONFLICT (worker, epoch, key) DO UPDATE SET depth = excluded.depth, "
+            "parent = excluded.parent, slot = excluded.slot, nbytes = excluded.nbytes, "
+            "kind = excluded.kind, status = excluded.status, rid = excluded.rid, "
+            "namespace = excluded.namespace, tenant = excluded.tenant, "
+            "updated_at = excluded.updated_at, "
+            "hits = CASE WHEN anchors.status = 'committed' THEN anchors.hits ELSE 0 END",
+            [[worker, epoch, a.key.hex(), a.depth, _hex(a.parent), namespace.hex(), tenant,
+              a.slot, a.nbytes, a.kind, status.value, rid, now, now] for a in anchors])
 
     def record_written(self, rid: str, worker: str, epoch: str, namespace: bytes, tenant: str,
                        anchors: Iterable[NewAnchor]) -> None:

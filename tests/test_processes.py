@@ -215,7 +215,9 @@ def test_the_in_flight_quota_holds_across_processes(stack):
     assert first.post("/admin/tenants/quota/quotas", json={"max_in_flight": 1},
                       headers=ADMIN).status_code == 200
     auth = {"Authorization": f"Bearer {key}"}
-    body = {"model": "default", "temperature": 0, "max_tokens": 400, "stream": True,
+    # long enough that it is still generating when the second request arrives under load
+    # (400 tokens, a few seconds, once ended first under a loaded CI and let it in)
+    body = {"model": "default", "temperature": 0, "max_tokens": 2000, "stream": True,
             "messages": [{"role": "user", "content": "Count from 1 to 500, one per line."}]}
     with first.stream("POST", "/v1/chat/completions", json=body, headers=auth) as slow:
         assert slow.status_code == 200

@@ -215,13 +215,15 @@ def test_the_in_flight_quota_holds_across_processes(stack):
     assert first.post("/admin/tenants/quota/quotas", json={"max_in_flight": 1},
                       headers=ADMIN).status_code == 200
     auth = {"Authorization": f"Bearer {key}"}
-    # long enough that it is still generating when the second request arrives under load
-    # (400 tokens, a few seconds, once ended first under a loaded CI and let it in)
-    body = {"model": "default", "temperature": 0, "max_tokens": 2000, "stream": True,
+    body = {"model": "default", "temperature": 0, "max_tokens": 400, "stream": True,
             "messages": [{"role": "user", "content": "Count from 1 to 500, one per line."}]}
     with first.stream("POST", "/v1/chat/completions", json=body, headers=auth) as slow:
         assert slow.status_code == 200
-        next(slow.iter_lines())  # in flight in process 0
+        # in flight in process 0. The line iterator is kept: dropped, it closes the response,
+        # the proxy sees its client gone and ends the request, and on a loaded machine that
+        # came before the second request, which was then let in
+        lines = slow.iter_lines()
+        next(lines)
         refused = second.post("/v1/chat/completions", headers=auth,
                               json={**body, "stream": False, "max_tokens": 1})
         assert refused.status_code == 429, refused.text

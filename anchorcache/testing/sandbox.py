@@ -4,7 +4,7 @@
 `HOME` and `ANCHORCACHE_CACHE_DIR` point into a fresh temporary folder, and none of the
 user's `ANCHORCACHE_` settings is seen. Under pytest-xdist (`make test` runs two processes)
 each process picks the ports of the servers it starts from a slice of its own
-(`cli.free_port`). Only the converted models are shared with the user's
+(`cli.free_port`), and its models a share of the cores (`OMP_NUM_THREADS`). Only the converted models are shared with the user's
 cache (`models/`, linked: `make test` prepares them; tests read them). The default ledger
 location of that home (`anchorcache.paths.default_state_dir`) holds a ledger with two
 tenants: anything that opened it instead of a state dir of its own would see them (an
@@ -111,6 +111,13 @@ def enter() -> Sandbox:
         "PYTEST_XDIST_WORKER_COUNT")
     if worker.startswith("gw") and workers:  # one of `make test`'s parallel processes
         os.environ["ANCHORCACHE_PORT_SHARD"] = f"{int(worker[2:])}/{workers}"  # cli.free_port
+        # torch's threads (OpenMP's, in this process and the model servers it starts): the
+        # processes share the cores. Two per process on a 2-core machine made each parallel
+        # op wait on a thread the other process's model had pushed off a core: decode 2.3x
+        # and prefill 1.8x slower than one thread each while both ran a model, the whole
+        # suite 22 min 48 s against 20 min 21 s (docs/benchmarks.md)
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                         // int(workers))))
     default_ledger = paths.default_state_dir()
     assert default_ledger.is_relative_to(home), default_ledger
     seed_ledger(default_ledger)

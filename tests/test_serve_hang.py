@@ -232,8 +232,8 @@ def test_a_stopped_sglang_scheduler_is_restarted(tmp_path):
     from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
 
     model = str(build_tiny_model("qwen3", tiny_model_dir("qwen3")))
-    with _serve("--backend", "sglang", "--model", model, "--worker-health-timeout-s", "20",
-                "--worker-stall-timeout-s", "20", "--", "--max-total-tokens", "10000",
+    with _serve("--backend", "sglang", "--model", model, "--worker-health-timeout-s", "10",
+                "--worker-stall-timeout-s", "10", "--", "--max-total-tokens", "10000",
                 env={"ANCHORCACHE_STATE_DIR": str(tmp_path)}, timeout_s=900) as serve:
         before = serve.health().json()
         worker, worker_url = serve.worker()

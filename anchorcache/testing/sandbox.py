@@ -4,12 +4,13 @@
 `HOME` and `ANCHORCACHE_CACHE_DIR` point into a fresh temporary folder, and none of the
 user's `ANCHORCACHE_` settings is seen. Under pytest-xdist (`make test` runs two processes)
 each process picks the ports of the servers it starts from a slice of its own
-(`cli.free_port`), and its models a share of the cores (`OMP_NUM_THREADS`). Only the converted models are shared with the user's
-cache (`models/`, linked: `make test` prepares them; tests read them). The default ledger
-location of that home (`anchorcache.paths.default_state_dir`) holds a ledger with two
-tenants: anything that opened it instead of a state dir of its own would see them (an
-unknown key is refused once a tenant exists), and would change the ledger folder, which
-`Sandbox.check` compares, with the user's own default ledger, to what it was at the start.
+(`cli.free_port`), and its models a share of the cores (`OMP_NUM_THREADS`). Only the
+converted models are shared with the user's cache (`models/`, linked: `make test` prepares
+them; tests read them). The default ledger location of that home
+(`anchorcache.paths.default_state_dir`) holds a ledger with two tenants: anything that
+opened it instead of a state dir of its own would see them (an unknown key is refused once
+a tenant exists), and would change the ledger folder, which `Sandbox.check` compares, with
+the user's own default ledger, to what it was at the start.
 
 Imports nothing but `anchorcache.paths` at module level: it must run before anything
 imports `anchorcache.cli`, whose options take their defaults from the home at import.

@@ -260,7 +260,10 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def by_length(url: str, pid: int, turns: int, count_tokens: Any,
-              sizes: tuple[int, ...]) -> list[dict]:
+              sizes: tuple[int, ...], after_cold: Any = None) -> list[dict]:
+    """Per size: the cold turn, then the warm ones; `after_cold()` is called once, after
+    the first cold turn (the profiler starts there: the cold turns' tokenizing would
+    otherwise fill the profile)."""
     rows = []
     with httpx.Client(timeout=300) as client:
         for size in sizes:
@@ -273,6 +276,9 @@ def by_length(url: str, pid: int, turns: int, count_tokens: Any,
                 request(client, url, tools, messages[:stop], mode == "stream")
                 time.sleep(0.05)  # the proxy's after-reply work (confirm, ledger) lands in this turn
                 samples[mode].append((cpu_ns(pid) - before) / 1e6)
+                if after_cold is not None and i == 0:
+                    after_cold()
+                    after_cold = None
             tokens = count_tokens(tools, messages[:stops[0]])
             for mode in ("stream", "plain"):
                 xs = samples[mode]
@@ -455,13 +461,18 @@ def main() -> None:
         wait_ready(f"http://127.0.0.1:{port}/health", stub, timeout_s=120)
         with proxy_process(f"http://127.0.0.1:{port}") as proxy:
             pid = proxy.proc.pid
-            if args.profile:
-                spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record",
-                                        "-p", str(pid), "-o", args.profile, "--format", "raw",
-                                        "-r", "200", "--threads"])
+            spies = []
+
+            def profile() -> None:
+                spies.append(subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid),
+                     "-o", args.profile, "--format", "raw", "-r", "200", "--threads"]))
                 time.sleep(1)
+
             rows = by_length(proxy.url, pid, args.turns, count_tokens,
-                             tuple(int(s) for s in args.sizes.split(",")))
+                             tuple(int(s) for s in args.sizes.split(",")),
+                             profile if args.profile else None)
+            spy = spies[0] if spies else None
             rate = None if args.no_throughput else throughput(
                 proxy.url, pid, args.concurrent, args.turns, count_tokens)
             if spy is not None:

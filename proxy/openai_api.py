@@ -30,7 +30,7 @@ from .pipeline import (
     check_model,
 )
 from .running import STATE
-from .schema import ChatRequest, parse_chat_request, read_json
+from .schema import BODY_BYTES, ChatRequest, parse_chat_request, read_json
 from .splitter.types import OutputDelta
 from .tenants import TENANT
 
@@ -134,7 +134,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gen = generation(req, salt)
     if not anchors_wanted(request):
         gen = dataclasses.replace(gen, anchors=False)
-    completion = await Completion.create(state, gen, tenant=request[TENANT])
+    completion = await Completion.create(state, gen, tenant=request[TENANT],
+                                         body_bytes=request[BODY_BYTES])
     cid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
     if not req.stream:

@@ -186,10 +186,13 @@ class Completion:
 
     @classmethod
     async def create(cls, state: ProxyState, gen: Generation, *,
-                     tenant: TenantContext) -> Completion:
+                     tenant: TenantContext, body_bytes: int | None = None) -> Completion:
         """Render and split the chat (a bad chat raises a 400 `ApiError`, one that cannot
         fit the context `context_length_exceeded` before anything is rendered). `tenant`:
-        what the tenant middleware put on the request (`request[TENANT]`).
+        what the tenant middleware put on the request (`request[TENANT]`); `body_bytes`:
+        the decoded body's length where every text of `gen` is in it (each character is at
+        least a byte of its JSON), which spares the early budget check's pass over the
+        messages for a body that cannot reach the budget.
 
         The split runs on the split thread (split_pool.py), never on the event loop."""
         started = time.perf_counter()
@@ -199,8 +202,9 @@ class Completion:
                 **effort_template_kwargs(state.adapter, gen.reasoning_effort),
                 **gen.template_kwargs})
         # a max_tokens beyond the room is clamped: only a refused one counts against the text
-        state.budget.check(rendered_chars(gen.messages, gen.tools), gen.max_tokens
-                           if state.config.max_tokens_policy == "refuse" else None)
+        asked = gen.max_tokens if state.config.max_tokens_policy == "refuse" else None
+        if body_bytes is None or not state.budget.fits(body_bytes, asked):
+            state.budget.check(rendered_chars(gen.messages, gen.tools), asked)
         messages, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
         # in the tenant's turn on the split threads, with memos of the caller's own
         splitter = functools.partial(state.splits.split, tenant=caller.tenant,

@@ -139,18 +139,28 @@ class PrefixKeys:
 
     @staticmethod
     def _verified(marks: list[_Marks], buf: bytes, limit: int) -> list[tuple[int, Any]]:
-        """Each earlier prompt's states at depths up to `limit` whose prefix `buf` repeats."""
+        """Each earlier prompt's states at depths up to `limit` whose prefix `buf` repeats.
+        Newest first: once one is repeated to some depth, an older one adds only states
+        deeper than that (an agent's earlier turns are all prefixes of its last one)."""
         out: list[tuple[int, Any]] = []
+        deepest = 0
         for m in marks:
-            # a repeated prefix repeats every shorter one: binary search for the deepest
-            lo, hi = 0, bisect.bisect_right(m.depths, limit)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if buf.startswith(memoryview(m.buf)[:m.depths[mid] * 8]):
-                    lo = mid + 1
-                else:
-                    hi = mid
-            out += zip(m.depths[:lo], m.states[:lo], strict=True)
+            hi = bisect.bisect_right(m.depths, limit)
+            if hi == 0 or m.depths[hi - 1] <= deepest:
+                continue
+            if buf.startswith(memoryview(m.buf)[:m.depths[hi - 1] * 8]):
+                lo = hi  # all of them: one memcmp
+            else:  # a repeated prefix repeats every shorter one: the deepest by bisection
+                lo = 0
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if buf.startswith(memoryview(m.buf)[:m.depths[mid] * 8]):
+                        lo = mid + 1
+                    else:
+                        hi = mid
+            if lo:
+                out += zip(m.depths[:lo], m.states[:lo], strict=True)
+                deepest = max(deepest, m.depths[lo - 1])
         return out
 
     def _keep(self, scope: tuple[bytes, bytes], marks: _Marks) -> None:
@@ -212,9 +222,9 @@ class Planner:
         Mistral's system prompt in the last user message, the conversation cut is the hit.)"""
         n = len(split.input_ids)
         skip_conversation = self.hybrid and split.stable_tail and any(
-            c.kind == CutKind.MESSAGES and c.position < n for c in split.cuts)
+            c.kind == CutKind.MESSAGES and c.position < n for c in split.anchor_cuts)
         out = [(pos, AnchorKind.TOOL) for pos in self._tool_cuts(split)]  # inside the prompt
-        for cut in split.cuts:
+        for cut in split.anchor_cuts:  # TURN cuts are never anchored
             if not 0 < cut.position < n:
                 continue
             if cut.kind == CutKind.INSTRUCTION:

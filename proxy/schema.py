@@ -66,10 +66,15 @@ def bad(message: str, param: str | None = None) -> ApiError:
 
 # ---- protocol-neutral pieces ---------------------------------------------------------------
 
+BODY_BYTES = web.RequestKey("body_bytes", int)  # the decoded body's length (read_json)
+
+
 async def read_json(request: web.Request) -> Any:
-    """The decoded JSON body. Unreadable bodies (a gzip label on plain bytes) are turned into
-    400s by the error middleware, bodies over the size limit into 413s."""
+    """The decoded JSON body (its length in `request[BODY_BYTES]`). Unreadable bodies (a
+    gzip label on plain bytes) are turned into 400s by the error middleware, bodies over the
+    size limit into 413s."""
     raw = await request.read()
+    request[BODY_BYTES] = len(raw)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -70,6 +70,10 @@ class TokenBudget:
             return 0
         return -(-rendered_chars // self.max_chars_per_token)
 
+    def fits(self, chars: int, max_tokens: int | None) -> bool:
+        """Whether `check` passes every prompt of at most `chars` characters of text."""
+        return self.min_tokens(chars) + (max_tokens or 1) <= self.context_tokens
+
     def check(self, rendered_chars: int, max_tokens: int | None) -> None:
         """Raise `context_length_exceeded` if a prompt with at least `rendered_chars`
         characters of text cannot leave room for `max_tokens` (at least 1) new tokens."""
@@ -181,7 +185,9 @@ class SplitPool:
             split = job.work()
         except SplitError as e:
             raise ApiError("invalid_request", str(e), param=e.param) from None
-        split.token_bytes  # noqa: B018  (made here, off the loop: the planner keys these bytes)
+        # made here, off the loop: the planner keys these bytes and walks these cuts
+        split.token_bytes  # noqa: B018
+        split.anchor_cuts  # noqa: B018
         return split
 
     def close(self) -> None:

@@ -28,12 +28,16 @@ How a `TextAdapter` splits (the invariant that makes every cut exact):
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import re
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
+
+import orjson
 
 from .memo import MessageMemo
 from .normalize import (
@@ -49,6 +53,7 @@ from .parsers import OutputParser
 from .prefix_cache import CachedPrefix, PrefixCache
 from .specials import SpecialGuard
 from .tool_cuts import ToolCutLimits, ToolCutMemo, candidates, tool_cuts
+from .turns import Turn, TurnMemo
 from .types import Cut, CutKind, SplitResult
 
 
@@ -78,12 +83,14 @@ class Adapter(ABC):
         self.tool_cut_limits = ToolCutLimits()  # the proxy sets its own (gap, context)
         self.message_memo = MessageMemo()
 
-    def _messages(self, messages: list[dict], scope: bytes) -> tuple[list[dict], list[dict]]:
+    def _messages(self, messages: list[dict], scope: bytes, blob: bytes | None = None
+                  ) -> tuple[list[dict], list[dict]]:
         """`messages` normalized, and normalized then defused (with each call's arguments
         JSON: `with_arguments_json`), each message's pair from `scope`'s memo where the same
-        message was seen (memo.py). The pairs are shared: never mutated."""
+        message was seen (memo.py; `blob`: `messages`' JSON bytes, if made). The pairs are
+        shared: never mutated."""
         check_messages(messages)
-        pairs = self.message_memo.map(scope, messages, self._message_pair)
+        pairs = self.message_memo.map(scope, messages, self._message_pair, blob=blob)
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def _message_pair(self, i: int, message: Any) -> tuple[dict, dict]:
@@ -160,10 +167,6 @@ class Piece(NamedTuple):
     consumed: int | None  # messages fully rendered at the end of this piece; None: no boundary
 
 
-def _digest(h: Any) -> bytes:
-    return h.copy().digest()
-
-
 class TextAdapter(Adapter):
     """Adapters whose templates render text for an `HFTokenizer` (see module docstring)."""
 
@@ -194,11 +197,20 @@ class TextAdapter(Adapter):
         self._head_chars = max([self._added_max_len] + [len(t) for t in specials])
         self._boundaries: dict[tuple[str, str], bool] = {}
         self.chunking_ok = self._probe_chunking()
+        self.turns = TurnMemo()  # the last turns' splits, per scope (turns.py)
 
     @abstractmethod
     def render_pieces(self, messages: list[dict], tools: list[dict] | None,
-                      template_kwargs: dict) -> list[Piece]:
-        """Normalized request → text pieces (module docstring, step 1)."""
+                      template_kwargs: dict, start: int = 0) -> list[Piece]:
+        """Normalized request → text pieces (module docstring, step 1). `start` > 0: only
+        the pieces after the boundary where the first `start` messages are rendered (one the
+        whole render has), exactly as the whole render has them."""
+
+    def stable_messages(self, messages: list[dict], kept: int) -> int:
+        """How many leading messages of `messages` render (with every piece before them)
+        exactly as they did in the render of its first `kept` messages alone: what a split
+        may reuse of the last turn's (turns.py). 0, nothing, unless the adapter knows."""
+        return 0
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *,
                     template_kwargs: dict | None = None,
@@ -212,23 +224,96 @@ class TextAdapter(Adapter):
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None, canonical_tools: bool | None = None,
               scope: bytes = b"", use_cache: bool = True) -> SplitResult:
-        (msgs, safe_msgs), tls = self._messages(messages, scope), self._tools(tools, canonical_tools)
+        blob = context = None
+        if use_cache and self.chunking_ok:
+            try:
+                blob = orjson.dumps(messages)
+                context = orjson.dumps([tools, template_kwargs, canonical_tools])
+            except (TypeError, orjson.JSONEncodeError):
+                blob = context = None
+        (msgs, safe_msgs), tls = (self._messages(messages, scope, blob),
+                                  self._tools(tools, canonical_tools))
         safe_tls = self.guard.defuse(tls)
         kwargs = dict(template_kwargs or {})
-        pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
-        chunks, consumed = self._chunks(pieces)
-        if self.chunking_ok:
-            ids, ends = self._encode_chunks(chunks, use_cache, self._wanted(msgs, consumed),
-                                            scope)
-        else:
-            ids, ends = self._encode_whole_verified(chunks)
-        split = SplitResult(self.name, tuple(ids), self._classify(msgs, tls, consumed, ends),
-                            stable_tail=self.stable_tail)
+        turn = None
+        if blob is not None and context is not None:
+            kept = self.turns.extended(scope, context, blob[:-1])
+            if kept is not None:
+                turn = self._extend(kept, msgs, safe_msgs, safe_tls, kwargs)
+        if turn is None:
+            pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
+            chunks, consumed = self._chunks(pieces)
+            if self.chunking_ok:
+                ids, ends, hashes = self._encode_chunks(chunks, use_cache,
+                                                        self._wanted(msgs, consumed), scope)
+            else:
+                (ids, ends), hashes = self._encode_whole_verified(chunks), []
+            input_ids = tuple(ids)
+            turn = self._turn(msgs, chunks, consumed, ends, hashes, input_ids,
+                              array("q", input_ids).tobytes())
+        if blob is not None and context is not None:
+            self.turns.keep(scope, replace(turn, head=blob[:-1], context=context))
+        chunks, ends = turn.chunks, turn.ends
+        split = SplitResult(self.name, turn.ids, turn.cuts, stable_tail=self.stable_tail,
+                            given_token_bytes=turn.token_bytes)
         head = safe_msgs[:leading_system_count(msgs) + 1]  # what renders before the tools end
         return self._with_tool_cuts(
             split, safe_tls, lambda pos: "".join(chunks[: ends.index(pos) + 1]),
             lambda k: "".join(p.text for p in self.render_pieces(head, safe_tls[:k], kwargs)),
             self.guard.encode_batch, scope)
+
+    def _turn(self, msgs: list[dict], chunks: list[str], consumed: list[int | None],
+              ends: list[int], hashes: list[Any], ids: tuple[int, ...], token_bytes: bytes,
+              kept: Turn | None = None, reused: int = 0) -> Turn:
+        """The split's turn (turns.py) with its cuts: `_classify`'s, and where the chunks
+        are `kept`'s first `reused` ones and more, `kept`'s cuts before the newest messages
+        of either (a cut there depends on nothing after it), then the rest classified."""
+        lead, newest = leading_system_count(msgs), newest_start(msgs)
+        cuts, at, start = [], [], 0
+        if kept is not None and kept.lead == lead:
+            limit = min(newest, kept.newest, (kept.consumed[reused - 1] or 0) + 1)
+            k = bisect.bisect_left(kept.cut_msgs, limit)
+            cuts, at = list(kept.cuts[:k]), list(kept.cut_msgs[:k])
+            ended = cast("list[int]", consumed)  # every chunk but the last ends a message
+            start = bisect.bisect_left(ended, limit, hi=len(ended) - 1)
+        self._classify(len(msgs), lead, newest, consumed, ends, start, cuts, at)
+        return Turn(b"", len(msgs), b"", chunks, consumed, ends, hashes, ids, token_bytes,
+                    tuple(cuts), tuple(at), lead, newest)
+
+    def _extend(self, kept: Turn, msgs: list[dict], safe_msgs: list[dict],
+                safe_tls: list[dict] | None, kwargs: dict) -> Turn | None:
+        """The split of a request whose messages extend `kept`'s (turns.py): `kept`'s chunks
+        up to the last that ends where the render cannot have changed, then the rest
+        rendered, chunked and encoded; None where no chunk can be kept."""
+        stable = self.stable_messages(safe_msgs, kept.count)  # what render_pieces sees
+        # chunks end after strictly more messages each (the last chunk, the generation
+        # prompt, ends none): keep those ending after at most `stable` messages
+        ended = cast("list[int]", kept.consumed)  # every chunk but the last ends a message
+        c = bisect.bisect_right(ended, stable, hi=len(ended) - 1) - 1
+        if c < 0 or not ended[c]:
+            return None
+        tail = self.render_pieces(safe_msgs, safe_tls, kwargs, start=ended[c])
+        if not self._safe_boundary(kept.chunks[c], tail[0].text):
+            return None  # the whole render would not end a chunk there either
+        new_chunks, new_consumed = self._chunks(tail)
+        chunks, consumed = kept.chunks[:c + 1] + new_chunks, kept.consumed[:c + 1] + new_consumed
+        base = kept.ends[c]
+        encoded = self.guard.encode_batch(new_chunks)
+        new_ids = [t for enc in encoded for t in enc]
+        ids = kept.ids[:base] + tuple(new_ids)
+        ends, hashes, total, h = kept.ends[:c + 1], kept.hashes[:c + 1], base, kept.hashes[c]
+        wanted = {leading_system_count(msgs), newest_start(msgs), len(msgs)}  # as `_wanted`
+        for i, enc in enumerate(encoded, c + 1):
+            total += len(enc)
+            ends.append(total)
+            if i < len(chunks) - 1:  # the hash state after it, as `_encode_chunks` keys it
+                h = h.copy()
+                h.update(chunks[i].encode("utf-8", "surrogatepass"))
+                hashes.append(h)
+                if consumed[i] in wanted:
+                    self.cache.put(h.digest(), CachedPrefix(ids[:total], tuple(ends)))
+        return self._turn(msgs, chunks, consumed, ends, hashes, ids,
+                          kept.token_bytes[:8 * base] + array("q", new_ids).tobytes(), kept, c + 1)
 
     def _safe_boundary(self, before: str, after: str) -> bool:
         """Whether a chunk may end between `before` and `after` (module docstring, step 2).
@@ -285,13 +370,16 @@ class TextAdapter(Adapter):
                 if c is not None and c in (lead, newest, len(msgs))}
 
     def _encode_chunks(self, chunks: list[str], use_cache: bool, wanted: set[int],
-                       scope: bytes = b"") -> tuple[list[int], list[int]]:
+                       scope: bytes = b"") -> tuple[list[int], list[int], list[Any]]:
+        """The ids of `chunks`, the token count at each chunk's end, and the prefix hash
+        state after each chunk but the last (its digest keys the prefix cache)."""
         h = hashlib.blake2b(digest_size=16, person=b"ac.split.v1")
         h.update(len(scope).to_bytes(4, "little") + scope)  # the cache is per scope
-        keys = []
+        hashes = []
         for chunk in chunks[:-1]:
             h.update(chunk.encode("utf-8", "surrogatepass"))
-            keys.append(_digest(h))
+            hashes.append(h.copy())
+        keys = [state.digest() for state in hashes]
         start, ids, ends = 0, [], []
         hit = self.cache.deepest(keys) if use_cache else None
         if hit is not None:
@@ -301,7 +389,7 @@ class TextAdapter(Adapter):
             ends.append(len(ids))
             if use_cache and i in wanted and i < len(keys):
                 self.cache.put(keys[i], CachedPrefix(tuple(ids), tuple(ends)))
-        return ids, ends
+        return ids, ends, hashes
 
     def _encode_whole_verified(self, chunks: list[str]) -> tuple[list[int], list[int]]:
         """Slow path for tokenizers that fail the chunking probe: encode the whole text, and
@@ -316,16 +404,19 @@ class TextAdapter(Adapter):
         ends.append(len(ids))
         return ids, ends
 
-    def _classify(self, msgs: list[dict], tools: list[dict] | None,
-                  consumed: list[int | None], ends: list[int]) -> tuple[Cut, ...]:
-        lead, newest = leading_system_count(msgs), newest_start(msgs)
-        cuts: list[Cut] = []
-        for c, pos in zip(consumed, ends, strict=True):
+    @staticmethod
+    def _classify(count: int, lead: int, newest: int, consumed: list[int | None],
+                  ends: list[int], start: int, cuts: list[Cut], at: list[int]) -> None:
+        """Append to `cuts` the cuts at the ends of chunks `start`.. of a request of `count`
+        messages (the first `lead` the instruction part, its newest ones from `newest` on),
+        and to `at` how many messages each ends after."""
+        for c, pos in zip(consumed[start:], ends[start:], strict=True):
             if c is None or pos <= 0:
                 continue
             if c > newest:
-                if c == len(msgs) and (not cuts or pos > cuts[-1].position):
+                if c == count and (not cuts or pos > cuts[-1].position):
                     cuts.append(Cut(CutKind.MESSAGES, pos))
+                    at.append(c)
                 continue
             if c == lead:
                 kind = CutKind.INSTRUCTION
@@ -338,8 +429,8 @@ class TextAdapter(Adapter):
             if cuts and pos <= cuts[-1].position:
                 continue
             cuts.append(Cut(kind, pos))
-        # an adapter with no instruction text (no system, no tools) has no instruction cut
-        return tuple(cuts)
+            at.append(c)
+
 
     def _probe_chunking(self) -> bool:
         try:

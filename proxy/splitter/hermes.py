@@ -88,6 +88,17 @@ def lower_tools(msgs: list[dict], tools: list[dict] | None,
     return [{k: v for k, v in m.items() if k != "lowered_tool"} for m in out]
 
 
+def _last_query(msgs: list[dict], end: int) -> int | None:
+    """The index of the last real user query (not a tool response) before `end`."""
+    for i in range(end - 1, -1, -1):
+        m = msgs[i]
+        if m["role"] == "user":
+            c = m["content"]
+            if not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+                return i
+    return None
+
+
 class HermesAdapter(TextAdapter):
     """Shared output side: `<tool_call>` parsing, forced tool calls, `<|im_end|>` stops."""
 
@@ -167,30 +178,42 @@ class Qwen3Adapter(HermesAdapter):
         return "<|im_start|>" in template and "<tool_call>" in template \
             and "<tool_response>" in template
 
+    def stable_messages(self, messages: list[dict], kept: int) -> int:
+        """A message renders from itself and its neighbours' roles, except an assistant's
+        think block, kept only after the last real user query: the messages up to the
+        earlier of the two renders' last queries, and all but the last of the kept ones
+        when that query did not move."""
+        n = len(messages)
+        query = _last_query(messages, n)
+        kept_query = query if query is None or query < kept else _last_query(messages, kept)
+        now = n - 1 if query is None else query
+        then = kept - 1 if kept_query is None else kept_query
+        return kept - 1 if now == then else min(kept - 1, min(now, then) + 1)
+
     def render_pieces(self, messages: list[dict], tools: list[dict] | None,
-                      template_kwargs: dict) -> list[Piece]:
-        msgs = _as_system(messages)
-        first_system = bool(msgs) and msgs[0]["role"] == "system"
+                      template_kwargs: dict, start: int = 0) -> list[Piece]:
+        msgs, n = messages, len(messages)
+        first_system = bool(msgs) and msgs[0]["role"] in ("system", "developer")
         pieces: list[Piece] = []
-        if tools:
+        if start:
+            pass  # the system turn is before the first piece asked for
+        elif tools:
             head = msgs[0]["content"] + "\n\n" if first_system else ""
             pieces.append(Piece("<|im_start|>system\n" + head + tools_text(tools)
                                 + "<|im_end|>\n", int(first_system)))
         elif first_system:
             pieces.append(Piece("<|im_start|>system\n" + msgs[0]["content"] + "<|im_end|>\n", 1))
-        last_query = len(msgs) - 1
-        for idx in range(len(msgs) - 1, -1, -1):
-            c = msgs[idx]["content"]
-            if msgs[idx]["role"] == "user" and not (
-                    c.startswith("<tool_response>") and c.endswith("</tool_response>")):
-                last_query = idx
-                break
-        for i, m in enumerate(msgs):
+        query = _last_query(msgs, n)
+        last_query = n - 1 if query is None else query
+        for i in range(start, n):
+            m = msgs[i]
             role = m["role"]
+            if role == "developer":  # Hermes templates know no "developer": a "system"
+                role = "system"
             if role == "user" or (role == "system" and i > 0):
                 pieces.append(Piece(f"<|im_start|>{role}\n{m['content']}<|im_end|>\n", i + 1))
             elif role == "assistant":
-                pieces.append(Piece(self._assistant(m, i, i == len(msgs) - 1, last_query), i + 1))
+                pieces.append(Piece(self._assistant(m, i, i == n - 1, last_query), i + 1))
             elif role == "tool":
                 pieces.append(self._tool_pieces(msgs, i))
         gen = "<|im_start|>assistant\n"
@@ -257,21 +280,25 @@ class ChatMLAdapter(HermesAdapter):
             return text[len(head): text.index("<|im_end|>")]
         return None
 
+    def stable_messages(self, messages: list[dict], kept: int) -> int:
+        """A message renders from itself and its neighbours' roles (a tool result opens or
+        closes a run): all but the last kept one render as they did."""
+        return kept - 1
+
     def render_pieces(self, messages: list[dict], tools: list[dict] | None,
-                      template_kwargs: dict) -> list[Piece]:
-        msgs = _as_system(messages)
-        first_system = bool(msgs) and msgs[0]["role"] == "system"
+                      template_kwargs: dict, start: int = 0) -> list[Piece]:
+        msgs = messages
+        first_system = bool(msgs) and msgs[0]["role"] in ("system", "developer")
         system = msgs[0]["content"] if first_system else self.default_system
         pieces: list[Piece] = []
-        if system is not None or tools:
+        if not start and (system is not None or tools):
             body = system or ""
             if tools:
                 body += ("\n\n" if body else "") + tools_text(tools)
             pieces.append(Piece("<|im_start|>system\n" + body + "<|im_end|>\n", int(first_system)))
-        for i, m in enumerate(msgs):
-            role = m["role"]
-            if i == 0 and first_system:
-                continue
+        for i in range(max(start, int(first_system)), len(msgs)):
+            m = msgs[i]
+            role = "system" if m["role"] == "developer" else m["role"]
             if role in ("user", "system"):
                 pieces.append(Piece(f"<|im_start|>{role}\n{m['content']}<|im_end|>\n", i + 1))
             elif role == "assistant":

@@ -60,10 +60,9 @@ class Llama3Adapter(TextAdapter):
         specials = getattr(tokenizer, "atomic_specials", ())
         return "<|start_header_id|>" in specials and "<|eot_id|>" in specials
 
-    def render_pieces(self, messages: list[dict], tools: list[dict] | None,
-                      template_kwargs: dict) -> list[Piece]:
-        msgs = [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
-        first_system = bool(msgs) and msgs[0]["role"] == "system"
+    @staticmethod
+    def _system(msgs: list[dict], tools: list[dict] | None, template_kwargs: dict) -> str:
+        first_system = bool(msgs) and msgs[0]["role"] in ("system", "developer")
         date = template_kwargs.get("date_string", "26 Jul 2024")
         system = "<|begin_of_text|>" + _header("system")
         if tools:
@@ -72,12 +71,21 @@ class Llama3Adapter(TextAdapter):
         if tools:
             system += TOOLS_PREAMBLE + "".join(json.dumps(t, indent=4, ensure_ascii=False) + "\n\n"
                                                for t in tools)
-        system += (msgs[0]["content"].strip() if first_system else "") + "<|eot_id|>"
-        pieces = [Piece(system, int(first_system))]
-        for i, m in enumerate(msgs):
-            if i == 0 and first_system:
-                continue
-            role = m["role"]
+        return system + (msgs[0]["content"].strip() if first_system else "") + "<|eot_id|>"
+
+    def stable_messages(self, messages: list[dict], kept: int) -> int:
+        """Each message renders from itself alone (kept one short, as every family)."""
+        return kept - 1
+
+    def render_pieces(self, messages: list[dict], tools: list[dict] | None,
+                      template_kwargs: dict, start: int = 0) -> list[Piece]:
+        msgs = messages
+        first_system = bool(msgs) and msgs[0]["role"] in ("system", "developer")
+        pieces = [] if start else [Piece(self._system(msgs, tools, template_kwargs),
+                                         int(first_system))]
+        for i in range(max(start, int(first_system)), len(msgs)):
+            m = msgs[i]
+            role = "system" if m["role"] == "developer" else m["role"]
             if role == "assistant" and m.get("tool_calls"):
                 body = "; ".join(
                     '{"name": "' + c["function"]["name"] + '", "parameters": '

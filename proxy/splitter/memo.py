@@ -15,6 +15,15 @@ messages. Bounded by bytes over all scopes (least recently used entries go first
 thread-safe, since the split threads share it. An `OrderedDict` rather than cachetools'
 `LRUCache`: a lookup is on the path of every message of every request, and cachetools'
 Python-level `get` cost 1.7 µs of it, the dict's C-level `get` and `move_to_end` 0.2.
+
+Lists, too (`map`): a turn's message list usually extends, item for item, a list the scope
+sent before (the last turn's). So the memo also keeps each scope's last few lists (their
+JSON bytes and what was derived from them), and a list whose JSON bytes start with a kept
+one's, up to an item boundary, takes that one's derived items whole: one `orjson.dumps` of
+the list and a `bytes.startswith` (memcmp) instead of a lookup per message, so the cost of a
+turn grows with its new messages, not with the conversation (2,400 messages at 100k tokens).
+Equal bytes up to an item boundary are equal items: a JSON value's extent is fixed by its
+own bytes (a number's by the comma or bracket after it, checked).
 """
 
 from __future__ import annotations
@@ -28,12 +37,27 @@ import orjson
 
 T = TypeVar("T")
 _OVERHEAD = 512  # bytes counted per entry beyond 3× its key (the key, and the values' copies)
+LISTS_PER_SCOPE = 4  # lists kept per scope: its conversations in flight
+_ITEM_END = frozenset(b",]")
+
+
+class _List:
+    """A list the scope sent: its JSON bytes without the closing bracket, what was derived
+    from each item, and the bytes it is counted for."""
+
+    __slots__ = ("head", "size", "values")
+
+    def __init__(self, head: bytes, values: tuple[Any, ...]) -> None:
+        self.head, self.values = head, values
+        self.size = 3 * len(head) + _OVERHEAD
 
 
 class MessageMemo:
     def __init__(self, max_bytes: int = 32 << 20) -> None:
         self.max_bytes = max_bytes
         self._lru: OrderedDict[tuple[bytes, bytes], tuple[int, Any]] = OrderedDict()
+        # scope → its last few lists, newest first (within the same byte budget)
+        self._lists: OrderedDict[bytes, list[_List]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -46,14 +70,70 @@ class MessageMemo:
     def size_bytes(self) -> int:
         return self._bytes
 
-    def map(self, scope: bytes, items: Sequence[Any], derive: Callable[[int, Any], T]) -> list[T]:
+    def map(self, scope: bytes, items: Sequence[Any], derive: Callable[[int, Any], T], *,
+            blob: bytes | None = None) -> list[T]:
         """`[derive(i, item) for i, item in enumerate(items)]`, each result taken from the
-        memo where `scope` saw an item of the same JSON bytes before. `derive` depends only on
-        the item (the index is for its error messages: an item that raises is not kept, so a
-        hit was derived without error). Items that are not JSON (or nest past orjson's
-        limit) are derived every time."""
+        memo where `scope` saw an item of the same JSON bytes before: the leading items a
+        kept list of the scope's shares with `items` whole, the others one by one. `derive`
+        depends only on the item (the index is for its error messages: an item that raises
+        is not kept, so a hit was derived without error). Items that are not JSON (or nest
+        past orjson's limit) are derived every time. `blob`: `orjson.dumps(items)`, where
+        the caller made it."""
+        if blob is None:
+            try:
+                blob = orjson.dumps(items)
+            except (TypeError, orjson.JSONEncodeError):
+                return self._items(scope, items, derive, 0)
+        head = blob[:-1]
+        with self._lock:
+            kept = self._shared(scope, head, len(items))
+        out = list(kept)
+        if len(out) < len(items):
+            out += self._items(scope, items, derive, len(out))
+            with self._lock:
+                self._keep(scope, _List(head, tuple(out)))
+        return out
+
+    def _shared(self, scope: bytes, head: bytes, count: int) -> tuple[Any, ...]:
+        """The derived items of the longest leading run of items that one of `scope`'s kept
+        lists shares with the list of `count` items whose JSON bytes (less the closing
+        bracket) are `head`."""
+        best: tuple[Any, ...] = ()
+        lists = self._lists.get(scope)
+        for kept in lists or ():
+            if len(kept.values) <= len(best):
+                continue
+            if len(kept.head) <= len(head):  # `head` extends it, or repeats it
+                if head.startswith(kept.head) and (
+                        len(kept.head) == len(head) or head[len(kept.head)] in _ITEM_END):
+                    best = kept.values
+            elif kept.head.startswith(head) and kept.head[len(head)] in _ITEM_END:
+                best = kept.values[:count]  # the list is a leading part of a kept one
+        if best:
+            self.hits += len(best)
+            self._lists.move_to_end(scope)
+        return best
+
+    def _keep(self, scope: bytes, new: _List) -> None:
+        if new.size > self.max_bytes:
+            return
+        lists = self._lists.setdefault(scope, [])
+        self._lists.move_to_end(scope)
+        for old in [k for k in lists if new.head.startswith(k.head)]:  # superseded by it
+            lists.remove(old)
+            self._bytes -= old.size
+        lists.insert(0, new)
+        self._bytes += new.size
+        while len(lists) > LISTS_PER_SCOPE:
+            self._bytes -= lists.pop().size
+        self._shrink()
+
+    def _items(self, scope: bytes, items: Sequence[Any], derive: Callable[[int, Any], T],
+               start: int) -> list[T]:
+        """`derive` of `items[start:]` through the per-item memo."""
         out: list[T] = []
-        for i, item in enumerate(items):
+        for i in range(start, len(items)):
+            item = items[i]
             try:
                 key = (scope, orjson.dumps(item))
             except (TypeError, orjson.JSONEncodeError):
@@ -83,11 +163,22 @@ class MessageMemo:
             self._bytes -= old[0]
         self._lru[key] = (size, value)
         self._bytes += size
-        while self._bytes > self.max_bytes:
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Within `max_bytes`: the least recently used items first, then lists."""
+        while self._bytes > self.max_bytes and self._lru:
             _, (dropped, _) = self._lru.popitem(last=False)
             self._bytes -= dropped
+        while self._bytes > self.max_bytes and self._lists:
+            scope, lists = next(iter(self._lists.items()))
+            self._bytes -= lists.pop().size
+            if not lists:
+                del self._lists[scope]
 
     def clear(self) -> None:
         with self._lock:
             self._lru.clear()
+            self._lists.clear()
             self._bytes = 0
+

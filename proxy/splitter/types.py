@@ -6,7 +6,7 @@ All frozen: the proxy hands them to the planner and the HTTP layer unchanged.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from typing import NamedTuple
@@ -55,6 +55,9 @@ class SplitResult:
     # where each tool's schema ends inside the instruction prefix (splitter/tool_cuts.py):
     # strictly increasing, each before the instruction cut; () without one
     tool_cuts: tuple[int, ...] = ()
+    # `input_ids` as native int64s, what anchor keys hash (`wire.anchor_keys`); made from
+    # the ids when not given (`token_bytes`)
+    given_token_bytes: bytes | None = field(default=None, repr=False, compare=False)
 
     def _position(self, kind: CutKind) -> int | None:
         for cut in self.cuts:
@@ -75,9 +78,20 @@ class SplitResult:
         return len(self.input_ids)
 
     @cached_property
+    def anchor_cuts(self) -> tuple[Cut, ...]:
+        """The cuts but the TURN ones: those the planner may anchor (a long conversation
+        has a TURN cut per turn). Made on the split thread with `token_bytes`."""
+        return tuple(c for c in self.cuts if c.kind is not CutKind.TURN)
+
+    @cached_property
     def token_bytes(self) -> bytes:
         """`input_ids` as native int64s, what anchor keys hash (`wire.anchor_keys`): made
         once, on the split thread (split_pool.py), so planning never converts the prompt."""
+        given = self.given_token_bytes
+        if given is not None:
+            if len(given) != 8 * len(self.input_ids):
+                raise ValueError("token_bytes given for other ids")
+            return given
         return array("q", self.input_ids).tobytes()
 
     def to_json(self) -> dict:

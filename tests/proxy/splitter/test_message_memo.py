@@ -134,3 +134,56 @@ def test_a_bad_message_is_refused_every_time():
         with pytest.raises(ApiError) as err:
             parse_chat_request(chat_body([good, bad]), memo=memo, scope=b"a")
         assert err.value.param == "messages[1].tool_calls[0].function.name"
+
+
+def counting():
+    calls: list = []
+
+    def derive(i, item):
+        calls.append(item)
+        return {"derived": item}
+    return calls, derive
+
+
+def test_a_list_that_extends_a_kept_one_derives_only_its_new_items():
+    memo, (calls, derive) = MessageMemo(), counting()
+    turn = [{"role": "user", "content": f"m{i}"} for i in range(50)]
+    assert memo.map(b"a", turn, derive) == [{"derived": m} for m in turn]
+    calls.clear()
+    longer = copy.deepcopy(turn) + [{"role": "tool", "content": "new"}]
+    got = memo.map(b"a", longer, derive)
+    assert got == [{"derived": m} for m in longer]
+    assert calls == [longer[-1]]  # one item derived, 50 taken whole
+    calls.clear()
+    assert memo.map(b"a", copy.deepcopy(turn[:20]), derive) == [{"derived": m} for m in turn[:20]]
+    assert calls == []  # a leading part of a kept list (a hint's sub-split)
+
+
+def test_a_list_is_matched_at_item_boundaries_only():
+    """[1, 2] is where [1, 23]'s bytes start, but not its items: 23 is derived."""
+    memo, (calls, derive) = MessageMemo(), counting()
+    memo.map(b"a", [1, 2], derive)
+    calls.clear()
+    assert memo.map(b"a", [1, 23], derive) == [{"derived": 1}, {"derived": 23}]
+    assert 23 in calls
+    memo.map(b"a", ["x", "y"], derive)
+    assert memo.map(b"a", ["x", "y,z"], derive)[1] == {"derived": "y,z"}
+
+
+def test_a_changed_item_is_derived_anew_with_every_item_after_it():
+    memo, (calls, derive) = MessageMemo(), counting()
+    turn = [{"role": "user", "content": f"m{i}"} for i in range(10)]
+    memo.map(b"a", turn, derive)
+    edited = copy.deepcopy(turn)
+    edited[3]["content"] = "changed"
+    assert memo.map(b"a", edited, derive) == [{"derived": m} for m in edited]
+    assert edited[3] in calls
+
+
+def test_lists_never_cross_scopes():
+    memo, (calls, derive) = MessageMemo(), counting()
+    turn = [{"role": "user", "content": "secret"}, {"role": "user", "content": "more"}]
+    memo.map(b"a", turn, derive)
+    calls.clear()
+    memo.map(b"b", turn + [{"role": "user", "content": "x"}], derive)
+    assert len(calls) == 3  # another caller's list is not a prefix of anything of b's

@@ -40,14 +40,20 @@ def test_every_request_splits(adapters, conversations, name):
 
 
 def test_incremental_equals_whole_on_data(adapters, conversations):
+    """Each turn of a conversation, split from the last turn's split (turns.py) or from the
+    prefix cache, equals its split from nothing, ids, cuts and key bytes."""
     adapter = adapters["qwen3"]
     for conv in conversations[:: max(1, len(conversations) // 6)]:
         adapter.cache.clear()
-        for msgs in requests_of(conv["messages"]):
-            before = adapter.cache.hits
+        adapter.turns.clear()
+        turns = adapter.turns.hits
+        requests = requests_of(conv["messages"])
+        for msgs in requests:
             incremental = adapter.split(msgs, conv["tools"])
-            assert incremental == adapter.split(msgs, conv["tools"], use_cache=False)
-        assert adapter.cache.hits > before or len(requests_of(conv["messages"])) == 1
+            whole = adapter.split(msgs, conv["tools"], use_cache=False)
+            assert incremental == whole
+            assert incremental.token_bytes == whole.token_bytes
+        assert adapter.turns.hits == turns + len(requests) - 1
 
 
 @pytest.mark.parametrize("name", ["qwen3", "generic-qwen3"])

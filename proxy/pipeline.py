@@ -205,7 +205,9 @@ class Completion:
         asked = gen.max_tokens if state.config.max_tokens_policy == "refuse" else None
         if body_bytes is None or not state.budget.fits(body_bytes, asked):
             state.budget.check(rendered_chars(gen.messages, gen.tools), asked)
-        messages, tools = [dict(m) for m in gen.messages], [dict(t) for t in gen.tools] or None
+        # the adapters copy what they change: the messages are passed as they are (a copy of
+        # each was a pass over the conversation on the loop)
+        messages, tools = list(gen.messages), [dict(t) for t in gen.tools] or None
         # in the tenant's turn on the split threads, with memos of the caller's own
         splitter = functools.partial(state.splits.split, tenant=caller.tenant,
                                      scope=caller.namespace)

@@ -56,7 +56,7 @@ class Turn:
 
 
 class TurnMemo:
-    def __init__(self, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, max_bytes: int = 128 << 20) -> None:
         self.max_bytes = max_bytes
         self._scopes: OrderedDict[bytes, list[Turn]] = OrderedDict()
         self._bytes = 0
@@ -90,6 +90,8 @@ class TurnMemo:
         with self._lock:
             turns = self._scopes.setdefault(scope, [])
             self._scopes.move_to_end(scope)
+            if any(t.context == turn.context and t.head.startswith(turn.head) for t in turns):
+                return  # a leading part of a kept turn (a retry, a hint's sub-split): kept
             for old in [t for t in turns if t.context == turn.context
                         and turn.head.startswith(t.head)]:  # this turn supersedes it
                 turns.remove(old)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import operator
 import re
 from abc import ABC, abstractmethod
 from array import array
@@ -55,6 +56,8 @@ from .specials import SpecialGuard
 from .tool_cuts import ToolCutLimits, ToolCutMemo, candidates, tool_cuts
 from .turns import Turn, TurnMemo
 from .types import Cut, CutKind, SplitResult
+
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class Adapter(ABC):
@@ -91,7 +94,7 @@ class Adapter(ABC):
         shared: never mutated."""
         check_messages(messages)
         pairs = self.message_memo.map(scope, messages, self._message_pair, blob=blob)
-        return [p[0] for p in pairs], [p[1] for p in pairs]
+        return list(map(_first, pairs)), list(map(_second, pairs))
 
     def _message_pair(self, i: int, message: Any) -> tuple[dict, dict]:
         norm = normalize_message(i, message)

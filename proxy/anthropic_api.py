@@ -26,7 +26,7 @@ from .anthropic_schema import MessagesRequest, parse_messages_request
 from .errors import ApiError, json_response
 from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
 from .running import STATE, ProxyState
-from .schema import read_json
+from .schema import BODY_BYTES, read_json
 from .splitter.partial_json import close_json
 from .splitter.reasoning import effort_template_kwargs
 from .splitter.types import OutputDelta
@@ -171,18 +171,20 @@ def _stop(outcome: Outcome) -> dict[str, Any]:
             "stop_sequence": outcome.stop_sequence if reason == "stop_sequence" else None}
 
 
-async def _completion(state: ProxyState, req: MessagesRequest,
-                      tenant: TenantContext) -> Completion:
-    """The request rendered and split (`Completion.create`). A template that refuses the
+async def _completion(state: ProxyState, req: MessagesRequest, tenant: TenantContext,
+                      body_bytes: int) -> Completion:
+    """The request rendered and split (`Completion.create`; `body_bytes`: the decoded
+    body's length, which holds every text of the conversation). A template that refuses the
     conversation as a whole gets it again with its system messages after the first folded
     into user messages (`fold_system_messages`), if it has any."""
     try:
-        return await Completion.create(state, req.generation, tenant=tenant)
+        return await Completion.create(state, req.generation, tenant=tenant,
+                                       body_bytes=body_bytes)
     except ApiError as e:
         folded = fold_system_messages(req.generation)
         if e.kind != "invalid_request" or e.param != "messages" or folded is None:
             raise
-        return await Completion.create(state, folded, tenant=tenant)
+        return await Completion.create(state, folded, tenant=tenant, body_bytes=body_bytes)
 
 
 def _headers(state: ProxyState, req: MessagesRequest, completion: Completion) -> dict[str, str]:
@@ -198,7 +200,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request), count_only=True)
     check_model(state, req.model)
-    completion = await _completion(state, req, request[TENANT])
+    completion = await _completion(state, req, request[TENANT], request[BODY_BYTES])
     return json_response({"input_tokens": len(completion.split.input_ids)})
 
 
@@ -207,7 +209,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_messages_request(await read_json(request))
     check_model(state, req.model)
-    completion = await _completion(state, req, request[TENANT])
+    completion = await _completion(state, req, request[TENANT], request[BODY_BYTES])
     framer = BlockFramer(single_tool_use=req.single_tool_use, omit_thinking=req.omit_thinking)
     message: dict[str, Any] = {"id": "msg_" + uuid.uuid4().hex, "type": "message",
                                "role": "assistant", "model": state.info.model_id}

@@ -41,6 +41,10 @@ def test_the_budget_refuses_only_what_cannot_fit():
     with pytest.raises(ApiError):
         budget.check(901, 10)
     TokenBudget(context_tokens=100, max_chars_per_token=None).check(10**9, None)  # no bound
+    # `fits`: a bound under which `check` passes (the body's length, which is at least the
+    # text's characters, spares the pass over the messages)
+    assert budget.fits(990, None) and not budget.fits(991, None)
+    assert budget.fits(900, 10) and not budget.fits(901, 10)
 
 
 def chat(text: str, **extra) -> dict:

@@ -247,8 +247,8 @@ class TextAdapter(Adapter):
             pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
             chunks, consumed = self._chunks(pieces)
             if self.chunking_ok:
-                ids, ends, hashes = self._encode_chunks(chunks, use_cache,
-                                                        self._wanted(msgs, consumed), scope)
+                ids, ends, hashes = self._encode_chunks(chunks, consumed, use_cache,
+                                                        self._wanted(msgs), scope)
             else:
                 (ids, ends), hashes = self._encode_whole_verified(chunks), []
             input_ids = tuple(ids)
@@ -305,7 +305,7 @@ class TextAdapter(Adapter):
         new_ids = [t for enc in encoded for t in enc]
         ids = kept.ids[:base] + tuple(new_ids)
         ends, hashes, total, h = kept.ends[:c + 1], kept.hashes[:c + 1], base, kept.hashes[c]
-        wanted = {leading_system_count(msgs), newest_start(msgs), len(msgs)}  # as `_wanted`
+        wanted = self._wanted(msgs)
         for i, enc in enumerate(encoded, c + 1):
             total += len(enc)
             ends.append(total)
@@ -365,17 +365,16 @@ class TextAdapter(Adapter):
         return chunks, consumed
 
     @staticmethod
-    def _wanted(msgs: list[dict], consumed: list[int | None]) -> set[int]:
-        """Chunk indexes whose prefix ids are worth caching: instruction, conversation and
-        messages end (the next turn's history ends there)."""
-        lead, newest = leading_system_count(msgs), newest_start(msgs)
-        return {i for i, c in enumerate(consumed)
-                if c is not None and c in (lead, newest, len(msgs))}
+    def _wanted(msgs: list[dict]) -> set[int]:
+        """How many messages a chunk ends after when its prefix ids are worth caching: the
+        instruction, conversation and messages ends (the next turn's history ends there)."""
+        return {leading_system_count(msgs), newest_start(msgs), len(msgs)}
 
-    def _encode_chunks(self, chunks: list[str], use_cache: bool, wanted: set[int],
-                       scope: bytes = b"") -> tuple[list[int], list[int], list[Any]]:
+    def _encode_chunks(self, chunks: list[str], consumed: list[int | None], use_cache: bool,
+                       wanted: set[int], scope: bytes = b"") -> tuple[list[int], list[int], list[Any]]:
         """The ids of `chunks`, the token count at each chunk's end, and the prefix hash
-        state after each chunk but the last (its digest keys the prefix cache)."""
+        state after each chunk but the last (its digest keys the prefix cache, which keeps
+        the chunks ending after a count of messages in `wanted`)."""
         h = hashlib.blake2b(digest_size=16, person=b"ac.split.v1")
         h.update(len(scope).to_bytes(4, "little") + scope)  # the cache is per scope
         hashes = []
@@ -390,7 +389,7 @@ class TextAdapter(Adapter):
         for i, enc in enumerate(self.guard.encode_batch(chunks[start:]), start):
             ids.extend(enc)
             ends.append(len(ids))
-            if use_cache and i in wanted and i < len(keys):
+            if use_cache and i < len(keys) and consumed[i] in wanted:
                 self.cache.put(keys[i], CachedPrefix(tuple(ids), tuple(ends)))
         return ids, ends, hashes
 

@@ -222,6 +222,11 @@ class DiskTier:
                 return entry.depth == depth
         return discover and self._discover(key, depth)
 
+    def entry(self, key: bytes) -> DiskEntry | None:
+        """The index's entry of `key` (no stat, no LRU touch), or None."""
+        with self._lock:
+            return self._entries.get(key)
+
     def _discover(self, key: bytes, depth: int) -> bool:
         """Index the file `<key hex>-<depth>.slab` if another worker sharing the directory
         wrote it since `index`: one stat when there is none. Its header is checked as at

@@ -32,10 +32,20 @@ Disk tier (ext/disk_tier.py, optional): every confirmed slab is also queued to a
 tier's writer thread writes it, never this loop). A restore or late-lookup link that misses
 in memory is loaded from its file (header and checksum checked) and promoted into the slot
 table as a committed host slab, then restored like any other; a file that fails a check is
-quarantined, and the chain ends there (the request prefills more). The late lookup keys
+quarantined, and the chain ends there (the request prefills more). A worker whose loop must
+not wait for a file (SGLang's scheduler) reads the links a check may take ahead of it, on
+its copy thread (`disk_reads`, `read_links`), and hands them to `check_chain`. The late lookup keys
 every depth the disk holds as well as the plan's snapshot depths, so a restarted worker
 restores its files before any proxy plans on them, and reports them as held. Evicting from memory
 keeps the file; an admin `evict` or a flush deletes it too.
+
+Replicated stores (SGLang's tensor-parallel ranks, one store each over its own shard, fed
+the same calls in the same order) stay alike because their decisions read only the calls.
+A rank's files are its own, though: written by its own thread, damaged or deleted apart
+from the others'. So every decision that reads the disk is agreed (`Ranks`): the depths the
+late lookup scans are the ones every rank's index holds, and a slab is promoted only when
+every rank has its file, loaded it whole and found the same header (key, depth, start,
+parent, kind, size); otherwise no rank promotes it, and the request prefills it on all.
 
 Thread model: one owner. Every call runs on the worker's own loop (embedded: the engine
 thread, to which the contract's calls are queued; SGLang: the scheduler, through the
@@ -44,12 +54,13 @@ scheduler RPC), so the store takes no lock: nothing else may call it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
@@ -82,6 +93,32 @@ log = logging.getLogger("anchorcache.worker")
 STAGED_TTL_S = 60.0  # an unconfirmed snapshot of a finished request is dropped after this
 
 T = TypeVar("T")
+
+
+class Ranks(Protocol):
+    """Agreement between the replicas of a store (module docstring); every replica makes
+    the same calls in the same order."""
+
+    def same(self, value: int | None) -> bool:
+        """True when no replica passes None and every one passes the same value."""
+        ...
+
+    def common(self, values: list[int]) -> list[int]:
+        """The values every replica passes, in the order of this one's."""
+        ...
+
+
+class OneRank:
+    """A store that is not replicated: nothing to agree with."""
+
+    def same(self, value: int | None) -> bool:
+        return value is not None
+
+    def common(self, values: list[int]) -> list[int]:
+        return values
+
+
+ONE_RANK = OneRank()
 # (start, depth) -> (kv slab or None, state slab or None); raises on failure
 Capture = Callable[[int, int], tuple[torch.Tensor | None, torch.Tensor | None]]
 
@@ -146,6 +183,7 @@ class AnchorStore:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.state_bytes = state_bytes
         self.disk = disk
+        self.ranks: Ranks = ONE_RANK  # a replicated store's agreement (SGLang at TP > 1)
         self.fault: Callable[[str], None] = lambda where: None
         self._live: dict[int, Slab] = {}
         self._slot_of: dict[bytes, int] = {}
@@ -158,10 +196,55 @@ class AnchorStore:
         # time, stamped by the caller), so their TTL decisions never depend on a process's clock
         self.clock: Callable[[], float] = time.monotonic
         self._tips: dict[str, _Tip] = {}  # rid → deepest anchor restored, held or written
+        self._read: dict[tuple[bytes, int], SlabRecord | None] | None = None  # (check_chain)
 
     # ---- owning loop --------------------------------------------------------------------
-    def check_chain(self, ids: tuple[int, ...], plan: AnchorPlan) -> RestoreCheck:
-        """Verify `plan.restore` against the prompt `ids`; the verified prefix (LRU touched)."""
+    def disk_reads(self, ids: tuple[int, ...], plan: AnchorPlan) -> list[tuple[bytes, int]]:
+        """The (key, depth) links `check_chain(ids, plan)` may take from the disk tier: the
+        planned links and the late lookup's depths keyed over `ids` that are on disk and not
+        in memory, with their ancestors on disk. A worker reads them off its loop first
+        (`read_links`, on its copy thread) and hands them to `check_chain`."""
+        if self.disk is None:
+            return []
+        n = len(ids)
+        keys = _link_keys(plan, self.model_id, ids)
+        leaves = [(r.key, r.depth, True) for r in plan.restore
+                  if r.depth < n and keys.get(r) == r.key]
+        planned = {s.depth for s in plan.snapshot if 0 < s.depth < n}
+        depths = planned | set(self.disk.depths_below(n))
+        leaves += [(k, d, d in planned)
+                   for d, k in anchor_keys(plan.namespace, self.model_id, ids, depths).items()]
+        out: dict[tuple[bytes, int], None] = {}
+        for key, depth, discover in leaves:
+            link: tuple[bytes, int] | None = (key, depth)
+            while link is not None and link not in out and not self.table.contains(*link) \
+                    and self.disk.has(*link, discover):
+                out[link] = None
+                entry = self.disk.entry(link[0])
+                link = (entry.parent, entry.start) if entry is not None and entry.parent else None
+                discover = True  # a chain's links another worker wrote: one stat each
+        return list(out)
+
+    def read_links(self, links: list[tuple[bytes, int]]
+                   ) -> dict[tuple[bytes, int], SlabRecord | None]:
+        """Any thread: the slabs of `links` read from the disk tier (every check made; None
+        for a file that failed or is gone), for `check_chain`'s `read`."""
+        assert self.disk is not None
+        return {link: self.disk.load(*link) for link in links}
+
+    def check_chain(self, ids: tuple[int, ...], plan: AnchorPlan,
+                    read: dict[tuple[bytes, int], SlabRecord | None] | None = None
+                    ) -> RestoreCheck:
+        """Verify `plan.restore` against the prompt `ids`; the verified prefix (LRU touched).
+        `read`: the disk tier's slabs read ahead (`disk_reads`); given, no file is read
+        here (a link it lacks stays on disk: the request prefills it)."""
+        self._read = read
+        try:
+            return self._check_chain(ids, plan)
+        finally:
+            self._read = None
+
+    def _check_chain(self, ids: tuple[int, ...], plan: AnchorPlan) -> RestoreCheck:
         keys = _link_keys(plan, self.model_id, ids)
         chain: list[Slab] = []
         misses: list[dict[str, Any]] = []
@@ -200,7 +283,7 @@ class AnchorStore:
         depths = [s.depth for s in plan.snapshot]
         scanned: set[int] = set()
         if self.disk is not None:
-            scanned = set(self.disk.depths_below(len(ids))) - set(depths)
+            scanned = set(self.ranks.common(self.disk.depths_below(len(ids)))) - set(depths)
             depths += sorted(scanned)
         late = deepest_held_chain(
             plan.namespace, self.model_id, ids, depths,
@@ -246,27 +329,19 @@ class AnchorStore:
         prefix; the tokens check is a second, independent one on a file this process did not
         write (another worker's, a copy). `discover` False: the index only, no stat for
         a file another worker may have written since."""
-        if self.disk is None or not self.disk.has(key, depth, discover):
+        if self.disk is None:
             return None
-        rec = self.disk.load(key, depth)
-        if rec is None:
+        # replicas agree before any of them reads a file, and again on what they read
+        if not self.ranks.same(0 if self.disk.has(key, depth, discover) else None):
             return None
-        n = depth - rec.start
-        kv_bytes = rec.kv.numel() * rec.kv.element_size() if rec.kv is not None else 0
-        state_bytes = rec.state.numel() * rec.state.element_size() if rec.state is not None else 0
-        if rec.nbytes != self.kv_bytes_per_token * n + self.state_bytes \
-                or kv_bytes != self.kv_bytes_per_token * n or state_bytes != self.state_bytes:
-            self.disk.reject(key, "its slab sizes are not this worker's")
+        rec = self.disk.load(key, depth) if self._read is None else self._read.get((key, depth))
+        why = self._unfit(rec, depth, ids) if rec is not None else "no file"
+        if rec is not None and why is not None:
+            self.disk.reject(key, why)
+        if not self.ranks.same(None if why is not None else _header_digest(rec)):
             return None
-        if ids is not None and rec.tokens is not None \
-                and (len(ids) < depth or rec.tokens.tolist() != list(ids[rec.start:depth])):
-            self.disk.reject(key, "its tokens are not the prompt's")
-            return None
-        try:
-            kind = AnchorKind(rec.kind)
-        except ValueError:
-            self.disk.reject(key, f"unknown kind {rec.kind!r}")
-            return None
+        assert rec is not None
+        kind = AnchorKind(rec.kind)
         region = Region.THIN if kind in (AnchorKind.TOOL, AnchorKind.INSTRUCTION) else Region.THICK
         res = self.table.reserve(key, depth, rec.nbytes, parent=rec.parent, region=region)
         if res is None:
@@ -279,6 +354,21 @@ class AnchorStore:
         if self.disk.pinned(key):
             self.table.pin(key)
         return res.slot
+
+    def _unfit(self, rec: SlabRecord, depth: int, ids: tuple[int, ...] | None) -> str | None:
+        """Why a slab read from disk must not be promoted, or None."""
+        n = depth - rec.start
+        kv_bytes = rec.kv.numel() * rec.kv.element_size() if rec.kv is not None else 0
+        state_bytes = rec.state.numel() * rec.state.element_size() if rec.state is not None else 0
+        if rec.nbytes != self.kv_bytes_per_token * n + self.state_bytes \
+                or kv_bytes != self.kv_bytes_per_token * n or state_bytes != self.state_bytes:
+            return "its slab sizes are not this worker's"
+        if ids is not None and rec.tokens is not None \
+                and (len(ids) < depth or rec.tokens.tolist() != list(ids[rec.start:depth])):
+            return "its tokens are not the prompt's"
+        if rec.kind not in _KINDS:
+            return f"unknown kind {rec.kind!r}"
+        return None
 
     def restore_chain(self, rid: str, ids: tuple[int, ...], plan: AnchorPlan,
                       load: Callable[[tuple[Slab, ...]], T]) -> tuple[T | None, int, AnchorReport]:
@@ -446,9 +536,10 @@ class AnchorStore:
         table and the disk tier: neither evicts it or its ancestors."""
         slot = self._slot_of.get(key)
         if slot is None and self.disk is not None:
-            on_disk = next((e for e in self.disk.entries() if e.key == key), None)
-            if on_disk is not None:
-                self._promote_chain(key, on_disk.depth)
+            on_disk = next((e.depth for e in self.disk.entries() if e.key == key), None)
+            if self.ranks.same(on_disk):
+                assert on_disk is not None
+                self._promote_chain(key, on_disk)
         if not self.table.pin(key):
             return False
         if self.disk is not None:
@@ -512,6 +603,21 @@ class AnchorStore:
                           staged=self.staged_count(), epoch=epoch,
                           device_pinned_tokens=device_pinned_tokens,
                           device_pin_budget_tokens=device_pin_budget_tokens, disk=disk)
+
+
+_KINDS = frozenset(k.value for k in AnchorKind)
+
+
+def _header_digest(rec: SlabRecord | None) -> int | None:
+    """What replicas compare of a slab read from their own files (module docstring): 63
+    bits of a hash over where it sits in its chain and its kind (its payload and size are
+    each rank's own shard's, checked by `_unfit`)."""
+    if rec is None:
+        return None
+    h = hashlib.blake2b(digest_size=8, person=b"anchorcache.rk")
+    h.update(b"%s|%d|%d|%s|%s" % (rec.key, rec.depth, rec.start, rec.parent or b"",
+                                  rec.kind.encode()))
+    return int.from_bytes(h.digest(), "big") >> 1
 
 
 def _record(slab: Slab) -> SlabRecord:

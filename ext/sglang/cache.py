@@ -73,25 +73,28 @@ class AnchorSetup:
 
 
 def _disk_tier(kv: DeviceKV, store: AnchorStore, config: SGLangAnchorConfig,
-               server_args: Any) -> Any:
-    """The disk tier the config asks for (its directory indexed), or None. Only at TP 1 and
-    DP 1: ranks would have to agree on every file's checks before any of them restores, and
-    data-parallel ranks would share one directory's bookkeeping."""
+               server_args: Any, tp_rank: int) -> Any:
+    """The disk tier the config asks for (its directory indexed), or None.
+
+    Tensor parallel: each rank keeps its own shard's files (`<fingerprint>-tp<rank>of<size>`)
+    and the ranks agree on every file before any of them restores one (ext/store.py). Data
+    parallel: the ranks are workers of their own sharing the directory, as workers on shared
+    storage do (a file one rank wrote, another restores). The byte budget is the worker's:
+    each process keeps its share of it."""
     if config.anchor_disk_dir is None or config.anchor_disk_bytes == 0:
-        return None
-    tp_size = int(getattr(server_args, "tp_size", 1) or 1)
-    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-    if tp_size != 1 or dp_size != 1:
-        log.warning("disk tier off: it serves tensor and data parallel size 1 only")
         return None
     from anchorcache.ext.disk_tier import DiskTier, default_budget_bytes, model_fingerprint
 
+    tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
     k0 = kv.k[0]
     fingerprint = model_fingerprint(server_args.model_path, "sglang", k0.dtype, len(kv.k),
                                     k0.shape[1], k0.shape[2], store.state_bytes)
     budget = config.anchor_disk_bytes or default_budget_bytes(config.anchor_disk_dir)
-    disk = DiskTier(config.anchor_disk_dir, fingerprint, budget_bytes=budget)
-    log.info("disk tier %s: %d anchors indexed, budget %d bytes", disk.dir, disk.index(), budget)
+    share = max(1, budget // (tp_size * dp_size))
+    disk = DiskTier(config.anchor_disk_dir, fingerprint, budget_bytes=share, tp_rank=tp_rank,
+                    tp_size=tp_size)
+    log.info("disk tier %s: %d anchors indexed, budget %d bytes", disk.dir, disk.index(), share)
     return disk
 
 
@@ -133,7 +136,9 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
                           tp_group=setup.tp_group)
         # the store's TTL reads the call's time, not this process's clock (ext/sglang/tp.py)
         self.anchors.clock = self.rpc.call_time
-        self.anchors.disk = _disk_tier(kv, self.anchors, config, setup.server_args)
+        self.anchors.disk = _disk_tier(kv, self.anchors, config, setup.server_args,
+                                       setup.tp_rank)
+        self.anchors.ranks = tp.disk_ranks(setup.tp_group) or self.anchors.ranks
         super().__init__(params)
 
     @property

@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,6 +32,8 @@ from . import swa, tp
 from .faults import RESTORE_SLOW_S, Faults
 from .kv import DeviceKV
 from .timing import CallTimes
+
+T = TypeVar("T")
 
 try:  # SGLang is an optional dependency of the package; this module runs inside it
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -192,8 +194,17 @@ class Placer:
     def landed(self, placement: Placement) -> bool:
         """Whether `placement`'s copy is done, on every TP rank (each rank copies its own
         shard; they must admit the request in the same round)."""
-        done = placement.copy is None or placement.copy.done()
+        return self.done_everywhere(placement.copy)
+
+    def done_everywhere(self, job: Future[Any] | None) -> bool:
+        """Whether `job` (a copy-thread job of a request, or None) is done on every TP rank."""
+        done = job is None or job.done()
         return bool(tp.all_ranks(self._tp_group, torch.tensor([done]))[0])
+
+    def off_loop(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run `fn(*args)` on the copy thread (a read from the disk tier), in order with the
+        copies."""
+        return self._kv.copier.submit(fn, *args)
 
     def land(self, placement: Placement) -> Landed | None:
         """Finish `place`: wait for the copy (if it failed, the slots go back) and insert

@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from anchorcache.ext.disk_tier import SlabRecord
 from anchorcache.ext.store import AnchorStore, RestoreCheck
 from anchorcache.wire import (
     AnchorHeld,
@@ -48,6 +49,8 @@ class Plan:
     info: dict[str, Any]  # the chain check's report (`restored`, `restore_miss`, `held`, ...)
     token: str = ""  # the HTTP side's id of this run (a client may reuse a rid)
     check: RestoreCheck | None = None  # the chain, verified at the first admission match
+    # its links on disk, read on the copy thread before the check (None: not started)
+    reading: Future[dict[tuple[bytes, int], SlabRecord | None]] | None = None
     placed: bool = False  # its restore is settled: in the tree, or not to be (`missed`)
     missed: str | None = None  # why the verified prefix is not in the tree
     landing: Placement | None = None  # its verified prefix, on its way into the tree

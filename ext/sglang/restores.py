@@ -11,8 +11,10 @@ request thus holds no lock (docs/sglang.md, "A queued request holds no lock").
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from anchorcache.ext.store import AnchorStore
@@ -20,6 +22,13 @@ from anchorcache.ext.store import AnchorStore
 from .device import Landed, Placer
 from .plans import Plan
 from .timing import CallTimes
+
+log = logging.getLogger("anchorcache.worker")
+
+
+_READING = object()  # `Restores._read_ahead`: the request's disk reads are in flight
+_NOTHING: Future[dict[tuple[bytes, int], Any]] = Future()  # a read with nothing to read
+_NOTHING.set_result({})
 
 
 class Restores:
@@ -43,7 +52,11 @@ class Restores:
             self._times.add("restore_wait", t)  # (counts the rounds it waited)
             return "wait"
         if p.check is None:
-            p.check = check = self._store.check_chain(p.ids, p.plan)
+            read = self._read_ahead(p)
+            if read is _READING:
+                self._times.add("disk_read_wait", t)  # (counts the rounds it waited)
+                return "wait"
+            p.check = check = self._store.check_chain(p.ids, p.plan, read)
             p.info = {**check.info(), "held": [h.to_json() for h in check.held]}
         check = p.check
         # the tree holds whole pages; the tail is prefilled
@@ -64,6 +77,26 @@ class Restores:
         p.restore_s += time.perf_counter() - t
         self._times.add("restore", t)
         return verdict
+
+    def _read_ahead(self, p: Plan) -> Any:
+        """The links `p`'s check may take from the disk tier, read on the copy thread (every
+        check made there), so the scheduler's loop never reads a file: `_READING` while the
+        read is in flight on any rank (the ranks check the chain in the same round), then
+        what was read (None without a disk tier: nothing to read)."""
+        store = self._store
+        if store.disk is None:
+            return None
+        if p.reading is None:
+            links = store.disk_reads(p.ids, p.plan)
+            p.reading = self._placer.off_loop(store.read_links, links) if links else _NOTHING
+        if not self._placer.done_everywhere(p.reading):
+            return _READING
+        reading, p.reading = p.reading, _NOTHING
+        try:
+            return reading.result()
+        except Exception:  # a bug, not a bad file (a file that fails is None): no disk links
+            log.exception("reading anchors from the disk tier failed")
+            return {}
 
     def land_if_copied(self, rid: str, p: Plan) -> None:
         """Insert request `rid`'s restore if its copy is done on every rank."""

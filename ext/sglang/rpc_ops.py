@@ -22,7 +22,13 @@ import orjson
 import zmq
 from msgspec.structs import replace
 
-from anchorcache.ext.contract import export_from, import_into, key_arg, slots_arg
+from anchorcache.ext.contract import (
+    ContractError,
+    export_from,
+    import_into,
+    key_arg,
+    slots_arg,
+)
 from anchorcache.ext.store import AnchorStore
 from anchorcache.wire import (
     ConfirmReply,
@@ -206,11 +212,20 @@ class RpcOps:
             data = base64.b64decode(body["data"], validate=True)
         except (KeyError, TypeError, ValueError) as e:
             raise WireError(f"import needs the file as base64 'data': {e}") from None
+        self._one_file_per_anchor()
         return import_into(self._store.disk, data, self._epoch).to_json()
 
     def _export_slab(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._one_file_per_anchor()
         data = export_from(self._store.disk, key_arg(body))
         return {"data": base64.b64encode(data).decode()}
+
+    def _one_file_per_anchor(self) -> None:
+        """Files move over the contract one per anchor; a tensor-parallel worker keeps one
+        per rank (its shard), which share the directory instead."""
+        if tp.ranks(self._tp_group) > 1:
+            raise ContractError(409, "a tensor-parallel worker keeps one file per rank: "
+                                     "share the disk directory instead of moving files")
 
     def _flush_anchors(self, body: dict[str, Any]) -> dict[str, Any]:
         self._pins.unpin_all()

@@ -11,7 +11,8 @@ stores stay identical as long as nothing but the call sequence feeds their decis
   rank's clock (`AnchorStore.clock` reads `RpcOps.call_time`, ext/sglang/rpc_ops.py);
 - the epoch is drawn once, on rank 0, and broadcast (`shared_epoch`);
 - only rank 0 pushes the reply of a call (`is_reply_rank`);
-- a check that reads the device (`verify`) combines every rank's shard (`all_ranks`).
+- a check that reads the device (`verify`) combines every rank's shard (`all_ranks`);
+- what a rank reads from its own disk tier files is agreed (`DiskRanks`, ext/store.py).
 
 The group is what SGLang's `TreeCacheBuildContext.tp_group` holds: its `GroupCoordinator`
 (or a bare torch ProcessGroup); None or a group of one is a single rank.
@@ -25,7 +26,8 @@ from typing import Any
 import torch
 
 
-def _size(group: Any) -> int:
+def ranks(group: Any) -> int:
+    """How many ranks `group` has (1 for None)."""
     if group is None:
         return 1
     size = getattr(group, "world_size", None)
@@ -42,7 +44,7 @@ def _cpu_group(group: Any) -> Any:
 
 def shared_epoch(group: Any, rank: int) -> str:
     """One epoch for the worker: rank 0 draws it, every other rank receives it."""
-    if _size(group) <= 1:
+    if ranks(group) <= 1:
         return secrets.token_hex(8)
     import torch.distributed as dist
 
@@ -59,10 +61,40 @@ def is_reply_rank(rank: int) -> bool:
 def all_ranks(group: Any, mask: torch.Tensor) -> torch.Tensor:
     """`mask` (bool) true where it is true on every rank; every rank must call it in the
     same call, with a mask of the same shape."""
-    if _size(group) <= 1:
+    if ranks(group) <= 1:
         return mask
     import torch.distributed as dist
 
     t = mask.to(torch.uint8).cpu()
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group(group))
     return t.to(mask.device).bool()
+
+
+class DiskRanks:
+    """`ext/store.Ranks` over the TP group: the ranks' stores agree on what they read from
+    their own disk tier files (each rank keeps its shard's files)."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = _cpu_group(group)
+
+    def same(self, value: int | None) -> bool:
+        import torch.distributed as dist
+
+        v = 0 if value is None else value  # (a 63-bit value: its negation fits too)
+        t = torch.tensor([int(value is None), v, -v], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        missing, top, neg_bottom = t.tolist()
+        return missing == 0 and top == -neg_bottom  # max == min: the same on every rank
+
+    def common(self, values: list[int]) -> list[int]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(gathered, values, group=self._group)
+        everywhere = set(values).intersection(*map(set, gathered))
+        return [v for v in values if v in everywhere]
+
+
+def disk_ranks(group: Any) -> DiskRanks | None:
+    """The agreement a store of this group needs, or None at one rank."""
+    return DiskRanks(group) if ranks(group) > 1 else None

@@ -7,6 +7,7 @@ the `Req` fields the cache reads; everything else is SGLang's."""
 
 from __future__ import annotations
 
+import threading
 from array import array
 from pathlib import Path
 from types import SimpleNamespace
@@ -252,7 +253,7 @@ def test_a_paged_restore_places_whole_pages() -> None:
 
 def test_the_disk_tier_serves_a_fresh_scheduler(tmp_path: Path) -> None:
     """Confirmed anchors also go to the disk tier; a new scheduler over the same directory
-    (a restarted worker) restores them from there. At TP > 1 there is no disk tier."""
+    (a restarted worker) restores them from there."""
     config = SGLangAnchorConfig(anchor_disk_dir=str(tmp_path), anchor_disk_bytes=1 << 24)
     model = SimpleNamespace(model_path=str(tmp_path / MODEL), tp_size=1, dp_size=1)
     first = _cache(1, config, model)
@@ -260,15 +261,38 @@ def test_the_disk_tier_serves_a_fresh_scheduler(tmp_path: Path) -> None:
     expected = _commit_anchors(first)
     first.anchors.disk.drain()
     second = _cache(1, config, model)
+    disk = second.anchors.disk
+    assert disk is not None
+    readers: list[str] = []
+    load = disk.load
+
+    def traced_load(key: bytes, depth: int) -> Any:
+        readers.append(threading.current_thread().name)
+        return load(key, depth)
+
+    disk.load = traced_load  # type: ignore[method-assign]
     plan = AnchorPlan(NAMESPACE, restore=tuple(AnchorRef(KEYS[d], d) for d in DEPTHS))
     req = _request("b", PROMPT, plan, row=1)
     second.match_prefix(MatchPrefixParams(key=RadixKey(array("q", PROMPT)), req=req))
+    # first the files are read, on the copy thread: the request waits, unchecked
     assert second.admit_restore(req, lambda: POOL) == "wait"
     p = second.plans.get("b")
-    assert p is not None and p.landing is not None and p.landing.copy is not None
+    assert p is not None and p.check is None and p.reading is not None
+    p.reading.result()
+    assert len(readers) == len(DEPTHS) and all(r.startswith("anchorcache-copy") for r in readers)
+    # then the chain is checked (no file read on this loop) and its copy starts
+    assert second.admit_restore(req, lambda: POOL) == "wait"
+    assert len(readers) == len(DEPTHS)
+    assert p.check is not None and [s.depth for s in p.check.chain] == list(DEPTHS)
+    assert p.landing is not None and p.landing.copy is not None
     p.landing.copy.result()
     second.land_ready()
     n, rows = _device_rows(second, PROMPT)
     assert n == 32 and torch.equal(rows.view(torch.uint8), expected.view(torch.uint8))
-    ranks = SimpleNamespace(model_path=str(tmp_path / MODEL), tp_size=2, dp_size=1)
-    assert _cache(1, config, ranks).anchors.disk is None
+    # at TP 2 a rank keeps its own shard's folder; DP ranks share one (workers on shared
+    # storage); each process keeps its share of the worker's budget
+    for tp, dp, folder in ((2, 1, "tp0of2"), (1, 2, "tp0of1")):
+        ranks = SimpleNamespace(model_path=str(tmp_path / MODEL), tp_size=tp, dp_size=dp)
+        disk = _cache(1, config, ranks).anchors.disk
+        assert disk is not None and disk.dir.name.endswith(folder)
+        assert disk.budget_bytes == (1 << 24) // 2

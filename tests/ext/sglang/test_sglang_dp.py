@@ -5,16 +5,23 @@ One real SGLang server on CPU (tiny Qwen3, two DP ranks, one core each: the CPU 
 SGLANG_CPU_OMP_THREADS_BIND for dp x tp ranks), shared by the module. Checked:
 - the root lists the ranks, each rank has its own epoch, and the root refuses anchor calls
   (no call may land on a rank it is not meant for);
-- a request sent to a rank runs there: an anchor written on rank 1 is listed by rank 1 only,
-  is a miss on rank 0, and restores exactly on rank 1 after the device was flushed;
+- a request sent to a rank runs there: an anchor written on rank 1 is held in rank 1's memory
+  only, restores exactly on rank 1 after the device was flushed, and on rank 0 from the
+  file rank 1 wrote (the ranks share the disk tier's directory, as workers on shared
+  storage do);
 - the proxy makes each rank a target: conversations keep to their rank, turn 2 restores its
   history there, outputs equal an anchors-off proxy's, the ledger records each anchor under
-  its rank and that rank's epoch; a rank drained and added back live.
+  its rank and that rank's epoch; a rank drained and added back live;
+- the disk tier after a restart: both ranks list an anchor one of them wrote and restore it;
+  each rank keeps half the worker's byte budget.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -33,13 +40,42 @@ from anchorcache.wire import AnchorKind, AnchorPlan, AnchorRef, Region
 
 pytestmark = pytest.mark.slow
 
+DISK_BYTES = 1 << 26  # the worker's disk budget: each rank keeps half
+
+
 @pytest.fixture(scope="module")
-def sglang_dp(tiny_qwen3) -> Iterator[Server]:
-    with sglang_worker_process("--dp-size", "2", model=str(tiny_qwen3)) as server:
+def dp_disk(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dp-disk")
+
+
+def _dp_server(model: str, disk: Path) -> Any:
+    return sglang_worker_process("--dp-size", "2", model=model,
+                                 env={"ANCHORCACHE_ANCHOR_DISK_DIR": str(disk),
+                                      "ANCHORCACHE_ANCHOR_DISK_BYTES": str(DISK_BYTES)})
+
+
+@pytest.fixture(scope="module")
+def sglang_dp(tiny_qwen3, dp_disk) -> Iterator[Server]:
+    with _dp_server(str(tiny_qwen3), dp_disk) as server:
         yield server
 
 
-def test_each_rank_is_a_worker_with_its_own_anchors(sglang_dp, qwen3_tokenizer):
+def _slab_file(disk: Path, key: bytes, depth: int) -> Path:
+    """The anchor's file, once the writer thread wrote it (the ranks share one folder)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = list(disk.glob(f"*-tp0of1/{key.hex()}-{depth}.slab"))
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no file of {key.hex()} at {depth}: {sorted(disk.rglob('*'))}")
+
+
+def _disk_loads(url: str) -> int:
+    return int(httpx.get(url + "/anchor/stats", timeout=60).json()["disk"]["loads"])
+
+
+def test_each_rank_is_a_worker_with_its_own_anchors(sglang_dp, dp_disk, qwen3_tokenizer):
     root = sglang_dp.url
     info = httpx.get(root + "/model_info", timeout=60).json()
     assert info["ranks"] == ["dp/0", "dp/1"]
@@ -61,17 +97,21 @@ def test_each_rank_is_a_worker_with_its_own_anchors(sglang_dp, qwen3_tokenizer):
     flush_device(rank1)  # SGLang's flush empties every rank's tree; the host anchors stay
     cold = generate(rank0, p2)
     assert cold["meta_info"]["cached_tokens"] == 0
-    # rank 0 does not hold the anchor: asked to restore it, it misses and prefills
+    # rank 0 does not hold the anchor in memory: asked to restore it, it reads the file rank
+    # 1 wrote (the ranks share the disk tier's directory); rank 1 restores it from memory
+    _slab_file(dp_disk, key, depth)
+    loads = [_disk_loads(u) for u in (rank0, rank1)]
     flush_device(rank0)
     plan = AnchorPlan(NS, restore=(AnchorRef(key, depth),))
-    missed = generate(rank0, p2, plan)
-    assert missed["meta_info"]["anchors"]["restored_tokens"] == 0
-    assert missed["meta_info"]["cached_tokens"] == 0 and missed["output_ids"] == cold["output_ids"]
+    shared = generate(rank0, p2, plan)
+    assert shared["meta_info"]["anchors"]["restored_tokens"] == depth
+    assert shared["output_ids"] == cold["output_ids"]
     flush_device(rank0)
     warm = generate(rank1, p2, plan)
     assert warm["meta_info"]["cached_tokens"] == warm["meta_info"]["anchors"]["restored_tokens"] \
         == depth
     assert warm["output_ids"] == cold["output_ids"]
+    assert [_disk_loads(u) for u in (rank0, rank1)] == [loads[0] + 1, loads[1]]
     check = verify(rank1, key)
     assert check["device_tokens"] == depth and check["mismatch"] is None, check
     # the prefix is now in rank 1's tree only: a plain request reuses it there, not on rank 0
@@ -132,3 +172,35 @@ def test_the_proxy_routes_to_each_rank_as_a_worker(sglang_dp):
     epochs = {w["url"]: w["epoch"] for w in listed}
     assert {a["worker"] for a in anchors} == set(epochs)
     assert all(a["epoch"] == epochs[a["worker"]] for a in anchors)
+
+
+def test_the_ranks_share_the_disk_tier_and_come_back_warm(sglang_dp, tiny_qwen3, dp_disk,
+                                                          qwen3_tokenizer):
+    """Last in the module: it SIGKILLs the module's server."""
+    root = sglang_dp.url
+    rank0, rank1 = root + "/dp/0", root + "/dp/1"
+    _, depth, p1, p2 = two_turn_prompts(qwen3_tokenizer, 3)[2]
+    keys, _ = save(rank0, p1, [(depth, AnchorKind.CONVERSATION, Region.THICK)])
+    key = keys[depth]
+    flush_device(rank0)
+    cold = generate(rank1, p2)["output_ids"]
+    _slab_file(dp_disk, key, depth)
+    for url in (rank0, rank1):
+        disk = httpx.get(url + "/anchor/stats", timeout=60).json()["disk"]
+        assert disk["budget_bytes"] == DISK_BYTES // 2, disk
+    old = httpx.get(root + "/model_info", timeout=60).json()["epoch"]
+    sglang_dp.kill()
+
+    with _dp_server(str(tiny_qwen3), dp_disk) as again:
+        root = again.url
+        assert httpx.get(root + "/model_info", timeout=60).json()["epoch"] != old
+        plan = AnchorPlan(NS, restore=(AnchorRef(key, depth),))
+        for rank in ("dp/0", "dp/1"):
+            url = f"{root}/{rank}"
+            listed = httpx.get(url + "/anchor/slots", timeout=60).json()["disk"]
+            assert (key.hex(), depth) in {(d["key"], d["depth"]) for d in listed}, rank
+            flush_device(url)
+            warm = generate(url, p2, plan)
+            assert warm["meta_info"]["anchors"]["restored_tokens"] == depth, rank
+            assert warm["meta_info"]["cached_tokens"] == depth
+            assert warm["output_ids"] == cold

@@ -13,11 +13,16 @@ restored their shard: a rank without its head's rows would attend to garbage); t
 restored rows equal the snapshot byte for byte on every rank (`/anchor/verify` combines
 the ranks); a copy slow on one rank holds the request on both; pins lock whole pages; an
 anchor under one page is a miss. Every check drops SGLang's own device cache first, so a
-hit can only come from a restore."""
+hit can only come from a restore. With the disk tier on (each rank its own shard's files):
+a restarted server restores a chain from both ranks' files, and a file damaged on one rank
+only is restored by neither (the ranks agree on every file, ext/store.py)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -35,9 +40,18 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module")
-def sglang_tp(tiny_qwen3) -> Iterator[Server]:
-    with sglang_worker_process("--tp", "2", "--page-size", str(PAGE),
-                               model=str(tiny_qwen3)) as server:
+def tp_disk(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tp-disk")
+
+
+def _tp_server(model: str, disk: Path) -> Any:
+    return sglang_worker_process("--tp", "2", "--page-size", str(PAGE), model=model,
+                                 env={"ANCHORCACHE_ANCHOR_DISK_DIR": str(disk)})
+
+
+@pytest.fixture(scope="module")
+def sglang_tp(tiny_qwen3, tp_disk) -> Iterator[Server]:
+    with _tp_server(str(tiny_qwen3), tp_disk) as server:
         yield server
 
 
@@ -46,6 +60,12 @@ def conversations(qwen3_tokenizer):
     convs = two_turn_prompts(qwen3_tokenizer, 6)
     # anchors that end inside a page, so the tail is really prefilled
     return [c for c in convs if c[0] % PAGE and c[1] % PAGE]
+
+
+def corrupt_payload(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # a byte of the last tensor: the checksum catches it
+    path.write_bytes(bytes(data))
 
 
 def aligned(depth: int) -> int:
@@ -144,6 +164,7 @@ def test_a_failed_snapshot_copy_on_one_rank_drops_the_anchor_on_both(sglang_tp, 
     url = sglang_tp.url
     _, _, p1, p2 = conversations[0]
     depth = len(p1) + 5  # a prefix of turn 2 no earlier test saved
+    post(url, "/anchor/flush")  # (the late lookup would find earlier tests' anchors on disk)
     flush_device(url)
     cold = generate(url, p2)["output_ids"]
     flush_device(url)
@@ -215,3 +236,65 @@ def test_tenants_never_see_each_others_prompts_on_tp_and_paged(sglang_tp):
     tenant's identical prompt is a miss through both APIs, a shared toolset still shared."""
     with proxy_process(sglang_tp.url) as proxy:
         check_tenants_stay_apart(proxy, sglang_tp.url)
+
+
+def test_a_restarted_tp_worker_restores_from_both_ranks_files(sglang_tp, tiny_qwen3, tp_disk,
+                                                              qwen3_tokenizer):
+    """Last in the module: it SIGKILLs the module's server. Two conversations' anchors are
+    written (each rank its own shard's file); rank 1's file of the second is damaged while
+    the worker is down. The restarted worker (new epoch) restores the first chain from
+    both ranks' files, token for token the cold run; the second is restored by neither rank,
+    though rank 0's file is whole (a rank without its shard would attend to garbage), and
+    the request prefills it, again the cold run; nothing hangs."""
+    url = sglang_tp.url
+    convs = [c for c in two_turn_prompts(qwen3_tokenizer, 10) if c[0] % PAGE and c[1] % PAGE]
+    (tool, conv, p1, p2), (_, conv_b, p1_b, p2_b) = convs[-2:]
+    keys, _ = save(url, p1, [(tool, AnchorKind.INSTRUCTION, Region.THIN),
+                             (conv, AnchorKind.CONVERSATION, Region.THICK)])
+    keys_b, _ = save(url, p1_b, [(conv_b, AnchorKind.CONVERSATION, Region.THICK)])
+    flush_device(url)
+    cold = generate(url, p2)["output_ids"]
+    flush_device(url)
+    cold_b = generate(url, p2_b)["output_ids"]
+    old_epoch = httpx.get(url + "/health", timeout=60).json()["epoch"]
+    names = [f"{keys[tool].hex()}-{tool}.slab", f"{keys[conv].hex()}-{conv}.slab",
+             f"{keys_b[conv_b].hex()}-{conv_b}.slab"]
+    folders = sorted(tp_disk.glob("*-tp[01]of2"))
+    deadline = time.monotonic() + 60
+    while not all((f / n).is_file() for f in folders for n in names) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [f.name[-6:] for f in folders] == ["tp0of2", "tp1of2"]
+    assert all((f / n).is_file() for f in folders for n in names)
+    sglang_tp.kill()
+    corrupt_payload(folders[1] / names[2])
+
+    with _tp_server(str(tiny_qwen3), tp_disk) as again:
+        url = again.url
+        assert httpx.get(url + "/health", timeout=60).json()["epoch"] != old_epoch
+        listed = {(d["key"], d["depth"]) for d in
+                  httpx.get(url + "/anchor/slots", timeout=60).json()["disk"]}
+        assert {(keys[tool].hex(), tool), (keys[conv].hex(), conv)} <= listed
+        chain = (AnchorRef(keys[tool], tool), AnchorRef(keys[conv], conv))
+        warm = generate(url, p2, AnchorPlan(NS, restore=chain))
+        assert [r["depth"] for r in warm["meta_info"]["anchors"]["restored"]] == [tool, conv]
+        assert warm["meta_info"]["cached_tokens"] == aligned(conv)
+        assert warm["output_ids"] == cold
+        check = verify(url, keys[conv])
+        assert check["device_tokens"] == aligned(conv) and check["mismatch"] is None, check
+
+        flush_device(url)
+        damaged = generate(url, p2_b, AnchorPlan(NS, restore=(AnchorRef(keys_b[conv_b],
+                                                                        conv_b),)))
+        anchors = damaged["meta_info"]["anchors"]
+        first = anchors["restore_miss"][0]
+        assert (first["key"], first["reason"]) == (keys_b[conv_b].hex(), "not_resident"), anchors
+        # (the late lookup may find earlier tests' anchors below it, never it)
+        assert conv_b not in [r["depth"] for r in anchors["restored"]]
+        assert damaged["meta_info"]["cached_tokens"] < aligned(conv_b)
+        assert damaged["output_ids"] == cold_b
+        assert (tp_disk / "quarantine" / f"{folders[1].name}-{names[2]}").is_file()
+        # rank 0's whole file of it was never promoted: no slab of it in memory
+        assert keys_b[conv_b].hex() not in {
+            s["key"] for s in httpx.get(url + "/anchor/slots", timeout=60).json()["slots"]}
+        assert httpx.get(url + "/health", timeout=60).status_code == 200

@@ -55,8 +55,10 @@ def _assistant_text(adapter, calls) -> str:
 @given(calls=calls_strategy)
 def test_round_trip(adapters, name, calls):
     adapter = adapters[name]
-    # a harmony marker inside the arguments ends the message there (decoded text is ambiguous)
-    assume(name != "harmony" or "<|" not in json.dumps(calls, ensure_ascii=False))
+    # a template's end marker (`<|im_end|>`, `<|eot_id|>`, harmony's) inside the arguments
+    # ends the message there: decoded text is ambiguous, as it is to a real parser
+    assume(name == "mistral" or name.startswith("generic")
+           or "<|" not in json.dumps(calls, ensure_ascii=False))
     if name.startswith("generic"):  # tools lowered Hermes-style: the assistant text is ours
         text = "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {json.dumps(a)}}}'
                          "\n</tool_call>" for n, a in calls)

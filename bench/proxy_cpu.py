@@ -254,16 +254,65 @@ def request(client: httpx.Client, url: str, tools: list, messages: list, stream:
         client.post(url + "/v1/chat/completions", json=body).raise_for_status()
 
 
+def as_anthropic(tools: list, messages: list, stream: bool) -> dict[str, Any]:
+    """The same conversation as an Anthropic `/v1/messages` body (what Claude Code sends):
+    the system prompt apart, tool calls as `tool_use` blocks, each run of tool results one
+    user message of `tool_result` blocks."""
+    out: list[dict[str, Any]] = []
+    system = ""
+    for m in messages:
+        if m["role"] == "system":
+            system = m["content"]
+        elif m["role"] == "user":
+            out.append({"role": "user", "content": m["content"]})
+        elif m["role"] == "assistant":
+            blocks: list[dict[str, Any]] = [{"type": "text", "text": m["content"]}] \
+                if m.get("content") else []
+            for call in m.get("tool_calls") or []:
+                args = call["function"]["arguments"]
+                blocks.append({"type": "tool_use", "id": call["id"],
+                               "name": call["function"]["name"],
+                               "input": json.loads(args) if isinstance(args, str) else args})
+            out.append({"role": "assistant", "content": blocks})
+        else:
+            result = {"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                      "content": m["content"]}
+            if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], list):
+                out[-1]["content"].append(result)
+            else:
+                out.append({"role": "user", "content": [result]})
+    return {"model": "default", "system": system, "messages": out, "max_tokens": 64,
+            "temperature": 0, "stream": stream,
+            "tools": [{"name": t["function"]["name"],
+                       "description": t["function"].get("description", ""),
+                       "input_schema": t["function"]["parameters"]} for t in tools]}
+
+
+def anthropic_request(client: httpx.Client, url: str, tools: list, messages: list,
+                      stream: bool) -> None:
+    body = as_anthropic(tools, messages, stream)
+    if stream:
+        with client.stream("POST", url + "/v1/messages", json=body) as r:
+            r.raise_for_status()
+            for _ in r.iter_lines():
+                pass
+    else:
+        client.post(url + "/v1/messages", json=body).raise_for_status()
+
+
+APIS = {"chat": request, "anthropic": anthropic_request}
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def by_length(url: str, pid: int, turns: int, count_tokens: Any,
-              sizes: tuple[int, ...], after_cold: Any = None) -> list[dict]:
+              sizes: tuple[int, ...], after_cold: Any = None, send: Any = request) -> list[dict]:
     """Per size: the cold turn, then the warm ones; `after_cold()` is called once, after
     the first cold turn (the profiler starts there: the cold turns' tokenizing would
-    otherwise fill the profile)."""
+    otherwise fill the profile). `send`: the API's request (`APIS`)."""
     rows = []
     with httpx.Client(timeout=300) as client:
         for size in sizes:
@@ -273,7 +322,7 @@ def by_length(url: str, pid: int, turns: int, count_tokens: Any,
             for i, stop in enumerate(stops):
                 mode = "cold" if i == 0 else "stream" if i <= turns else "plain"
                 before = cpu_ns(pid)
-                request(client, url, tools, messages[:stop], mode == "stream")
+                send(client, url, tools, messages[:stop], mode == "stream")
                 time.sleep(0.05)  # the proxy's after-reply work (confirm, ledger) lands in this turn
                 samples[mode].append((cpu_ns(pid) - before) / 1e6)
                 if after_cold is not None and i == 0:
@@ -408,6 +457,9 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help="conversation lengths in tokens, comma-separated")
     ap.add_argument("--no-throughput", action="store_true", help="skip the concurrent run")
+    ap.add_argument("--api", choices=sorted(APIS), default="chat",
+                    help="the API the turns by length are sent through (the concurrent run "
+                         "is OpenAI chat's)")
     ap.add_argument("--profile", help="py-spy record the proxy into this file (raw format)")
     ap.add_argument("--processes", help="proxy process counts to compare in requests/s, "
                                         "comma-separated (e.g. 1,2); only that is measured")
@@ -471,7 +523,7 @@ def main() -> None:
 
             rows = by_length(proxy.url, pid, args.turns, count_tokens,
                              tuple(int(s) for s in args.sizes.split(",")),
-                             profile if args.profile else None)
+                             profile if args.profile else None, APIS[args.api])
             spy = spies[0] if spies else None
             rate = None if args.no_throughput else throughput(
                 proxy.url, pid, args.concurrent, args.turns, count_tokens)
@@ -492,7 +544,7 @@ def main() -> None:
               f"(CPU-bound: {rate['cpu_bound_requests_per_s']} requests/s per core)")
     RESULTS.mkdir(exist_ok=True)
     out = {"command": " ".join(["bench/proxy_cpu.py", *sys.argv[1:]]), "cpus": os.cpu_count(),
-           "output_text": OUTPUT_TEXT, "by_length": rows, "throughput": rate}
+           "api": args.api, "output_text": OUTPUT_TEXT, "by_length": rows, "throughput": rate}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=2) + "\n")
     plot(rows, RESULTS / f"{args.name}.png")
 

@@ -198,7 +198,8 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     """`POST /v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would send
     them to the worker (rendered and split the same way, nothing generated)."""
     state = request.app[STATE]
-    req = parse_messages_request(await read_json(request), count_only=True)
+    req = parse_messages_request(await read_json(request), count_only=True,
+                                 memos=state.anthropic, scope=request[TENANT].caller().namespace)
     check_model(state, req.model)
     completion = await _completion(state, req, request[TENANT], request[BODY_BYTES])
     return json_response({"input_tokens": len(completion.split.input_ids)})
@@ -207,7 +208,8 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 async def messages(request: web.Request) -> web.StreamResponse:
     """`POST /v1/messages`."""
     state = request.app[STATE]
-    req = parse_messages_request(await read_json(request))
+    req = parse_messages_request(await read_json(request), memos=state.anthropic,
+                                 scope=request[TENANT].caller().namespace)
     check_model(state, req.model)
     completion = await _completion(state, req, request[TENANT], request[BODY_BYTES])
     framer = BlockFramer(single_tool_use=req.single_tool_use, omit_thinking=req.omit_thinking)

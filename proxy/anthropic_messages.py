@@ -29,7 +29,7 @@ the longer.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .leases import CACHE_TTL_S, DEFAULT_CACHE_TTL
@@ -92,6 +92,20 @@ def _string_field(block: dict[str, Any], name: str, param: str, *,
     return value or ""
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A conversion's state before a turn (`Conversion.state`): what a later request whose
+    messages start with the same ones, tools and system alike, resumes from
+    (`Conversion.resume`). Shared between requests: never changed."""
+
+    messages: tuple[dict[str, Any], ...]
+    hints: tuple[tuple[int, float], ...]
+    breakpoints: int
+    seen_ids: frozenset[str]
+    pending: tuple[tuple[str, str], ...]
+    role: str  # the role of the turn before it: a resumed turn must not continue it
+
+
 class Conversion:
     """Walks the messages once, building OpenAI-style messages and the hinted cuts."""
 
@@ -103,6 +117,19 @@ class Conversion:
         self.seen_ids: set[str] = set()
         self.pending: dict[str, str] = {}  # tool_use id → tool name, awaiting a tool_result
         self.tools_hinted: float | None = None  # the TTL of a mark on a tool
+
+    def state(self, role: str) -> Resume:
+        """What the conversion holds now, between a turn of `role` and the next."""
+        return Resume(tuple(self.messages), tuple(self.hints.items()), self.breakpoints,
+                      frozenset(self.seen_ids), tuple(self.pending.items()), role)
+
+    def resume(self, state: Resume) -> None:
+        """Continue from `state` (the system part and the turns before it converted)."""
+        self.messages = list(state.messages)
+        self.hints = dict(state.hints)
+        self.breakpoints = state.breakpoints
+        self.seen_ids = set(state.seen_ids)
+        self.pending = dict(state.pending)
 
     def mark(self, block: dict[str, Any], param: str) -> float | None:
         """The TTL of `block`'s mark (None: unmarked), counted against the breakpoints."""
@@ -275,19 +302,23 @@ class Conversion:
         self._append(out, hinted)
 
 
-def message_turns(messages: Any, limits: BodyLimits
-           ) -> list[tuple[str, list[tuple[dict[str, Any], str]]]]:
-    """Messages as turns: consecutive messages of one role are one turn (as in Anthropic's
-    API), each block paired with its param (`messages.3.content.1`)."""
+Turn = tuple[str, list[tuple[dict[str, Any], str]], int]  # role, (block, param)s, first message
+
+
+def message_turns(messages: Any, limits: BodyLimits, start: int = 0) -> list[Turn]:
+    """Messages (from `start`) as turns: consecutive messages of one role are one turn (as
+    in Anthropic's API), each block paired with its param (`messages.3.content.1`), and
+    the index of the turn's first message."""
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
     if len(messages) > limits.max_messages:
         raise bad(f"at most {limits.max_messages} messages are supported", "messages")
-    turns: list[tuple[str, list[tuple[dict[str, Any], str]]]] = []
-    last_user = max((i for i, m in enumerate(messages)
-                     if isinstance(m, dict) and m.get("role") == "user"), default=-1)
-    for i, msg in enumerate(messages):
-        param = f"messages.{i}"
+    turns: list[Turn] = []
+    last_user = max((i for i in range(start, len(messages))
+                     if isinstance(m := messages[i], dict) and m.get("role") == "user"),
+                    default=-1)
+    for i in range(start, len(messages)):
+        msg, param = messages[i], f"messages.{i}"
         msg = as_object(msg, param)
         role = msg.get("role")
         if role not in ("user", "assistant", "system"):
@@ -305,8 +336,8 @@ def message_turns(messages: Any, limits: BodyLimits
         if turns and turns[-1][0] == role:
             turns[-1][1].extend(blocks)
         else:
-            turns.append((role, blocks))
-    if not turns:
+            turns.append((role, blocks, i))
+    if not turns and not start:
         raise bad("'messages' has no message to render", "messages")
     return turns
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .anthropic_messages import Conversion, as_object, longest, message_turns
+import orjson
+
+from .anthropic_messages import Conversion, Turn, as_object, longest, message_turns
 from .pipeline import Generation
 from .schema import (
     DEFAULT_LIMITS,
@@ -28,11 +30,13 @@ from .schema import (
     BodyLimits,
     ToolChoice,
     bad,
-    model_body,
+    checked_items,
+    items_body,
     number,
     optional_int,
     temperature,
 )
+from .splitter.memo import ConversionMemos as Memos
 from .splitter.validate_tools import check_choice_name, check_function_tools
 from .structured import ResponseFormat, check_schema
 
@@ -191,13 +195,71 @@ def _ignored_fields(body: dict[str, Any]) -> None:
                   "mcp_servers")
 
 
+def _no_check(i: int, item: Any) -> None:
+    """A message's own checks are the conversion's (`checked_items` holds it to the limits)."""
+
+
+def _convert(conv: Conversion, body: dict[str, Any], limits: BodyLimits, memos: Memos | None,
+             scope: bytes, blob: bytes | None) -> None:
+    """`system` and `messages` through `conv`. With `memos`, from the caller's kept state
+    where its messages extend a kept request's up to the start of that one's last turn (with
+    the same tools and system), then the state before this request's last turn is kept.
+    Equal to converting from nothing: a kept state was reached by this very conversion over
+    the same bytes without an error, the turns after it start with another role (else the
+    first would continue the kept one: converted from nothing), and a system message that
+    hides itself once a user message follows (`clear_at`) is never kept behind."""
+    messages: Any = body.get("messages")
+    context = head = None
+    turns: list[Turn] | None = None
+    role = ""  # the role of the turn before the first of `turns`
+    if memos is not None and blob is not None and b'"clear_at"' not in blob:
+        context, head = orjson.dumps([body.get("tools"), body.get("system")]), blob[:-1]
+        found = memos.turns.find(scope, context, head)
+        if found is not None:
+            turns = message_turns(messages, limits, found[0])
+            if turns and turns[0][0] != found[1].role:
+                conv.resume(found[1])
+                role = found[1].role
+            else:
+                turns = None
+    if turns is None:
+        conv.system(body.get("system"))
+        turns = message_turns(messages, limits)
+    before = None
+    for n, (turn_role, blocks, _) in enumerate(turns):
+        if n == len(turns) - 1 and context is not None:
+            before = conv.state(turns[n - 1][0] if n else role)
+        conv.turn(turn_role, blocks)
+    if turns[-1][0] == "assistant":
+        raise bad("the last message must be a user message; a final assistant message "
+                  "(a prefill) is not supported", f"messages.{len(messages) - 1}")
+    if conv.pending:
+        raise bad(conv.unanswered(), "messages")
+    last = turns[-1][2]  # the first message of the last turn
+    if memos is not None and before is not None and head is not None and context is not None \
+            and last > 0:
+        kept = head[:len(head) + 1 - len(orjson.dumps(messages[last:]))]
+        memos.turns.keep(scope, context, kept, last, before)
+
+
 def parse_messages_request(body: Any, *, count_only: bool = False,
                            limits: BodyLimits = DEFAULT_LIMITS,
-                           max_tokens_limit: int = MAX_TOKENS_LIMIT) -> MessagesRequest:
+                           max_tokens_limit: int = MAX_TOKENS_LIMIT,
+                           memos: Memos | None = None, scope: bytes = b"") -> MessagesRequest:
     """A `/v1/messages` body; `count_only` for `/v1/messages/count_tokens`, which has no
     `max_tokens` (sampling fields are then ignored). A `max_tokens` beyond the context is
-    the pipeline's to clamp (`--max-tokens-policy`)."""
-    body, model = model_body(body, limits)
+    the pipeline's to clamp (`--max-tokens-policy`). With `memos`, the messages the caller
+    `scope` sent before are neither checked nor converted again: an agent resends its whole
+    conversation with every turn, and the conversion resumes where the caller's last turn
+    started (`_convert`)."""
+    body, model, nodes = items_body(body, "messages", limits)
+    messages = body.get("messages")
+    blob = None
+    if isinstance(messages, list):
+        if memos is not None:
+            blob = orjson.dumps(messages)
+        checked_items(messages, nodes, limits, _no_check, blob=blob,
+                      memo=memos.shapes if memos is not None else None, scope=scope)
     if body.get("max_tokens") is None and not count_only:
         raise bad("'max_tokens' is required", "max_tokens")
     max_tokens = None if count_only else optional_int(body, "max_tokens", 1, max_tokens_limit)
@@ -210,15 +272,7 @@ def parse_messages_request(body: Any, *, count_only: bool = False,
     conv = Conversion(limits)
     tools = _tools(body, conv)
     choice, single = _tool_choice(body, tools)
-    conv.system(body.get("system"))
-    turns = message_turns(body.get("messages"), limits)
-    for role, blocks in turns:
-        conv.turn(role, blocks)
-    if turns[-1][0] == "assistant":
-        raise bad("the last message must be a user message; a final assistant message "
-                   "(a prefill) is not supported", f"messages.{len(body['messages']) - 1}")
-    if conv.pending:
-        raise bad(conv.unanswered(), "messages")
+    _convert(conv, body, limits, memos, scope, blob)
     if body.get("cache_control") is not None:
         # automatic caching marks the last block: the end of the messages (cut anyway)
         conv.hint(len(conv.messages), conv.mark(body, ""))

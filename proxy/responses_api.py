@@ -36,7 +36,7 @@ from .pipeline import Completion, FinishReason, Usage, check_model
 from .responses_items import Item, encrypt_reasoning, parse_items
 from .responses_schema import ResponsesRequest, parse_responses_request
 from .running import STATE, ProxyState
-from .schema import read_json
+from .schema import BODY_BYTES, read_json
 from .splitter.types import OutputDelta
 from .tenants import TENANT
 
@@ -246,7 +246,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`."""
     state = request.app[STATE]
     # a max_output_tokens beyond the room: the pipeline's to clamp
-    req = parse_responses_request(await read_json(request))
+    body = await read_json(request)
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    req = parse_responses_request(body, memo=state.responses,
+                                  scope=request[TENANT].caller(salt).namespace)
     check_model(state, req.model)
     tenant = request[TENANT]
     previous = _history(state, tenant.tenant.name, req)
@@ -256,7 +259,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     gen = req.generation(previous)
     if not anchors_wanted(request):
         gen = dataclasses.replace(gen, anchors=False)
-    completion = await Completion.create(state, gen, tenant=tenant)
+    # the body holds every text of a conversation without stored history (the early budget)
+    completion = await Completion.create(state, gen, tenant=tenant,
+                                         body_bytes=None if previous else request[BODY_BYTES])
     framer = ItemFramer(namespaces=req.namespaces, encrypted_reasoning=req.encrypted_reasoning)
     rid, created, model = _id("resp"), int(time.time()), state.info.model_id
 

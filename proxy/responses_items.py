@@ -106,7 +106,7 @@ def encrypt_reasoning(text: str) -> str:
     return ENCRYPTED_PREFIX + base64.b64encode(text.encode("utf-8")).decode("ascii")
 
 
-def _item(item: Any, param: str, limits: BodyLimits) -> Item | None:
+def parse_item(item: Any, param: str, limits: BodyLimits) -> Item | None:
     """One input item in canonical form; None for an item dropped from the prompt."""
     item = expect_object(item, param)
     kind = item.get("type", "message" if "role" in item else None)
@@ -159,7 +159,7 @@ def parse_items(value: Any, param: str = "input", limits: BodyLimits = DEFAULT_L
         raise bad("'input' must be a string or a list of items", param)
     if len(value) > limits.max_messages:
         raise bad(f"at most {limits.max_messages} input items are supported", param)
-    return tuple(i for i in (_item(v, f"{param}[{n}]", limits) for n, v in enumerate(value))
+    return tuple(i for i in (parse_item(v, f"{param}[{n}]", limits) for n, v in enumerate(value))
                  if i is not None)
 
 

@@ -22,19 +22,21 @@ from typing import Any
 
 from .errors import ApiError
 from .pipeline import Generation
-from .responses_items import Item, expect_object, parse_items, to_messages
+from .responses_items import Item, expect_object, parse_item, parse_items, to_messages
 from .schema import (
     DEFAULT_LIMITS,
     MAX_TOKENS_LIMIT,
     BodyLimits,
     ToolChoice,
     bad,
-    model_body,
+    checked_items,
+    items_body,
     number,
     optional_int,
     string,
     temperature,
 )
+from .splitter.memo import MessageMemo
 from .splitter.reasoning import REASONING_EFFORTS
 from .splitter.validate_tools import check_choice_name, check_function_tools
 from .structured import ResponseFormat, parse_response_format
@@ -222,15 +224,26 @@ def _include(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def parse_responses_request(body: Any, *, max_tokens_limit: int = MAX_TOKENS_LIMIT,
-                            limits: BodyLimits = DEFAULT_LIMITS) -> ResponsesRequest:
+                            limits: BodyLimits = DEFAULT_LIMITS, memo: MessageMemo | None = None,
+                            scope: bytes = b"") -> ResponsesRequest:
     """A `/v1/responses` body. Fields that only matter to OpenAI's service (`store`d
     retention, `service_tier`, `safety_identifier`, `prompt_cache_key`, `reasoning`,
     `truncation`, ...) are accepted and, beyond a type check, ignored. A
-    `max_output_tokens` beyond what the context leaves is the pipeline's to clamp or refuse."""
-    body, model = model_body(body, limits)
+    `max_output_tokens` beyond what the context leaves is the pipeline's to clamp or refuse.
+    With a `memo`, input items the caller `scope` sent before are not checked again (an
+    agent that keeps its own history resends it whole each turn: splitter/memo.py)."""
+    body, model, nodes = items_body(body, "input", limits)
     if "input" not in body:
         raise bad("'input' is required", "input")
-    items = parse_items(body["input"], "input", limits)
+    value = body["input"]
+    if isinstance(value, list):
+        if len(value) > limits.max_messages:
+            raise bad(f"at most {limits.max_messages} input items are supported", "input")
+        items = tuple(i for i in checked_items(
+            value, nodes, limits, lambda n, v: parse_item(v, f"input[{n}]", limits),
+            memo=memo, scope=scope) if i is not None)
+    else:
+        items = parse_items(value, "input", limits)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("'instructions' must be a string", "instructions")

@@ -16,7 +16,7 @@ from .config import ProxyConfig
 from .metrics import ProxyMetrics
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
-from .splitter.memo import MessageMemo
+from .splitter.memo import ConversionMemos, MessageMemo
 from .targets import Targets
 
 
@@ -33,6 +33,10 @@ class ProxyState:
     metrics: ProxyMetrics  # the same object as app[METRICS]
     # chat messages validated at the edge, per caller (splitter/memo.py)
     messages: MessageMemo = field(default_factory=MessageMemo)
+    # Responses input items validated at the edge, per caller (responses_schema)
+    responses: MessageMemo = field(default_factory=MessageMemo)
+    # Anthropic messages' shapes and conversions, per caller (anthropic_schema.Memos)
+    anthropic: ConversionMemos = field(default_factory=ConversionMemos)
     # toolsets' grammar constraints, per caller (structured.build_constraint)
     constraints: MessageMemo = field(default_factory=MessageMemo)
 

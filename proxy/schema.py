@@ -116,15 +116,16 @@ _first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 def checked_items(items: list[Any], nodes: int, limits: BodyLimits,
                   check: Callable[[int, Any], T], *, memo: MessageMemo | None = None,
-                  scope: bytes = b"") -> list[T]:
+                  scope: bytes = b"", blob: bytes | None = None) -> list[T]:
     """`check(i, item)` of each item of a body's list that `check_shape` deferred, after
     holding the item to the same limits; `nodes`: the values `check_shape` counted. With a
     `memo`, an item `scope` sent before (same JSON bytes) is not checked again (an agent
-    resends its whole conversation each turn: splitter/memo.py)."""
+    resends its whole conversation each turn: splitter/memo.py); `blob`: the items' JSON
+    bytes, where the caller made them."""
     def shaped(i: int, item: Any) -> tuple[int, T]:
         return check_shape(item, limits, depth=ITEM_DEPTH) - 1, check(i, item)
 
-    shapes = memo.map(scope, items, shaped) if memo is not None else [
+    shapes = memo.map(scope, items, shaped, blob=blob) if memo is not None else [
         shaped(i, item) for i, item in enumerate(items)]
     if nodes + sum(map(_first, shapes)) > limits.max_nodes:  # in C: a pass per request
         raise bad(f"the request body has more than {limits.max_nodes} JSON values")

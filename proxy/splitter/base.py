@@ -54,7 +54,7 @@ from .parsers import OutputParser
 from .prefix_cache import CachedPrefix, PrefixCache
 from .specials import SpecialGuard
 from .tool_cuts import ToolCutLimits, ToolCutMemo, candidates, tool_cuts
-from .turns import Turn, TurnMemo
+from .turns import Turn, turns_memo
 from .types import Cut, CutKind, SplitResult
 
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
@@ -200,7 +200,7 @@ class TextAdapter(Adapter):
         self._head_chars = max([self._added_max_len] + [len(t) for t in specials])
         self._boundaries: dict[tuple[str, str], bool] = {}
         self.chunking_ok = self._probe_chunking()
-        self.turns = TurnMemo()  # the last turns' splits, per scope (turns.py)
+        self.turns = turns_memo()  # the last turns' splits, per scope (turns.py)
 
     @abstractmethod
     def render_pieces(self, messages: list[dict], tools: list[dict] | None,
@@ -240,9 +240,9 @@ class TextAdapter(Adapter):
         kwargs = dict(template_kwargs or {})
         turn = None
         if blob is not None and context is not None:
-            kept = self.turns.extended(scope, context, blob[:-1])
+            kept = self.turns.find(scope, context, blob[:-1])
             if kept is not None:
-                turn = self._extend(kept, msgs, safe_msgs, safe_tls, kwargs)
+                turn = self._extend(kept[1], msgs, safe_msgs, safe_tls, kwargs)
         if turn is None:
             pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
             chunks, consumed = self._chunks(pieces)
@@ -255,7 +255,9 @@ class TextAdapter(Adapter):
             turn = self._turn(msgs, chunks, consumed, ends, hashes, input_ids,
                               array("q", input_ids).tobytes())
         if blob is not None and context is not None:
-            self.turns.keep(scope, replace(turn, head=blob[:-1], context=context))
+            # (the memo counts the head and context bytes, the turn the rest)
+            self.turns.keep(scope, context, blob[:-1], turn.count, turn,
+                            turn.size + 3 * (len(blob) + len(context)))
         chunks, ends = turn.chunks, turn.ends
         split = SplitResult(self.name, turn.ids, turn.cuts, stable_tail=self.stable_tail,
                             given_token_bytes=turn.token_bytes)
@@ -280,7 +282,7 @@ class TextAdapter(Adapter):
             ended = cast("list[int]", consumed)  # every chunk but the last ends a message
             start = bisect.bisect_left(ended, limit, hi=len(ended) - 1)
         self._classify(len(msgs), lead, newest, consumed, ends, start, cuts, at)
-        return Turn(b"", len(msgs), b"", chunks, consumed, ends, hashes, ids, token_bytes,
+        return Turn(len(msgs), chunks, consumed, ends, hashes, ids, token_bytes,
                     tuple(cuts), tuple(at), lead, newest)
 
     def _extend(self, kept: Turn, msgs: list[dict], safe_msgs: list[dict],

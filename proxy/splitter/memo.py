@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import orjson
@@ -182,3 +183,99 @@ class MessageMemo:
             self._lists.clear()
             self._bytes = 0
 
+
+
+class _State:
+    __slots__ = ("context", "count", "head", "size", "state")
+
+    def __init__(self, context: bytes, head: bytes, count: int, state: Any,
+                 size: int | None) -> None:
+        self.context, self.head, self.count, self.state = context, head, count, state
+        self.size = 3 * (len(head) + len(context)) + _OVERHEAD if size is None else size
+
+
+class PrefixStates:
+    """Per scope, the state of a pass over a JSON list after a leading part of it (the last
+    turn's split, splitter/turns.py; a conversion that carries pending tool calls from
+    message to message, anthropic_schema.py), so that a later list that extends it, item
+    for item, resumes the pass there: the list memo's rule (`MessageMemo.map`) for work that
+    is not a function of each item alone.
+
+    A state is found for `(scope, context, head)` when one of the scope's last few kept
+    states has the same `context` (the bytes of whatever else the pass read: tools, system,
+    template arguments) and its `head` (the list's JSON bytes up to the end of its `count`
+    items) starts `head` at an item boundary, with at least one item after it (`repeats`:
+    or none, and then a list that is a leading part of a kept one is not kept). The state
+    is shared: whoever resumes from it must not change it. Bounded by bytes over all scopes
+    (least recently used scope first); thread-safe."""
+
+    def __init__(self, max_bytes: int = 64 << 20, per_scope: int = LISTS_PER_SCOPE, *,
+                 repeats: bool = False) -> None:
+        self.max_bytes, self.per_scope, self.repeats = max_bytes, per_scope, repeats
+        self._scopes: OrderedDict[bytes, list[_State]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def find(self, scope: bytes, context: bytes, head: bytes) -> tuple[int, Any] | None:
+        """(items, state) of the longest kept leading part of the list whose JSON bytes,
+        less the closing bracket, are `head`; or None."""
+        best: _State | None = None
+        with self._lock:
+            for kept in self._scopes.get(scope, ()):
+                n = len(kept.head)
+                if (best is None or kept.count > best.count) and kept.context == context \
+                        and ((n < len(head) and head[n] == 0x2C)  # ",": an item follows
+                             or (self.repeats and n == len(head))) and head.startswith(kept.head):
+                    best = kept
+            if best is None:
+                return None
+            self.hits += 1
+            self._scopes.move_to_end(scope)
+        return best.count, best.state
+
+    def keep(self, scope: bytes, context: bytes, head: bytes, count: int, state: Any,
+             size: int | None = None) -> None:
+        """Keep `state`, the pass's after the first `count` items of a list whose JSON bytes
+        up to the end of those items are `head` (`size`: the bytes it is counted for)."""
+        new = _State(context, head, count, state, size)
+        if count < 1 or new.size > self.max_bytes:
+            return
+        with self._lock:
+            states = self._scopes.setdefault(scope, [])
+            self._scopes.move_to_end(scope)
+            if self.repeats and any(k.context == context and k.head.startswith(head)
+                                    for k in states):
+                return  # a leading part of a kept one (a retry, a hint's sub-split)
+            for old in [k for k in states if k.context == context and head.startswith(k.head)]:
+                states.remove(old)  # superseded: the new one goes at least as far
+                self._bytes -= old.size
+            states.insert(0, new)
+            self._bytes += new.size
+            while len(states) > self.per_scope:
+                self._bytes -= states.pop().size
+            while self._bytes > self.max_bytes:
+                oldest, kept = next(iter(self._scopes.items()))
+                self._bytes -= kept.pop().size
+                if not kept:
+                    del self._scopes[oldest]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._scopes.clear()
+            self._bytes = 0
+
+
+@dataclass
+class ConversionMemos:
+    """What spares a caller's turn the work its earlier turns did at an edge whose messages
+    are converted with state carried between them (Anthropic's): the messages' shapes
+    (`shapes`) and the conversion's state before a turn (`turns`), both per caller scope (a
+    caller's namespace: callers never share an entry)."""
+
+    shapes: MessageMemo = field(default_factory=MessageMemo)
+    turns: PrefixStates = field(default_factory=PrefixStates)

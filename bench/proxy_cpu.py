@@ -242,16 +242,20 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def request(client: httpx.Client, url: str, tools: list, messages: list, stream: bool) -> None:
-    body = {"model": "default", "messages": messages, "tools": tools, "max_tokens": 64,
-            "temperature": 0, "stream": stream}
+def _post(client: httpx.Client, url: str, body: dict[str, Any], stream: bool) -> None:
     if stream:
-        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        with client.stream("POST", url, json=body) as r:
             r.raise_for_status()
             for _ in r.iter_lines():
                 pass
     else:
-        client.post(url + "/v1/chat/completions", json=body).raise_for_status()
+        client.post(url, json=body).raise_for_status()
+
+
+def request(client: httpx.Client, url: str, tools: list, messages: list, stream: bool) -> None:
+    body = {"model": "default", "messages": messages, "tools": tools, "max_tokens": 64,
+            "temperature": 0, "stream": stream}
+    _post(client, url + "/v1/chat/completions", body, stream)
 
 
 def as_anthropic(tools: list, messages: list, stream: bool) -> dict[str, Any]:
@@ -290,14 +294,7 @@ def as_anthropic(tools: list, messages: list, stream: bool) -> dict[str, Any]:
 
 def anthropic_request(client: httpx.Client, url: str, tools: list, messages: list,
                       stream: bool) -> None:
-    body = as_anthropic(tools, messages, stream)
-    if stream:
-        with client.stream("POST", url + "/v1/messages", json=body) as r:
-            r.raise_for_status()
-            for _ in r.iter_lines():
-                pass
-    else:
-        client.post(url + "/v1/messages", json=body).raise_for_status()
+    _post(client, url + "/v1/messages", as_anthropic(tools, messages, stream), stream)
 
 
 APIS = {"chat": request, "anthropic": anthropic_request}

@@ -264,7 +264,8 @@ def as_anthropic(tools: list, messages: list, stream: bool) -> dict[str, Any]:
     user message of `tool_result` blocks."""
     out: list[dict[str, Any]] = []
     system = ""
-    for m in messages:
+    ids: dict[str, str] = {}  # call id → a tool_use id unique in the conversation (`grown`
+    for i, m in enumerate(messages):  # reuses its pairs of calls and results)
         if m["role"] == "system":
             system = m["content"]
         elif m["role"] == "user":
@@ -274,12 +275,13 @@ def as_anthropic(tools: list, messages: list, stream: bool) -> dict[str, Any]:
                 if m.get("content") else []
             for call in m.get("tool_calls") or []:
                 args = call["function"]["arguments"]
-                blocks.append({"type": "tool_use", "id": call["id"],
+                ids[call["id"]] = f"{call['id']}_{i}"
+                blocks.append({"type": "tool_use", "id": ids[call["id"]],
                                "name": call["function"]["name"],
                                "input": json.loads(args) if isinstance(args, str) else args})
             out.append({"role": "assistant", "content": blocks})
         else:
-            result = {"type": "tool_result", "tool_use_id": m["tool_call_id"],
+            result = {"type": "tool_result", "tool_use_id": ids[m["tool_call_id"]],
                       "content": m["content"]}
             if out and out[-1]["role"] == "user" and isinstance(out[-1]["content"], list):
                 out[-1]["content"].append(result)

@@ -535,23 +535,33 @@ class AnchorStore:
         """Pin a committed anchor (held in memory, else loaded from disk first) in the slot
         table and the disk tier: neither evicts it or its ancestors."""
         slot = self._slot_of.get(key)
-        if slot is None and self.disk is not None:
-            on_disk = next((e.depth for e in self.disk.entries() if e.key == key), None)
-            if self.ranks.same(on_disk):
-                assert on_disk is not None
-                self._promote_chain(key, on_disk)
+        if self.disk is not None:
+            depth = self._live[slot].depth if slot is not None else next(
+                (e.depth for e in self.disk.entries() if e.key == key), None)
+            if not self.ranks.same(depth):
+                return False
+            assert depth is not None
+            if not self._promote_chain(key, depth):
+                return False  # a link of its chain is gone: it could never restore
         if not self.table.pin(key):
             return False
         if self.disk is not None:
             self.disk.pin(key)
         return True
 
-    def _promote_chain(self, key: bytes, depth: int) -> None:
+    def _promote_chain(self, key: bytes, depth: int) -> bool:
+        """Load `key`'s chain from the disk tier, leaf to root, where memory lacks a link;
+        whether the whole chain is then in memory."""
         cur: tuple[bytes, int] | None = (key, depth)
-        while cur is not None and cur[0] not in self._slot_of:
-            slot = self._promote(*cur)
+        while cur is not None:
+            slot = self._slot_of.get(cur[0])
+            if slot is None:
+                slot = self._promote(*cur)
             slab = self._live.get(slot) if slot is not None else None
-            cur = (slab.parent, slab.start) if slab is not None and slab.parent else None
+            if slab is None or slab.depth != cur[1]:
+                return False
+            cur = (slab.parent, slab.start) if slab.parent else None
+        return True
 
     def unpin(self, key: bytes) -> bool:
         if self.disk is not None:

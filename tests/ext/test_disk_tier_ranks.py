@@ -65,6 +65,7 @@ def _rank(rank: int, root: str, agree: bool, out: Any) -> None:
             # nothing planned: the late lookup scans the depths the disk holds
             "c": [s.depth for s in fresh.check_chain(THIRD, plan(c, [])).chain],
             "pin_c": fresh.pin(c[33]),
+            "pin_b": fresh.pin(b[45]),
             "pin_a": fresh.pin(a[20]),
             "table": sorted((e.key.hex(), e.depth) for e in fresh.table.entries()),
         }
@@ -105,6 +106,7 @@ def test_ranks_restore_and_pin_alike_whatever_each_ones_files_hold(tmp_path):
     assert seen["b"] == []  # rank 0's root is gone: the chain is gone on both
     assert seen["c"] == []  # only rank 0 holds it: not scanned, not restored
     assert seen["pin_c"] is False and seen["pin_a"] is True  # rank 1 has no file of c
+    assert seen["pin_b"] is False  # its root's file is gone (on rank 0): it never restores
 
 
 def test_without_agreement_the_ranks_part_ways(tmp_path):

@@ -265,9 +265,11 @@ def test_the_disk_tier_serves_a_fresh_scheduler(tmp_path: Path) -> None:
     assert disk is not None
     readers: list[str] = []
     load = disk.load
+    gate = threading.Event()  # holds the copy thread's reads until the test has looked
 
     def traced_load(key: bytes, depth: int) -> Any:
         readers.append(threading.current_thread().name)
+        gate.wait(60)
         return load(key, depth)
 
     disk.load = traced_load  # type: ignore[method-assign]
@@ -278,6 +280,9 @@ def test_the_disk_tier_serves_a_fresh_scheduler(tmp_path: Path) -> None:
     assert second.admit_restore(req, lambda: POOL) == "wait"
     p = second.plans.get("b")
     assert p is not None and p.check is None and p.reading is not None
+    assert second.admit_restore(req, lambda: POOL) == "wait"  # still reading: still unchecked
+    assert p.check is None and not p.reading.done()
+    gate.set()
     p.reading.result()
     assert len(readers) == len(DEPTHS) and all(r.startswith("anchorcache-copy") for r in readers)
     # then the chain is checked (no file read on this loop) and its copy starts

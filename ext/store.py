@@ -44,8 +44,8 @@ the same calls in the same order) stay alike because their decisions read only t
 A rank's files are its own, though: written by its own thread, damaged or deleted apart
 from the others'. So every decision that reads the disk is agreed (`Ranks`): the depths the
 late lookup scans are the ones every rank's index holds, and a slab is promoted only when
-every rank has its file, loaded it whole and found the same header (key, depth, start,
-parent, kind, size); otherwise no rank promotes it, and the request prefills it on all.
+every rank has its file, loaded it whole and found the same place in its chain (key, depth,
+start, parent) and kind; otherwise no rank promotes it, and the request prefills it on all.
 
 Thread model: one owner. Every call runs on the worker's own loop (embedded: the engine
 thread, to which the contract's calls are queued; SGLang: the scheduler, through the

@@ -217,10 +217,23 @@ def grown(target_tokens: int, turns: int, count_tokens: Any) -> tuple[list[dict]
     messages = [m for m in base["messages"] if m["role"] in ("system", "user")][:2]
     while len(base["tools"]) > 1 and count_tokens(base["tools"], messages) > target_tokens:
         base["tools"] = base["tools"][:-1]  # a short conversation has fewer tools
-    k = 0
-    while count_tokens(base["tools"], messages) < target_tokens:
-        messages += pairs[k % len(pairs)]
-        k += 1
+
+    def with_pairs(k: int) -> list[dict]:
+        return messages + [m for j in range(k) for m in pairs[j % len(pairs)]]
+
+    # the fewest pairs that reach the target (tokens grow with pairs): doubling, then bisecting
+    hi = 1
+    while count_tokens(base["tools"], with_pairs(hi)) < target_tokens:
+        hi *= 2
+    lo = hi // 2  # below the target, or 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if count_tokens(base["tools"], with_pairs(mid)) < target_tokens:
+            lo = mid + 1
+        else:
+            hi = mid
+    k = lo
+    messages = with_pairs(k)
     stops = [len(messages)]
     for _ in range(turns):
         messages += pairs[k % len(pairs)]

@@ -26,7 +26,7 @@ from .anthropic_schema import MessagesRequest, parse_messages_request
 from .errors import ApiError, json_response
 from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
 from .running import STATE, ProxyState
-from .schema import BODY_BYTES, read_json
+from .schema import BODY_BYTES, read_items, read_json
 from .splitter.partial_json import close_json
 from .splitter.reasoning import effort_template_kwargs
 from .splitter.types import OutputDelta
@@ -208,8 +208,10 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 async def messages(request: web.Request) -> web.StreamResponse:
     """`POST /v1/messages`."""
     state = request.app[STATE]
-    req = parse_messages_request(await read_json(request), memos=state.anthropic,
-                                 scope=request[TENANT].caller().namespace)
+    scope = request[TENANT].caller().namespace
+    req = parse_messages_request(
+        await read_items(request, state.anthropic.shapes, scope, "messages"),
+        memos=state.anthropic, scope=scope)
     check_model(state, req.model)
     completion = await _completion(state, req, request[TENANT], request[BODY_BYTES])
     framer = BlockFramer(single_tool_use=req.single_tool_use, omit_thinking=req.omit_thinking)

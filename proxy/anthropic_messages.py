@@ -305,20 +305,23 @@ class Conversion:
 Turn = tuple[str, list[tuple[dict[str, Any], str]], int]  # role, (block, param)s, first message
 
 
-def message_turns(messages: Any, limits: BodyLimits, start: int = 0) -> list[Turn]:
+def message_turns(messages: Any, limits: BodyLimits, start: int = 0, *,
+                  base: int = 0) -> list[Turn]:
     """Messages (from `start`) as turns: consecutive messages of one role are one turn (as
     in Anthropic's API), each block paired with its param (`messages.3.content.1`), and
-    the index of the turn's first message."""
-    if not isinstance(messages, list) or not messages:
+    the index of the turn's first message. `base`: the index of `messages[0]` in the
+    request's messages (the ones before it read before: `MessageMemo.read`)."""
+    if not isinstance(messages, list) or not base + len(messages):
         raise bad("'messages' must be a non-empty list", "messages")
-    if len(messages) > limits.max_messages:
+    if base + len(messages) > limits.max_messages:
         raise bad(f"at most {limits.max_messages} messages are supported", "messages")
     turns: list[Turn] = []
-    last_user = max((i for i in range(start, len(messages))
-                     if isinstance(m := messages[i], dict) and m.get("role") == "user"),
+    end = base + len(messages)
+    last_user = max((i for i in range(start, end)
+                     if isinstance(m := messages[i - base], dict) and m.get("role") == "user"),
                     default=-1)
-    for i in range(start, len(messages)):
-        msg, param = messages[i], f"messages.{i}"
+    for i in range(start, end):
+        msg, param = messages[i - base], f"messages.{i}"
         msg = as_object(msg, param)
         role = msg.get("role")
         if role not in ("user", "assistant", "system"):

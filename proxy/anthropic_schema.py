@@ -17,12 +17,13 @@ messages, which the splitter cuts anyway.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
-from .anthropic_messages import Conversion, Turn, as_object, longest, message_turns
+from .anthropic_messages import Conversion, Resume, Turn, as_object, longest, message_turns
+from .errors import ApiError
 from .pipeline import Generation
 from .schema import (
     DEFAULT_LIMITS,
@@ -37,6 +38,7 @@ from .schema import (
     temperature,
 )
 from .splitter.memo import ConversionMemos as Memos
+from .splitter.memo import Read
 from .splitter.validate_tools import check_choice_name, check_function_tools
 from .structured import ResponseFormat, check_schema
 
@@ -200,29 +202,37 @@ def _no_check(i: int, item: Any) -> None:
 
 
 def _convert(conv: Conversion, body: dict[str, Any], limits: BodyLimits, memos: Memos | None,
-             scope: bytes, blob: bytes | None) -> None:
-    """`system` and `messages` through `conv`. With `memos`, from the caller's kept state
-    where its messages extend a kept request's up to the start of that one's last turn (with
-    the same tools and system), then the state before this request's last turn is kept.
-    Equal to converting from nothing: a kept state was reached by this very conversion over
-    the same bytes without an error, the turns after it start with another role (else the
-    first would continue the kept one: converted from nothing), and a system message that
-    hides itself once a user message follows (`clear_at`) is never kept behind."""
+             scope: bytes, head: bytes | None, base: int = 0,
+             resumed: tuple[Resume, list[Turn]] | None = None) -> tuple[bytes, int]:
+    """`system` and `messages` through `conv`: the messages from index `base` on are
+    `body["messages"]` (`resumed`: the kept state at `base` and those messages' turns).
+    With `memos` and `head` (the messages' JSON bytes less the closing bracket, or a
+    body's own bytes up to their end: `Read.head`), from the caller's kept state where its
+    messages extend a kept request's up to the start of that one's last turn (with the same
+    tools and system); then the state before this request's last turn is kept. Equal to
+    converting from nothing: a kept state was reached by this very conversion over the same
+    bytes without an error, the turns after it start with another role (else the first
+    would continue the kept one: converted from nothing), and no state is kept behind a
+    system message that hides itself once a user message follows (`clear_at`): a later
+    request could add that user message. (`head` up to the start of the last turn, as kept,
+    and the messages before it; b"", 0 where none is kept.)"""
     messages: Any = body.get("messages")
-    context = head = None
+    context = None
     turns: list[Turn] | None = None
     role = ""  # the role of the turn before the first of `turns`
-    if memos is not None and blob is not None and b'"clear_at"' not in blob:
-        context, head = orjson.dumps([body.get("tools"), body.get("system")]), blob[:-1]
-        found = memos.turns.find(scope, context, head)
-        if found is not None:
-            turns = message_turns(messages, limits, found[0])
-            if turns and turns[0][0] != found[1].role:
-                conv.resume(found[1])
-                role = found[1].role
-            else:
-                turns = None
-    if turns is None:
+    if memos is not None and head is not None:
+        context = orjson.dumps([body.get("tools"), body.get("system")])
+        if resumed is None and not base:
+            found = memos.turns.find(scope, context, head)
+            if found is not None:
+                got = message_turns(messages, limits, found[0])
+                if got and got[0][0] != found[1].role:
+                    resumed = found[1], got
+    if resumed is not None:
+        conv.resume(resumed[0])
+        role, turns = resumed[0].role, resumed[1]
+    else:
+        assert not base, "messages before `base` are converted only by resuming"
         conv.system(body.get("system"))
         turns = message_turns(messages, limits)
     before = None
@@ -232,34 +242,72 @@ def _convert(conv: Conversion, body: dict[str, Any], limits: BodyLimits, memos: 
         conv.turn(turn_role, blocks)
     if turns[-1][0] == "assistant":
         raise bad("the last message must be a user message; a final assistant message "
-                  "(a prefill) is not supported", f"messages.{len(messages) - 1}")
+                  "(a prefill) is not supported", f"messages.{base + len(messages) - 1}")
     if conv.pending:
         raise bad(conv.unanswered(), "messages")
     last = turns[-1][2]  # the first message of the last turn
-    if memos is not None and before is not None and head is not None and context is not None \
-            and last > 0:
-        kept = head[:len(head) + 1 - len(orjson.dumps(messages[last:]))]
-        memos.turns.keep(scope, context, kept, last, before)
+    if memos is None or before is None or head is None or context is None or last <= base \
+            or any(isinstance(m, dict) and "clear_at" in m for m in messages[:last - base]):
+        return b"", 0
+    tail = orjson.dumps(messages[last - base:])[1:-1]
+    if not head.endswith(tail) or head[len(head) - len(tail) - 1:][:1] != b",":
+        return b"", 0  # the client's bytes for the last turn are not orjson's: no key
+    kept = head[:len(head) - len(tail) - 1]
+    memos.turns.keep(scope, context, kept, last, before)
+    return kept, last
+
+
+def _resumable(read: Read, memos: Memos, scope: bytes, limits: BodyLimits
+               ) -> tuple[Resume, list[Turn]] | None:
+    """For a body read through the memos from the start of a kept request's last turn on
+    (`read.start`): the state kept there and the turns of the messages read, when the
+    conversion may resume there (same tools and system, the first turn of another role);
+    else None, and the body is decoded whole."""
+    body = read.body
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return None
+    try:
+        context = orjson.dumps([body.get("tools"), body.get("system")])
+        found = memos.turns.find(scope, context, read.raw)
+        if found is None or found[0] != read.start:
+            return None
+        turns = message_turns(body["messages"], limits, read.start, base=read.start)
+    except (ApiError, orjson.JSONEncodeError):
+        return None  # the whole body's decode and checks say what is wrong
+    return (found[1], turns) if turns and turns[0][0] != found[1].role else None
 
 
 def parse_messages_request(body: Any, *, count_only: bool = False,
                            limits: BodyLimits = DEFAULT_LIMITS,
                            max_tokens_limit: int = MAX_TOKENS_LIMIT,
                            memos: Memos | None = None, scope: bytes = b"") -> MessagesRequest:
-    """A `/v1/messages` body; `count_only` for `/v1/messages/count_tokens`, which has no
-    `max_tokens` (sampling fields are then ignored). A `max_tokens` beyond the context is
-    the pipeline's to clamp (`--max-tokens-policy`). With `memos`, the messages the caller
-    `scope` sent before are neither checked nor converted again: an agent resends its whole
-    conversation with every turn, and the conversion resumes where the caller's last turn
-    started (`_convert`)."""
-    body, model, nodes = items_body(body, "messages", limits)
+    """A `/v1/messages` body (or a `Read` of one, through `memos.shapes.read`);
+    `count_only` for `/v1/messages/count_tokens`, which has no `max_tokens` (sampling fields
+    are then ignored). A `max_tokens` beyond the context is the pipeline's to clamp
+    (`--max-tokens-policy`). With `memos`, the messages the caller `scope` sent before are
+    neither decoded, checked nor converted again: an agent resends its whole conversation
+    with every turn, and the conversion resumes where the caller's last turn started
+    (`_convert`), the body's bytes read from there on."""
+    read = body if isinstance(body, Read) else None
+    resumed = None
+    if read is not None and read.start:
+        resumed = _resumable(read, memos, scope, limits) if memos is not None else None
+        if resumed is None:
+            read = replace(read, body=orjson.loads(read.raw), start=0, prior=())
+    base = read.start if read is not None else 0
+    body, model, nodes = items_body(read.body if read is not None else body, "messages",
+                                    limits)
     messages = body.get("messages")
-    blob = None
+    head: bytes | None = None
+    shapes: list[Any] = []
     if isinstance(messages, list):
         if memos is not None:
-            blob = orjson.dumps(messages)
-        checked_items(messages, nodes, limits, _no_check, blob=blob,
-                      memo=memos.shapes if memos is not None else None, scope=scope)
+            head = read.head if read is not None else orjson.dumps(messages)[:-1]
+        checked_items(messages, nodes + base, limits, _no_check,
+                      head=head if read is None else None,
+                      read=replace(read, head=None) if read is not None else None,
+                      memo=memos.shapes if memos is not None else None, scope=scope,
+                      shapes=shapes)
     if body.get("max_tokens") is None and not count_only:
         raise bad("'max_tokens' is required", "max_tokens")
     max_tokens = None if count_only else optional_int(body, "max_tokens", 1, max_tokens_limit)
@@ -272,7 +320,9 @@ def parse_messages_request(body: Any, *, count_only: bool = False,
     conv = Conversion(limits)
     tools = _tools(body, conv)
     choice, single = _tool_choice(body, tools)
-    _convert(conv, body, limits, memos, scope, blob)
+    kept, last = _convert(conv, body, limits, memos, scope, head, base, resumed)
+    if kept and read is not None and memos is not None:  # the next turn is read from there
+        memos.shapes.keep(scope, read, kept, shapes[:last])
     if body.get("cache_control") is not None:
         # automatic caching marks the last block: the end of the messages (cut anyway)
         conv.hint(len(conv.messages), conv.mark(body, ""))

@@ -30,7 +30,7 @@ from .pipeline import (
     check_model,
 )
 from .running import STATE
-from .schema import BODY_BYTES, ChatRequest, parse_chat_request, read_json
+from .schema import BODY_BYTES, ChatRequest, parse_chat_request, read_items
 from .splitter.types import OutputDelta
 from .tenants import TENANT
 
@@ -51,8 +51,9 @@ def anchors_wanted(request: web.Request) -> bool:
     return value == "on"
 
 
-def generation(req: ChatRequest, cache_salt: str | None = None) -> Generation:
-    return Generation(messages=req.messages, tools=req.tools, tool_choice=req.tool_choice,
+def generation(req: ChatRequest, cache_salt: str | None = None,
+               messages_head: bytes | None = None) -> Generation:
+    return Generation(messages=req.messages, messages_head=messages_head, tools=req.tools, tool_choice=req.tool_choice,
                       max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                       top_k=req.top_k, seed=req.seed, stop=req.stop,
                       template_kwargs=req.template_kwargs, cache_salt=cache_salt, n=req.n,
@@ -125,13 +126,17 @@ def usage_json(u: Usage) -> dict[str, Any]:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_json(request)
+    # looked up in the caller's namespace without a salt (a salted caller may see what the
+    # unsalted ones sent, as by leaving its salt out; only unsalted bodies are kept)
+    read = await read_items(request, state.messages, request[TENANT].caller().namespace,
+                            "messages")
+    body = read.body
     salt = body.get("cache_salt") if isinstance(body, dict) else None
     # a max_tokens beyond the room: the pipeline's to clamp
-    req = parse_chat_request(body, memo=state.messages,
+    req = parse_chat_request(read, memo=state.messages,
                              scope=request[TENANT].caller(salt).namespace)
     check_model(state, req.model)
-    gen = generation(req, salt)
+    gen = generation(req, salt, read.head)
     if not anchors_wanted(request):
         gen = dataclasses.replace(gen, anchors=False)
     completion = await Completion.create(state, gen, tenant=request[TENANT],

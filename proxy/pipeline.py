@@ -107,6 +107,9 @@ class Generation:
     grammar: Constraint | None = None  # a regex / ebnf for the content (SGLang's extras)
     parallel_tool_calls: bool = True
     anchors: bool = True  # False: restore and save nothing for this request (a baseline)
+    # what stands for `messages` in the splitter's memos, where the edge has it (a chat
+    # body's bytes up to the end of its messages: `TextAdapter.split`'s `head`)
+    messages_head: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,8 @@ class Completion:
         # in the tenant's turn on the split threads, with memos of the caller's own
         splitter = functools.partial(state.splits.split, tenant=caller.tenant,
                                      scope=caller.namespace)
-        split = await splitter(messages, tools, gen.template_kwargs or None)
+        split = await splitter(messages, tools, gen.template_kwargs or None,
+                               head=gen.messages_head)
         leases: dict[int, float] = {}
         if gen.cut_after:
             found = await hint_positions(splitter, split, messages, tools,

@@ -36,7 +36,7 @@ from .pipeline import Completion, FinishReason, Usage, check_model
 from .responses_items import Item, encrypt_reasoning, parse_items
 from .responses_schema import ResponsesRequest, parse_responses_request
 from .running import STATE, ProxyState
-from .schema import BODY_BYTES, read_json
+from .schema import BODY_BYTES, read_items
 from .splitter.types import OutputDelta
 from .tenants import TENANT
 
@@ -246,9 +246,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`."""
     state = request.app[STATE]
     # a max_output_tokens beyond the room: the pipeline's to clamp
-    body = await read_json(request)
-    salt = body.get("cache_salt") if isinstance(body, dict) else None
-    req = parse_responses_request(body, memo=state.responses,
+    # read as the chat edge reads (openai_api.py): unsalted bodies kept, looked up unsalted
+    read = await read_items(request, state.responses, request[TENANT].caller().namespace,
+                            "input")
+    salt = read.body.get("cache_salt") if isinstance(read.body, dict) else None
+    req = parse_responses_request(read, memo=state.responses,
                                   scope=request[TENANT].caller(salt).namespace)
     check_model(state, req.model)
     tenant = request[TENANT]

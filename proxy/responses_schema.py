@@ -36,7 +36,7 @@ from .schema import (
     string,
     temperature,
 )
-from .splitter.memo import MessageMemo
+from .splitter.memo import MessageMemo, Read
 from .splitter.reasoning import REASONING_EFFORTS
 from .splitter.validate_tools import check_choice_name, check_function_tools
 from .structured import ResponseFormat, parse_response_format
@@ -231,17 +231,20 @@ def parse_responses_request(body: Any, *, max_tokens_limit: int = MAX_TOKENS_LIM
     `truncation`, ...) are accepted and, beyond a type check, ignored. A
     `max_output_tokens` beyond what the context leaves is the pipeline's to clamp or refuse.
     With a `memo`, input items the caller `scope` sent before are not checked again (an
-    agent that keeps its own history resends it whole each turn: splitter/memo.py)."""
-    body, model, nodes = items_body(body, "input", limits)
+    agent that keeps its own history resends it whole each turn: splitter/memo.py); the
+    body may be a `Read` through it (`MessageMemo.read`: those items not decoded again)."""
+    read = body if isinstance(body, Read) else None
+    start = read.start if read is not None else 0  # items decoded and checked before
+    body, model, nodes = items_body(read.body if read is not None else body, "input", limits)
     if "input" not in body:
         raise bad("'input' is required", "input")
     value = body["input"]
     if isinstance(value, list):
-        if len(value) > limits.max_messages:
+        if start + len(value) > limits.max_messages:
             raise bad(f"at most {limits.max_messages} input items are supported", "input")
         items = tuple(i for i in checked_items(
-            value, nodes, limits, lambda n, v: parse_item(v, f"input[{n}]", limits),
-            memo=memo, scope=scope) if i is not None)
+            value, nodes + start, limits, lambda n, v: parse_item(v, f"input[{n}]", limits),
+            memo=memo, scope=scope, read=read) if i is not None)
     else:
         items = parse_items(value, "input", limits)
     instructions = body.get("instructions")

@@ -26,7 +26,7 @@ from aiohttp import web
 from anchorcache.wire import GREEDY_TEMPERATURE
 
 from .errors import ApiError
-from .splitter.memo import MessageMemo
+from .splitter.memo import MessageMemo, Read
 from .splitter.partial_json import close_json
 from .splitter.reasoning import REASONING_EFFORTS
 from .splitter.validate_tools import check_choice_name, check_function_tools
@@ -82,6 +82,17 @@ async def read_json(request: web.Request) -> Any:
         raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
 
 
+async def read_items(request: web.Request, memo: MessageMemo, scope: bytes, key: str) -> Read:
+    """`read_json` through `memo.read`: the items of the body's list `key` that extend one
+    `scope` sent before are not decoded again (splitter/memo.py)."""
+    raw = await request.read()
+    request[BODY_BYTES] = len(raw)
+    try:
+        return memo.read(scope, raw, key)
+    except orjson.JSONDecodeError as e:
+        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
+
+
 def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 1,
                 defer: Any = None) -> int:
     """One iterative walk over a decoded JSON value at nesting level `depth` of the body:
@@ -116,20 +127,25 @@ _first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 def checked_items(items: list[Any], nodes: int, limits: BodyLimits,
                   check: Callable[[int, Any], T], *, memo: MessageMemo | None = None,
-                  scope: bytes = b"", blob: bytes | None = None) -> list[T]:
+                  scope: bytes = b"", head: bytes | None = None,
+                  read: Read | None = None, shapes: list[Any] | None = None) -> list[T]:
     """`check(i, item)` of each item of a body's list that `check_shape` deferred, after
     holding the item to the same limits; `nodes`: the values `check_shape` counted. With a
     `memo`, an item `scope` sent before (same JSON bytes) is not checked again (an agent
-    resends its whole conversation each turn: splitter/memo.py); `blob`: the items' JSON
-    bytes, where the caller made them."""
+    resends its whole conversation each turn: splitter/memo.py); `head`: the items' JSON
+    bytes less the closing bracket, where the caller made them; `read`: the body they came
+    from, through the memo (`items` are then those after its `start`). `shapes`, if given,
+    gets what the memo holds per item (from the first item of the list)."""
     def shaped(i: int, item: Any) -> tuple[int, T]:
         return check_shape(item, limits, depth=ITEM_DEPTH) - 1, check(i, item)
 
-    shapes = memo.map(scope, items, shaped, blob=blob) if memo is not None else [
+    got = memo.map(scope, items, shaped, head=head, read=read) if memo is not None else [
         shaped(i, item) for i, item in enumerate(items)]
-    if nodes + sum(map(_first, shapes)) > limits.max_nodes:  # in C: a pass per request
+    if nodes + sum(map(_first, got)) > limits.max_nodes:  # in C: a pass per request
         raise bad(f"the request body has more than {limits.max_nodes} JSON values")
-    return list(map(_second, shapes))
+    if shapes is not None:
+        shapes.extend(got)
+    return list(map(_second, got))
 
 
 def model_body(body: Any, limits: BodyLimits = DEFAULT_LIMITS) -> tuple[dict[str, Any], str]:
@@ -384,16 +400,20 @@ def stop_sequences(body: dict[str, Any], limits: BodyLimits) -> tuple[str, ...]:
 def parse_chat_request(body: Any, *, max_tokens_limit: int = MAX_TOKENS_LIMIT,
                        limits: BodyLimits = DEFAULT_LIMITS, memo: MessageMemo | None = None,
                        scope: bytes = b"") -> ChatRequest:
-    """An OpenAI chat body; with a `memo`, messages `scope` sent before are not checked
-    again (`checked_items`)."""
-    body, model, nodes = items_body(body, "messages", limits)
+    """An OpenAI chat body (or a `Read` of one, through `memo.read`); with a `memo`,
+    messages `scope` sent before are not checked again (`checked_items`)."""
+    read = body if isinstance(body, Read) else None
+    start = read.start if read is not None else 0  # messages decoded and checked before
+    body, model, nodes = items_body(read.body if read is not None else body, "messages",
+                                    limits)
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, list) or not start + len(messages):
         raise bad("'messages' must be a non-empty list", "messages")
-    if len(messages) > limits.max_messages:
+    if start + len(messages) > limits.max_messages:
         raise bad(f"at most {limits.max_messages} messages are supported", "messages")
-    checked = checked_items(messages, nodes, limits,
-                            lambda i, m: _message(i, m, limits), memo=memo, scope=scope)
+    checked = checked_items(messages, nodes + start, limits,
+                            lambda i, m: _message(i, m, limits), memo=memo, scope=scope,
+                            read=read)
     n = optional_int(body, "n", 1, MAX_CHOICES) or 1
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):

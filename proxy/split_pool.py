@@ -120,15 +120,18 @@ class SplitPool:
 
     async def split(self, messages: list[dict], tools: list[dict] | None,
                     template_kwargs: dict | None, *, tenant: str = "",
-                    scope: bytes = b"") -> SplitResult:
+                    scope: bytes = b"", head: bytes | None = None) -> SplitResult:
         """The adapter's split, on a split thread, in `tenant`'s turn; `scope` keys the
-        adapter's memos (the caller's namespace). A bad chat raises a 400 `ApiError`."""
+        adapter's memos (the caller's namespace; `head`: what stands for the messages in
+        them, `TextAdapter.split`). A bad chat raises a 400 `ApiError`."""
         return await self.run(functools.partial(self._split_chat, messages, tools,
-                                                template_kwargs, scope), tenant=tenant)
+                                                template_kwargs, scope, head), tenant=tenant)
 
     def _split_chat(self, messages: list[dict], tools: list[dict] | None,
-                    template_kwargs: dict | None, scope: bytes) -> SplitResult:
-        return self.adapter.split(messages, tools, template_kwargs=template_kwargs, scope=scope)
+                    template_kwargs: dict | None, scope: bytes,
+                    head: bytes | None) -> SplitResult:
+        return self.adapter.split(messages, tools, template_kwargs=template_kwargs, scope=scope,
+                                  messages_head=head)
 
     async def run(self, work: Callable[[], SplitResult], *, tenant: str = "") -> SplitResult:
         """`work()` (a split of any kind: the chat's, a raw prompt's) on a split thread, in

@@ -86,14 +86,14 @@ class Adapter(ABC):
         self.tool_cut_limits = ToolCutLimits()  # the proxy sets its own (gap, context)
         self.message_memo = MessageMemo()
 
-    def _messages(self, messages: list[dict], scope: bytes, blob: bytes | None = None
+    def _messages(self, messages: list[dict], scope: bytes, head: bytes | None = None
                   ) -> tuple[list[dict], list[dict]]:
         """`messages` normalized, and normalized then defused (with each call's arguments
         JSON: `with_arguments_json`), each message's pair from `scope`'s memo where the same
-        message was seen (memo.py; `blob`: `messages`' JSON bytes, if made). The pairs are
-        shared: never mutated."""
+        message was seen (memo.py; `head`: `messages`' JSON bytes less the closing bracket,
+        or what stands for them: `split`'s `messages_head`). The pairs are shared: never mutated."""
         check_messages(messages)
-        pairs = self.message_memo.map(scope, messages, self._message_pair, blob=blob)
+        pairs = self.message_memo.map(scope, messages, self._message_pair, head=head)
         return list(map(_first, pairs)), list(map(_second, pairs))
 
     def _message_pair(self, i: int, message: Any) -> tuple[dict, dict]:
@@ -138,11 +138,15 @@ class Adapter(ABC):
 
     @abstractmethod
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None,
-              canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
+              template_kwargs: dict | None = None, canonical_tools: bool | None = None,
+              scope: bytes = b"", messages_head: bytes | None = None) -> SplitResult:
         """Render with the generation prompt and return the ids and verified cuts. `scope`
         keys every memo the split reads or fills (the caller's tenant namespace), so a
-        split is never faster for what another scope sent."""
+        split is never faster for what another scope sent. `messages_head`: bytes that stand for
+        `messages` in those memos as `orjson.dumps(messages)` less its closing bracket
+        would, where the caller has them (a chat body's own bytes up to the end of its
+        messages, `MessageMemo.read`): equal bytes are equal messages, and bytes that
+        extend them at a comma are the same messages and more."""
 
     @abstractmethod
     def output_parser(self, tools: list[dict] | None, *,
@@ -226,11 +230,13 @@ class TextAdapter(Adapter):
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
               template_kwargs: dict | None = None, canonical_tools: bool | None = None,
-              scope: bytes = b"", use_cache: bool = True) -> SplitResult:
-        blob = context = None
+              scope: bytes = b"", messages_head: bytes | None = None,
+              use_cache: bool = True) -> SplitResult:
+        blob = context = None  # `messages_head`, or the messages' JSON less the bracket
         if use_cache and self.chunking_ok:
             try:
-                blob = orjson.dumps(messages)
+                blob = messages_head if messages_head is not None else \
+                    orjson.dumps(messages)[:-1]
                 context = orjson.dumps([tools, template_kwargs, canonical_tools])
             except (TypeError, orjson.JSONEncodeError):
                 blob = context = None
@@ -240,7 +246,7 @@ class TextAdapter(Adapter):
         kwargs = dict(template_kwargs or {})
         turn = None
         if blob is not None and context is not None:
-            kept = self.turns.find(scope, context, blob[:-1])
+            kept = self.turns.find(scope, context, blob)
             if kept is not None:
                 turn = self._extend(kept[1], msgs, safe_msgs, safe_tls, kwargs)
         if turn is None:
@@ -256,7 +262,7 @@ class TextAdapter(Adapter):
                               array("q", input_ids).tobytes())
         if blob is not None and context is not None:
             # (the memo counts the head and context bytes, the turn the rest)
-            self.turns.keep(scope, context, blob[:-1], turn.count, turn,
+            self.turns.keep(scope, context, blob, turn.count, turn,
                             turn.size + 3 * (len(blob) + len(context)))
         chunks, ends = turn.chunks, turn.ends
         split = SplitResult(self.name, turn.ids, turn.cuts, stable_tail=self.stable_tail,

@@ -89,8 +89,8 @@ class GenericAdapter(Adapter):
                                      **kwargs)
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None,
-              canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
+              template_kwargs: dict | None = None, canonical_tools: bool | None = None,
+              scope: bytes = b"", messages_head: bytes | None = None) -> SplitResult:
         msgs = self._messages(messages, scope)[1]
         tls = self.guard.defuse(self._tools(tools, canonical_tools))
         if not self.supports_tools:

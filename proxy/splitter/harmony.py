@@ -147,8 +147,8 @@ class HarmonyAdapter(Adapter):
             h.RenderConversationConfig(auto_drop_analysis=False)))
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None,
-              canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
+              template_kwargs: dict | None = None, canonical_tools: bool | None = None,
+              scope: bytes = b"", messages_head: bytes | None = None) -> SplitResult:
         import openai_harmony as h
 
         msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)

@@ -24,10 +24,21 @@ the list and a `bytes.startswith` (memcmp) instead of a lookup per message, so t
 turn grows with its new messages, not with the conversation (2,400 messages at 100k tokens).
 Equal bytes up to an item boundary are equal items: a JSON value's extent is fixed by its
 own bytes (a number's by the comma or bracket after it, checked).
+
+The body itself, too (`read`): decoding a 100k-token conversation's body (2,400 messages)
+costs 2 ms and freeing it 1 ms more, each turn. A list kept from a body (`Read.head`: the
+body's own bytes up to the end of the list's last item) that a new body's bytes start with,
+up to an item boundary, spares decoding those items at all: what follows them is decoded
+in place of the list, behind a random marker item (`_after`), and the marker found first
+in the decoded list proves the list is the body's own (the last value of its key, as a full
+decode would take it). Where the list ends in the new body comes from orjson's own parse
+(content after a JSON document is an error that says where the document ends:
+`_list_end`), so the next turn can be read the same way.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -40,17 +51,128 @@ T = TypeVar("T")
 _OVERHEAD = 512  # bytes counted per entry beyond 3× its key (the key, and the values' copies)
 LISTS_PER_SCOPE = 4  # lists kept per scope: its conversations in flight
 _ITEM_END = frozenset(b",]")
+_WS = b" \t\r\n"  # JSON's whitespace
 
 
 class _List:
-    """A list the scope sent: its JSON bytes without the closing bracket, what was derived
-    from each item, and the bytes it is counted for."""
+    """A list the scope sent: its JSON bytes without the closing bracket (`opens` -1), or
+    the bytes of the body it was in up to the end of its last item (`opens`: where the
+    list's bracket is in them); what was derived from each item; the bytes it is counted
+    for."""
 
-    __slots__ = ("head", "size", "values")
+    __slots__ = ("head", "opens", "size", "values")
 
-    def __init__(self, head: bytes, values: tuple[Any, ...]) -> None:
-        self.head, self.values = head, values
+    def __init__(self, head: bytes, values: tuple[Any, ...], opens: int = -1) -> None:
+        self.head, self.values, self.opens = head, values, opens
         self.size = 3 * len(head) + _OVERHEAD
+
+
+@dataclass(frozen=True)
+class Read:
+    """A JSON body decoded by `MessageMemo.read`. Where `start` > 0, the body's list holds
+    only its items after the first `start`, whose derived values are `prior` (a kept
+    list's: shared, never mutated). `raw`: the body's bytes. `head`: them up to the end of
+    the list's last item, where it was found (`opens`: where the list's bracket is), else
+    None; `scope`: the scope the kept lists were looked up in."""
+
+    body: Any
+    raw: bytes = b""
+    scope: bytes = b""
+    start: int = 0
+    prior: tuple[Any, ...] = ()
+    head: bytes | None = None
+    opens: int = -1
+
+
+def _list_end(raw: bytes, s: int) -> tuple[int, int] | None:
+    """Where the JSON array whose items (or whose closing bracket) start at `raw[s]` ends,
+    with content after it: (the index after its last item, the index after its bracket),
+    from orjson's own parse (`[` + the rest is a document followed by more content, an error
+    that gives the document's end: a character index, turned into bytes). None if that is
+    not what the bytes are, or the array is empty."""
+    doc = b"[" + raw[s:]
+    try:
+        orjson.loads(doc)
+        return None  # nothing after the array: not a member of an object
+    except orjson.JSONDecodeError as e:
+        if not e.msg.startswith("unexpected content after document"):
+            return None
+        end = len(e.doc[:e.pos].encode("utf-8", "surrogatepass"))
+    array = doc[:end].rstrip(_WS)
+    if not array.endswith(b"]"):
+        return None
+    items = len(array[:-1].rstrip(_WS))
+    if items <= 1:
+        return None  # `[]`: no item
+    return s + items - 1, s + len(array) - 1
+
+
+def _marker() -> str:
+    """A marker item no client can have sent: made after its body arrived."""
+    return "anchorcache-" + os.urandom(16).hex()
+
+
+def _after(raw: bytes, kept: _List, key: str, scope: bytes) -> Read | None:
+    """`raw`, whose bytes start with `kept.head` (a body's up to the end of its list `key`'s
+    last item) at an item boundary, decoded without the kept items: what follows them is
+    decoded in place of the list, behind a marker item. None where that is not the body's
+    list `key` (a later member of the same name, content that is not JSON there), so the
+    caller decodes the whole body and raises its error."""
+    n = len(kept.head)
+    rest = raw[n:n + 64].lstrip(_WS)  # what follows the kept items: `,` or `]`
+    more = rest[:1] == b","
+    if not more and rest[:1] != b"]":
+        return None
+    s = raw.index(rest[:1], n) + (1 if more else 0)  # the new items, or the bracket
+    marker = _marker()
+    doc = raw[:kept.opens] + b'["' + marker.encode() + (b'",' if more else b'"') + raw[s:]
+    try:
+        body = orjson.loads(doc)
+    except orjson.JSONDecodeError:
+        return None
+    items = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items or items[0] != marker:
+        return None  # (a trailing comma, `[marker,]`, is orjson's error, as the whole body's)
+    body[key] = items[1:]
+    head: bytes | None = kept.head
+    if more:
+        ends = _list_end(raw, s)
+        head = raw[:ends[0]] if ends is not None else None
+    return Read(body, raw, scope, len(kept.values), kept.values, head, kept.opens)
+
+
+def _located(raw: bytes, body: Any, key: str, scope: bytes) -> Read:
+    """`body` (`raw` decoded whole) with where its list `key` is in `raw`, if found: the
+    first few places the key's name is followed by an array, each checked as `_after`
+    checks (the array put in its place proves it the body's list `key`)."""
+    items = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items:
+        return Read(body, raw, scope)
+    name = orjson.dumps(key)
+    at = raw.find(name)
+    for _ in range(4):
+        if at < 0:
+            break
+        j = at + len(name)
+        while raw[j:j + 1] in (b" ", b"\t", b"\r", b"\n"):
+            j += 1
+        if raw[j:j + 1] == b":":
+            j += 1
+            while raw[j:j + 1] in (b" ", b"\t", b"\r", b"\n"):
+                j += 1
+            if raw[j:j + 1] == b"[":
+                ends = _list_end(raw, j + 1)
+                if ends is not None:
+                    marker = _marker()
+                    try:
+                        probe = orjson.loads(raw[:j] + b'["' + marker.encode() + b'"]'
+                                             + raw[ends[1]:])
+                    except orjson.JSONDecodeError:
+                        probe = None
+                    if isinstance(probe, dict) and probe.get(key) == [marker]:
+                        return Read(body, raw, scope, head=raw[:ends[0]], opens=j)
+        at = raw.find(name, at + 1)
+    return Read(body, raw, scope)
 
 
 class MessageMemo:
@@ -71,21 +193,62 @@ class MessageMemo:
     def size_bytes(self) -> int:
         return self._bytes
 
+    def read(self, scope: bytes, raw: bytes, key: str) -> Read:
+        """The JSON body `raw` decoded (orjson's error raised as is), sparing the items of
+        its list `key` that extend, at an item boundary, a list `scope` kept from a body
+        read here (`map` with the `Read`): the module docstring. A `Read` for `map`."""
+        with self._lock:
+            kept = self._extended(scope, raw)
+        if kept is not None:
+            got = _after(raw, kept, key, scope)
+            if got is not None:
+                with self._lock:
+                    self.hits += got.start
+                    self._lists.move_to_end(scope)
+                return got
+        return _located(raw, orjson.loads(raw), key, scope)
+
+    def keep(self, scope: bytes, read: Read, head: bytes, values: Sequence[Any]) -> None:
+        """Keep the list of the body `read` up to its item whose end `head` is at (`values`:
+        what was derived from its items), for later bodies `read` in `scope` (bodies read
+        in another scope, a salted caller's, are not kept: looked up, they never hit)."""
+        if read.scope == scope and read.opens >= 0:
+            with self._lock:
+                self._keep(scope, _List(head, tuple(values), read.opens))
+
+    def _extended(self, scope: bytes, raw: bytes) -> _List | None:
+        """The kept body list of `scope`'s with the most items whose head `raw` starts with,
+        followed by `,` or `]` (after whitespace)."""
+        best = None
+        for kept in self._lists.get(scope, ()):
+            if kept.opens < 0 or (best is not None and len(kept.values) <= len(best.values)):
+                continue
+            n = len(kept.head)
+            if raw.startswith(kept.head) and raw[n:n + 64].lstrip(_WS)[:1] in (b",", b"]"):
+                best = kept
+        return best
+
     def map(self, scope: bytes, items: Sequence[Any], derive: Callable[[int, Any], T], *,
-            blob: bytes | None = None) -> list[T]:
+            head: bytes | None = None, read: Read | None = None) -> list[T]:
         """`[derive(i, item) for i, item in enumerate(items)]`, each result taken from the
         memo where `scope` saw an item of the same JSON bytes before: the leading items a
         kept list of the scope's shares with `items` whole, the others one by one. `derive`
         depends only on the item (the index is for its error messages: an item that raises
         is not kept, so a hit was derived without error). Items that are not JSON (or nest
-        past orjson's limit) are derived every time. `blob`: `orjson.dumps(items)`, where
-        the caller made it."""
-        if blob is None:
+        past orjson's limit) are derived every time. `head`: `orjson.dumps(items)` less the
+        closing bracket, where the caller made it (or bytes that stand for it: `Read.head`). `read`: the body `items` came from (`read`): `items` are then
+        the items after its `start`, and the list is kept by the body's bytes (when read in
+        this very scope)."""
+        if read is not None:
+            out = list(read.prior) + self._items(scope, items, derive, 0, read.start)
+            if read.head is not None:
+                self.keep(scope, read, read.head, out)
+            return out
+        if head is None:
             try:
-                blob = orjson.dumps(items)
+                head = orjson.dumps(items)[:-1]
             except (TypeError, orjson.JSONEncodeError):
                 return self._items(scope, items, derive, 0)
-        head = blob[:-1]
         with self._lock:
             kept = self._shared(scope, head, len(items))
         out = list(kept)
@@ -102,7 +265,7 @@ class MessageMemo:
         best: tuple[Any, ...] = ()
         lists = self._lists.get(scope)
         for kept in lists or ():
-            if len(kept.values) <= len(best):
+            if kept.opens >= 0 or len(kept.values) <= len(best):
                 continue
             if len(kept.head) <= len(head):  # `head` extends it, or repeats it
                 if head.startswith(kept.head) and (
@@ -130,15 +293,16 @@ class MessageMemo:
         self._shrink()
 
     def _items(self, scope: bytes, items: Sequence[Any], derive: Callable[[int, Any], T],
-               start: int) -> list[T]:
-        """`derive` of `items[start:]` through the per-item memo."""
+               start: int, base: int = 0) -> list[T]:
+        """`derive` of `items[start:]` through the per-item memo (`base`: the first item's
+        index in its list)."""
         out: list[T] = []
         for i in range(start, len(items)):
             item = items[i]
             try:
                 key = (scope, orjson.dumps(item))
             except (TypeError, orjson.JSONEncodeError):
-                out.append(derive(i, item))
+                out.append(derive(base + i, item))
                 continue
             with self._lock:
                 entry = self._lru.get(key)
@@ -150,7 +314,7 @@ class MessageMemo:
             if entry is not None:
                 out.append(entry[1])
                 continue
-            value = derive(i, item)
+            value = derive(base + i, item)
             size = 3 * len(key[1]) + _OVERHEAD
             if size <= self.max_bytes:
                 with self._lock:

@@ -84,8 +84,8 @@ class MistralAdapter(Adapter):
                              "messages") from None
 
     def split(self, messages: list[dict], tools: list[dict] | None = None, *,
-              template_kwargs: dict | None = None,
-              canonical_tools: bool | None = None, scope: bytes = b"") -> SplitResult:
+              template_kwargs: dict | None = None, canonical_tools: bool | None = None,
+              scope: bytes = b"", messages_head: bytes | None = None) -> SplitResult:
         msgs, tls = normalize_messages(messages), self._tools(tools, canonical_tools)
         ids = self._encode(msgs, tls)
         return SplitResult(self.name, tuple(ids), self._cuts(msgs, tls, ids))

@@ -13,8 +13,10 @@ gives; no state crosses callers. The Responses edge's input items, likewise.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
+import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +34,26 @@ def parse(body: Any, memos: ConversionMemos | None = None, scope: bytes = b"a") 
     try:
         return parse_messages_request(copy.deepcopy(body), memos=memos, scope=scope,
                                       max_tokens_limit=10**6)
+    except ApiError as e:
+        return ("error", e.kind, str(e), e.param)
+
+
+FORMS = [orjson.dumps, lambda b: json.dumps(b, ensure_ascii=False, separators=(",", ":")).encode(),
+         lambda b: json.dumps(b).encode(), lambda b: json.dumps(b, indent=1).encode()]
+
+
+def parse_raw(body: Any, memos: ConversionMemos, form: Any, scope: bytes = b"a") -> Any:
+    """`parse`, from the body's bytes (`form(body)`) read through the memos (the edge's
+    way: `MessageMemo.read`)."""
+    try:
+        raw = form(body)
+    except (TypeError, ValueError):
+        return parse(body)  # (a value JSON cannot carry: the dict's own parse)
+    try:
+        return parse_messages_request(memos.shapes.read(scope, raw, "messages"), memos=memos,
+                                      scope=scope, max_tokens_limit=10**6)
+    except orjson.JSONDecodeError:
+        return parse(body)
     except ApiError as e:
         return ("error", e.kind, str(e), e.param)
 
@@ -134,9 +156,12 @@ def agent_bodies(draw: Any) -> dict[str, Any]:
 @SETTINGS
 @given(body=st.one_of(agent_bodies(), agent_bodies(), anthropic_bodies), data=st.data())
 def test_a_resumed_conversion_equals_one_from_nothing(body, data):
-    memos = ConversionMemos()
+    memos, raw_memos = ConversionMemos(), ConversionMemos()
+    form = FORMS[data.draw(st.integers(0, len(FORMS) - 1))]
     for request in _variants(body, data.draw):
-        assert parse(request, memos) == parse(request), request
+        fresh = parse(request)
+        assert parse(request, memos) == fresh, request
+        assert parse_raw(request, raw_memos, form) == fresh, request
 
 
 def tool_conversation(turns: int) -> list[dict[str, Any]]:
@@ -154,13 +179,27 @@ def tool_conversation(turns: int) -> list[dict[str, Any]]:
 
 def test_an_agent_turn_resumes_from_its_last_one_and_callers_never_share():
     body = {"model": "m", "max_tokens": 8, "system": "be brief", "tools": [ANTHROPIC_WEATHER]}
-    memos = ConversionMemos()
+    memos, raw_memos = ConversionMemos(), ConversionMemos()
     for turns in range(1, 6):
         request = with_messages(body, tool_conversation(turns))
         before = memos.turns.hits
         got = parse(request, memos)
         assert got == parse(request) and not isinstance(got, tuple)
         assert memos.turns.hits == before + (turns > 1)  # from the turn before
+        # from the body's bytes: only the turn before's last message on is decoded
+        raw = orjson.dumps({**request, "messages": request["messages"]})
+        read = raw_memos.shapes.read(b"a", raw, "messages")
+        assert read.start == (2 * turns - 2 if turns > 1 else 0)
+        assert parse_messages_request(read, memos=raw_memos, scope=b"a") == got
+    # (messages first, as an SDK sends them) a turn under another system prompt, then one
+    # under the first again: the bytes are read from the other's last turn on (the longest
+    # kept), but the state kept under this system prompt is a turn earlier, so the body is
+    # decoded whole, not resumed at the wrong place
+    for turns, system in ((4, "be brief"), (5, "be brief"), (6, "be verbose"), (7, "be brief")):
+        request = {"messages": tool_conversation(turns), **body, "system": system}
+        read = raw_memos.shapes.read(b"a", orjson.dumps(request), "messages")
+        assert read.start == (2 * turns - 2 if turns > 4 else 0)
+        assert parse_messages_request(read, memos=raw_memos, scope=b"a") == parse(request)
     # another caller sending the same conversation converts it from nothing
     before = memos.turns.hits
     assert parse(request, memos, scope=b"b") == parse(request)
@@ -182,13 +221,31 @@ def parse_responses(body: Any, memo: MessageMemo | None = None, scope: bytes = b
         return ("error", e.kind, str(e), e.param)
 
 
+def parse_responses_raw(body: Any, memo: MessageMemo, form: Any, scope: bytes = b"a") -> Any:
+    """`parse_responses`, from the body's bytes read through the memo (the edge's way)."""
+    try:
+        raw = form(body)
+    except (TypeError, ValueError):
+        return parse_responses(body)
+    try:
+        return parse_responses_request(memo.read(scope, raw, "input"), memo=memo, scope=scope)
+    except orjson.JSONDecodeError:
+        return parse_responses(body)
+    except ApiError as e:
+        return ("error", e.kind, str(e), e.param)
+
+
 @SETTINGS
 @given(body=responses_bodies, data=st.data())
 def test_responses_items_a_caller_sent_before_parse_as_from_nothing(body, data):
-    """The Responses edge's items (stateless, one by one: the message memo's own rule)."""
-    memo = MessageMemo()
+    """The Responses edge's items (stateless, one by one: the message memo's own rule),
+    from dicts and from the body's bytes."""
+    memo, raw_memo = MessageMemo(), MessageMemo()
+    form = FORMS[data.draw(st.integers(0, len(FORMS) - 1))]
     items = body.get("input") if isinstance(body, dict) else None
     requests = [body] if not isinstance(items, list) else \
         [{**body, "input": items[:k]} for k in range(1, len(items) + 1)] * 2
     for request in requests:
-        assert parse_responses(request, memo) == parse_responses(request), request
+        fresh = parse_responses(request)
+        assert parse_responses(request, memo) == fresh, request
+        assert parse_responses_raw(request, raw_memo, form) == fresh, request

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import orjson
 import pytest
 
 from anchorcache.proxy.errors import ApiError
@@ -63,6 +64,26 @@ def test_a_warm_memo_splits_exactly_as_none(adapters, name):
     for k, ((m, t), got) in enumerate(zip(requests, warm, strict=True)):
         adapter.message_memo.clear()
         assert got == adapter.split(copy.deepcopy(m), t, scope=b"cold-%d" % k, **cold)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_chat_body_s_bytes_stand_for_its_messages_in_the_splitter(adapters, name):
+    """The chat edge hands the splitter the body's bytes up to the end of its messages
+    (`MessageMemo.read`'s head) in place of their JSON: the splits equal cold ones, and
+    the turns and lists kept under those bytes are hit."""
+    adapter, edge = adapters[name], MessageMemo()
+    adapter.message_memo.clear()
+    hits, spared = adapter.message_memo.hits, 0
+    for k, (m, t) in enumerate(agent_requests()):
+        raw = orjson.dumps({"messages": m, "model": "m", "tools": t})
+        read = edge.read(b"tenant-a", raw, "messages")
+        assert read.head is not None
+        spared += read.start > 0
+        msgs = list(parse_chat_request(read, memo=edge, scope=b"tenant-a").messages)
+        got = adapter.split(msgs, t, scope=b"tenant-a", messages_head=read.head)
+        cold = {"use_cache": False} if isinstance(adapter, TextAdapter) else {}
+        assert got == adapter.split(copy.deepcopy(m), t, scope=b"cold-%d" % k, **cold)
+    assert adapter.message_memo.hits > hits and spared > 0
 
 
 def test_scopes_never_share_an_entry():

@@ -52,6 +52,7 @@ _OVERHEAD = 512  # bytes counted per entry beyond 3× its key (the key, and the 
 LISTS_PER_SCOPE = 4  # lists kept per scope: its conversations in flight
 _ITEM_END = frozenset(b",]")
 _WS = b" \t\r\n"  # JSON's whitespace
+MAX_KEPT_BYTES = 8 << 20  # bodies kept to be read from (`MessageMemo.read`): 1.6M tokens
 
 
 class _List:
@@ -143,36 +144,39 @@ def _after(raw: bytes, kept: _List, key: str, scope: bytes) -> Read | None:
 
 def _located(raw: bytes, body: Any, key: str, scope: bytes) -> Read:
     """`body` (`raw` decoded whole) with where its list `key` is in `raw`, if found: the
-    first few places the key's name is followed by an array, each checked as `_after`
-    checks (the array put in its place proves it the body's list `key`)."""
+    first place the key's name is followed by an array (where every client puts it:
+    `messages`, `input` is a member before anything that could spell it), checked as
+    `_after` checks (the array put in its place proves it the body's list `key`). Not
+    looked for in a body over `MAX_KEPT_BYTES`: this runs on the event loop, and costs
+    two more passes over the body."""
     items = body.get(key) if isinstance(body, dict) else None
-    if not isinstance(items, list) or not items:
+    if not isinstance(items, list) or not items or len(raw) > MAX_KEPT_BYTES:
         return Read(body, raw, scope)
     name = orjson.dumps(key)
-    at = raw.find(name)
-    for _ in range(4):
-        if at < 0:
-            break
-        j = at + len(name)
-        while raw[j:j + 1] in (b" ", b"\t", b"\r", b"\n"):
-            j += 1
-        if raw[j:j + 1] == b":":
-            j += 1
-            while raw[j:j + 1] in (b" ", b"\t", b"\r", b"\n"):
-                j += 1
-            if raw[j:j + 1] == b"[":
-                ends = _list_end(raw, j + 1)
-                if ends is not None:
-                    marker = _marker()
-                    try:
-                        probe = orjson.loads(raw[:j] + b'["' + marker.encode() + b'"]'
-                                             + raw[ends[1]:])
-                    except orjson.JSONDecodeError:
-                        probe = None
-                    if isinstance(probe, dict) and probe.get(key) == [marker]:
-                        return Read(body, raw, scope, head=raw[:ends[0]], opens=j)
-        at = raw.find(name, at + 1)
-    return Read(body, raw, scope)
+    j = raw.find(name)
+    if j < 0:
+        return Read(body, raw, scope)
+    j = _skip_ws(raw, j + len(name))
+    if raw[j:j + 1] != b":":
+        return Read(body, raw, scope)
+    j = _skip_ws(raw, j + 1)
+    ends = _list_end(raw, j + 1) if raw[j:j + 1] == b"[" else None
+    if ends is None:
+        return Read(body, raw, scope)
+    marker = _marker()
+    try:
+        probe = orjson.loads(raw[:j] + b'["' + marker.encode() + b'"]' + raw[ends[1]:])
+    except orjson.JSONDecodeError:
+        return Read(body, raw, scope)
+    if not isinstance(probe, dict) or probe.get(key) != [marker]:
+        return Read(body, raw, scope)
+    return Read(body, raw, scope, head=raw[:ends[0]], opens=j)
+
+
+def _skip_ws(raw: bytes, j: int) -> int:
+    while raw[j:j + 1] in (b" ", b"\t", b"\r", b"\n"):
+        j += 1
+    return j
 
 
 class MessageMemo:

@@ -201,11 +201,16 @@ def _no_check(i: int, item: Any) -> None:
     """A message's own checks are the conversion's (`checked_items` holds it to the limits)."""
 
 
+# a kept conversion state, the turns after it, and the tools' and system's bytes it was kept under
+Resumed = tuple[Resume, list[Turn], bytes]
+
+
 def _convert(conv: Conversion, body: dict[str, Any], limits: BodyLimits, memos: Memos | None,
              scope: bytes, head: bytes | None, base: int = 0,
-             resumed: tuple[Resume, list[Turn]] | None = None) -> tuple[bytes, int]:
+             resumed: Resumed | None = None) -> tuple[bytes, int]:
     """`system` and `messages` through `conv`: the messages from index `base` on are
-    `body["messages"]` (`resumed`: the kept state at `base` and those messages' turns).
+    `body["messages"]` (`resumed`: the kept state at `base`, those messages' turns and the
+    tools' and system's bytes).
     With `memos` and `head` (the messages' JSON bytes less the closing bracket, or a
     body's own bytes up to their end: `Read.head`), from the caller's kept state where its
     messages extend a kept request's up to the start of that one's last turn (with the same
@@ -220,14 +225,16 @@ def _convert(conv: Conversion, body: dict[str, Any], limits: BodyLimits, memos: 
     context = None
     turns: list[Turn] | None = None
     role = ""  # the role of the turn before the first of `turns`
-    if memos is not None and head is not None:
+    if resumed is not None:
+        context = resumed[2]
+    elif memos is not None and head is not None:
         context = orjson.dumps([body.get("tools"), body.get("system")])
-        if resumed is None and not base:
+        if not base:
             found = memos.turns.find(scope, context, head)
             if found is not None:
                 got = message_turns(messages, limits, found[0])
                 if got and got[0][0] != found[1].role:
-                    resumed = found[1], got
+                    resumed = found[1], got, context
     if resumed is not None:
         conv.resume(resumed[0])
         role, turns = resumed[0].role, resumed[1]
@@ -258,7 +265,7 @@ def _convert(conv: Conversion, body: dict[str, Any], limits: BodyLimits, memos: 
 
 
 def _resumable(read: Read, memos: Memos, scope: bytes, limits: BodyLimits
-               ) -> tuple[Resume, list[Turn]] | None:
+               ) -> Resumed | None:
     """For a body read through the memos from the start of a kept request's last turn on
     (`read.start`): the state kept there and the turns of the messages read, when the
     conversion may resume there (same tools and system, the first turn of another role);
@@ -274,7 +281,7 @@ def _resumable(read: Read, memos: Memos, scope: bytes, limits: BodyLimits
         turns = message_turns(body["messages"], limits, read.start, base=read.start)
     except (ApiError, orjson.JSONEncodeError):
         return None  # the whole body's decode and checks say what is wrong
-    return (found[1], turns) if turns and turns[0][0] != found[1].role else None
+    return (found[1], turns, context) if turns and turns[0][0] != found[1].role else None
 
 
 def parse_messages_request(body: Any, *, count_only: bool = False,
@@ -305,6 +312,7 @@ def parse_messages_request(body: Any, *, count_only: bool = False,
             head = read.head if read is not None else orjson.dumps(messages)[:-1]
         checked_items(messages, nodes + base, limits, _no_check,
                       head=head if read is None else None,
+                      # (no head: the memo keeps the list where the last turn starts, below)
                       read=replace(read, head=None) if read is not None else None,
                       memo=memos.shapes if memos is not None else None, scope=scope,
                       shapes=shapes)

@@ -70,14 +70,15 @@ def bad(message: str, param: str | None = None) -> ApiError:
 BODY_BYTES = web.RequestKey("body_bytes", int)  # the decoded body's length (read_json)
 
 
-async def read_json(request: web.Request) -> Any:
-    """The decoded JSON body (its length in `request[BODY_BYTES]`). Unreadable bodies (a
-    gzip label on plain bytes) are turned into 400s by the error middleware, bodies over the
-    size limit into 413s."""
+async def read_json(request: web.Request, decode: Callable[[bytes], Any] = orjson.loads
+                    ) -> Any:
+    """The decoded JSON body (its length in `request[BODY_BYTES]`; `decode`: orjson's, or
+    one that raises its error). Unreadable bodies (a gzip label on plain bytes) are turned
+    into 400s by the error middleware, bodies over the size limit into 413s."""
     raw = await request.read()
     request[BODY_BYTES] = len(raw)
     try:
-        return orjson.loads(raw)
+        return decode(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
 
@@ -85,12 +86,8 @@ async def read_json(request: web.Request) -> Any:
 async def read_items(request: web.Request, memo: MessageMemo, scope: bytes, key: str) -> Read:
     """`read_json` through `memo.read`: the items of the body's list `key` that extend one
     `scope` sent before are not decoded again (splitter/memo.py)."""
-    raw = await request.read()
-    request[BODY_BYTES] = len(raw)
-    try:
-        return memo.read(scope, raw, key)
-    except orjson.JSONDecodeError as e:
-        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}") from None
+    read: Read = await read_json(request, lambda raw: memo.read(scope, raw, key))
+    return read
 
 
 def check_shape(body: Any, limits: BodyLimits = DEFAULT_LIMITS, *, depth: int = 1,

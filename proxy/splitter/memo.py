@@ -39,6 +39,7 @@ decode would take it). Where the list ends in the new body comes from orjson's o
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -52,6 +53,7 @@ _OVERHEAD = 512  # bytes counted per entry beyond 3× its key (the key, and the 
 LISTS_PER_SCOPE = 4  # lists kept per scope: its conversations in flight
 _ITEM_END = frozenset(b",]")
 _WS = b" \t\r\n"  # JSON's whitespace
+_WS_RUN = re.compile(rb"[ \t\r\n]*")
 MAX_KEPT_BYTES = 8 << 20  # bodies kept to be read from (`MessageMemo.read`): 1.6M tokens
 
 
@@ -108,36 +110,48 @@ def _list_end(raw: bytes, s: int) -> tuple[int, int] | None:
     return s + items - 1, s + len(array) - 1
 
 
-def _marker() -> str:
-    """A marker item no client can have sent: made after its body arrived."""
-    return "anchorcache-" + os.urandom(16).hex()
+def _ws_end(raw: bytes, j: int) -> int:
+    """The index of the first byte at or after `j` that is not JSON whitespace (in C: a
+    body can hold megabytes of it)."""
+    m = _WS_RUN.match(raw, j)
+    return m.end() if m is not None else j
+
+
+def _marked(raw: bytes, opens: int, after: bytes, key: str) -> tuple[Any, list[Any]] | None:
+    """`raw[:opens]` + `["marker"` + `after` decoded, with a marker item no client can have
+    sent (128 random bits, made after the body arrived): the body and its list `key` after
+    the marker, where the marker leads the list the body's `key` holds (so that list is the
+    one put at `opens`, not a later member of the same name); else None."""
+    marker = "anchorcache-" + os.urandom(16).hex()
+    try:
+        body = orjson.loads(raw[:opens] + b'["' + marker.encode() + b'"' + after)
+    except orjson.JSONDecodeError:
+        return None
+    items = body.get(key) if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items or items[0] != marker:
+        return None
+    return body, items[1:]
 
 
 def _after(raw: bytes, kept: _List, key: str, scope: bytes) -> Read | None:
     """`raw`, whose bytes start with `kept.head` (a body's up to the end of its list `key`'s
     last item) at an item boundary, decoded without the kept items: what follows them is
-    decoded in place of the list, behind a marker item. None where that is not the body's
-    list `key` (a later member of the same name, content that is not JSON there), so the
-    caller decodes the whole body and raises its error."""
-    n = len(kept.head)
-    rest = raw[n:n + 64].lstrip(_WS)  # what follows the kept items: `,` or `]`
-    more = rest[:1] == b","
-    if not more and rest[:1] != b"]":
+    decoded in place of the list, behind a marker item (`_marked`). None where that is not
+    the body's list `key` (a later member of the same name, content that is not JSON
+    there), so the caller decodes the whole body and raises its error."""
+    s = _ws_end(raw, len(kept.head))  # what follows the kept items: `,` or `]`
+    more = raw[s:s + 1] == b","
+    if not more and raw[s:s + 1] != b"]":
         return None
-    s = raw.index(rest[:1], n) + (1 if more else 0)  # the new items, or the bracket
-    marker = _marker()
-    doc = raw[:kept.opens] + b'["' + marker.encode() + (b'",' if more else b'"') + raw[s:]
-    try:
-        body = orjson.loads(doc)
-    except orjson.JSONDecodeError:
+    # (a trailing comma, `[marker,]`, is orjson's error, as the whole body's)
+    got = _marked(raw, kept.opens, raw[s:], key)
+    if got is None:
         return None
-    items = body.get(key) if isinstance(body, dict) else None
-    if not isinstance(items, list) or not items or items[0] != marker:
-        return None  # (a trailing comma, `[marker,]`, is orjson's error, as the whole body's)
-    body[key] = items[1:]
+    body = got[0]
+    body[key] = got[1]
     head: bytes | None = kept.head
     if more:
-        ends = _list_end(raw, s)
+        ends = _list_end(raw, s + 1)
         head = raw[:ends[0]] if ends is not None else None
     return Read(body, raw, scope, len(kept.values), kept.values, head, kept.opens)
 
@@ -156,27 +170,17 @@ def _located(raw: bytes, body: Any, key: str, scope: bytes) -> Read:
     j = raw.find(name)
     if j < 0:
         return Read(body, raw, scope)
-    j = _skip_ws(raw, j + len(name))
+    j = _ws_end(raw, j + len(name))
     if raw[j:j + 1] != b":":
         return Read(body, raw, scope)
-    j = _skip_ws(raw, j + 1)
+    j = _ws_end(raw, j + 1)
     ends = _list_end(raw, j + 1) if raw[j:j + 1] == b"[" else None
     if ends is None:
         return Read(body, raw, scope)
-    marker = _marker()
-    try:
-        probe = orjson.loads(raw[:j] + b'["' + marker.encode() + b'"]' + raw[ends[1]:])
-    except orjson.JSONDecodeError:
-        return Read(body, raw, scope)
-    if not isinstance(probe, dict) or probe.get(key) != [marker]:
+    probe = _marked(raw, j, b"]" + raw[ends[1]:], key)
+    if probe is None or probe[1]:
         return Read(body, raw, scope)
     return Read(body, raw, scope, head=raw[:ends[0]], opens=j)
-
-
-def _skip_ws(raw: bytes, j: int) -> int:
-    while raw[j:j + 1] in (b" ", b"\t", b"\r", b"\n"):
-        j += 1
-    return j
 
 
 class MessageMemo:
@@ -227,9 +231,10 @@ class MessageMemo:
         for kept in self._lists.get(scope, ()):
             if kept.opens < 0 or (best is not None and len(kept.values) <= len(best.values)):
                 continue
-            n = len(kept.head)
-            if raw.startswith(kept.head) and raw[n:n + 64].lstrip(_WS)[:1] in (b",", b"]"):
-                best = kept
+            if raw.startswith(kept.head):
+                k = _ws_end(raw, len(kept.head))
+                if raw[k:k + 1] in (b",", b"]"):
+                    best = kept
         return best
 
     def map(self, scope: bytes, items: Sequence[Any], derive: Callable[[int, Any], T], *,

@@ -133,3 +133,19 @@ def test_a_growing_conversation_is_read_from_its_last_body_and_callers_never_sha
             assert got == parse_chat_request(orjson.loads(raw))
             # another caller's identical body spares nothing
             assert memo.read(b"b", raw, "messages").start == 0
+
+
+def test_whitespace_between_the_kept_messages_and_the_next_is_read_through():
+    """Any run of JSON whitespace after the kept items (skipped in C: a body may hold
+    megabytes of it) still reads from the last turn, equal to a whole decode."""
+    memo = MessageMemo()
+    msgs = [{"role": "user", "content": "hi"}]
+    for turn in range(3):
+        raw = b'{"model": "m", "messages": [' + (b" " * 1000 + b",\n").join(
+            orjson.dumps(m) for m in msgs) + b"\t\r\n" * 500 + b"]}"
+        read = memo.read(b"a", raw, "messages")
+        assert read.start == (len(msgs) - 2 if turn else 0)
+        assert parse_chat_request(read, memo=memo, scope=b"a") == \
+            parse_chat_request(orjson.loads(raw))
+        msgs = msgs + [{"role": "assistant", "content": f"ok {turn}"},
+                       {"role": "user", "content": "more"}]

@@ -18,7 +18,11 @@
 #      inter-token latency with anchor copies under way, anchors on vs off;
 #   7. a hybrid model on the GPU: bench/sglang_replay.py --model qwen3_5 (the tiny Gated
 #      DeltaNet Qwen3.5 with SGLang's own GPU kernels, `no_buffer`): prefilled tokens vs the
-#      ideal, outputs anchors on vs off, the cost of the prefill cuts (4 at once);
+#      ideal, outputs anchors on vs off, the cost of anchors at 4 at once; its anchors'
+#      states captured by a second pass of each GDN layer's kernels (`/anchor/stats`
+#      `captures`: all taken and written, or the step fails); then bench/
+#      hybrid_concurrency.py at 8 conversations (captures vs prefill cuts vs SGLang
+#      directly, both pool sizes, cold host tier);
 #   8. a sliding-window model with attention sinks on the GPU: bench/sglang_replay.py
 #      --model granite_swa (the tiny Granite SWA on SGLang's sliding-window pool, anchors
 #      keeping the sliding layers' last window, and SGLang's own GPU attention with sinks):
@@ -28,7 +32,8 @@
 # step: status, seconds, the command), equality.json, and the benchmarks' own files
 # (sglang_replay_gpu_tiny_qwen3[_page16].json, ext_snapshot_cuda.json,
 # sglang_stall_gpu_smollm2.json, sglang_replay_gpu_tiny_qwen3_5.json,
-# sglang_replay_gpu_granite_swa.json in bench/results/).
+# hybrid_concurrency_gpu_tiny_qwen3_5.json, sglang_replay_gpu_granite_swa.json in
+# bench/results/).
 #
 #   bash bench/gpu_check.sh            # on the GPU machine, from the repository root
 #   bash bench/gpu_check.sh --dry-run  # anywhere (DRY_RUN=1 too): every step's command in a
@@ -134,7 +139,7 @@ else
 fi
 
 # ---- 2. CUDA tests ------------------------------------------------------------------------
-CUDA_TESTS="tests/ext/test_ops_build.py tests/ext/test_ops_kv.py tests/ext/test_ops_state.py tests/ext/test_ops_opcheck.py"
+CUDA_TESTS="tests/ext/test_ops_build.py tests/ext/test_ops_kv.py tests/ext/test_ops_state.py tests/ext/test_ops_opcheck.py tests/ext/sglang/test_subpass.py"
 step cuda_tests \
     "$PY -m pytest -q -p no:cacheprovider $NOCONFTEST --collect-only $CUDA_TESTS | tail -1" \
     "$PY -c 'import torch; assert torch.cuda.is_available(), \"no CUDA device\"' && ANCHORCACHE_BUILD_CUDA=1 $PY -m pytest -q -p no:cacheprovider $NOCONFTEST -rs $CUDA_TESTS 2>&1 | tee $OUT/cuda_tests.log && ! grep -qi 'needs a CUDA device' $OUT/cuda_tests.log"
@@ -245,8 +250,17 @@ skip_without_sglang stall || step stall "$PY bench/sglang_stall.py --help | grep
     "$PY bench/sglang_stall.py --model $SMOL --anchor-tokens 6000 --restorers 4 --streams 4 --rounds 2 --name sglang_stall_gpu_smollm2"
 
 # ---- 7. a hybrid model (Gated DeltaNet + attention) on SGLang's GPU kernels ------------------
+# (its anchors' states captured by a second pass of each GDN layer's kernels: the captures
+# must all have been taken and written, ext/sglang/subpass.py)
+CAPTURED="import json; c = json.load(open('bench/results/sglang_replay_gpu_tiny_qwen3_5.json'))['anchor_stats_end']['captures']; print('captures:', c); assert c['mode'] == 'in_forward' and c['by'] == 'subpass' and c['taken'] > 0 and c['unwritten'] == 0, c"
 skip_without_sglang hybrid_replay || step hybrid_replay "$PY bench/sglang_replay.py --help | grep -q -- qwen3_5 && echo 'hybrid replay: arguments ok'" \
-    "$PY bench/sglang_replay.py --model qwen3_5 --conversations 6 --turns 5 --concurrent 4 --rounds 2 --name sglang_replay_gpu_tiny_qwen3_5"
+    "$PY bench/sglang_replay.py --model qwen3_5 --conversations 6 --turns 5 --concurrent 4 --rounds 2 --name sglang_replay_gpu_tiny_qwen3_5 && $PY -c \"$CAPTURED\""
+
+# ---- 7b. the same hybrid under concurrency: captures vs prefill cuts vs SGLang directly ----
+# (issue 38's targets on a GPU: 8 conversations at once, the pool at 1.2x the longest request
+# and one that holds everything, from a cold host tier)
+skip_without_sglang hybrid_concurrency || step hybrid_concurrency "$PY bench/hybrid_concurrency.py --help | grep -q -- --pools && echo 'hybrid concurrency: arguments ok'" \
+    "$PY bench/hybrid_concurrency.py --concurrent 8 --pools 1.2x,all --tiers cold --turns 3 --name hybrid_concurrency_gpu_tiny_qwen3_5"
 
 # ---- 8. a sliding-window model with attention sinks on SGLang's GPU attention --------------
 skip_without_sglang swa_replay || step swa_replay "$PY bench/sglang_replay.py --help | grep -q -- granite_swa && echo 'sliding-window replay: arguments ok'" \

@@ -148,15 +148,21 @@ def main() -> None:
     print(" ".join(f"{c[:14]:>14}" for c in cols))
     for cell in cells:
         print(" ".join(f"{str(cell[c])[:14]:>14}" for c in cols))
-    data = {"model": Path(model).name, "turns": args.turns, "max_tokens": args.max_tokens,
+    import torch
+
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    data = {"model": Path(model).name, "device": device, "turns": args.turns,
+            "max_tokens": args.max_tokens,
             "conversations": [c["id"] for c in convs], "cells": cells,
             "sides": {"sglang_direct": "SGLang's /v1/completions, the proxy's token ids",
                       "proxy_no_anchors": "proxy --no-anchors",
-                      "proxy_anchors": "proxy --anchors, states captured inside the forward",
+                      "proxy_anchors": "proxy --anchors, states captured inside the forward "
+                                       "(CPU: by the kernels; GPU: a second pass of each "
+                                       "GDN layer's)",
                       "proxy_anchors_cuts": "proxy --anchors, prefill chunks end at anchors "
                                             f"({CUTS_ENV}=1)"}}
     bench.write_json(data, RESULTS / f"{args.name}.json")
-    plot(cells, RESULTS / f"{args.name}.png", f"{data['model']} on SGLang (CPU), "
+    plot(cells, RESULTS / f"{args.name}.png", f"{data['model']} on SGLang ({device}), "
          f"{args.turns} turns per conversation")
 
 

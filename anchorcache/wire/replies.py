@@ -171,6 +171,9 @@ class DiskStatsRecord(Record, frozen=True):
 # how a hybrid model's anchors get their recurrent state: captured inside the forward
 # (ext/sglang/capture.py), or at a prefill chunk that ends at the anchor's depth
 StateCapture = Literal["in_forward", "chunk_cut"]
+# who writes a state captured inside the forward: the forward's own kernels, or a second
+# pass of a layer's kernels over the captured prefix (ext/sglang/subpass.py)
+CaptureBy = Literal["kernels", "subpass"]
 
 
 class CaptureStatsRecord(Record, frozen=True):
@@ -180,6 +183,7 @@ class CaptureStatsRecord(Record, frozen=True):
     taken: NonNeg = 0  # states captured inside a forward
     no_slot: NonNeg = 0  # planned depths not captured: no free recurrent-state slot
     unwritten: NonNeg = 0  # captures a kernel did not write whole: dropped, never read
+    by: CaptureBy | None = None  # `in_forward` (and `chunk_cut` after captures went dead)
 
 
 class StatsReply(SlotCounters, frozen=True):

@@ -38,7 +38,7 @@ from anchorcache.ext.store import AnchorStore
 from anchorcache.wire import CaptureStatsRecord
 
 from . import cpu, hybrid, swa, tp
-from .capture import Captures, kernels_capture
+from .capture import Captures, capture_mode
 from .config import SGLangAnchorConfig
 from .device import Placer
 from .faults import Faults
@@ -126,10 +126,11 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         self.restores = Restores(self, self.placer, self.anchors, self.times)
         self.plans = Plans(model_id, self.anchors, settle=self.restores.settle,
                            join=self._join)
-        # hybrid: states captured inside the forward where the kernels can, else cuts
-        self.captures = (Captures(params.req_to_token_pool, self.placer.alloc_state)
-                         if kv.states is not None and config.in_forward_capture
-                         and kernels_capture(params.req_to_token_pool.mamba_pool) else None)
+        # hybrid: states captured inside the forward where the layers can, else cuts
+        mode = (capture_mode(params.req_to_token_pool.mamba_pool, config.hybrid_capture)
+                if kv.states is not None else None)
+        self.captures = (Captures(params.req_to_token_pool, self.placer.alloc_state, mode)
+                         if mode is not None else None)
         self.rpc = RpcOps(tree=self, kv=kv, store=self.anchors, plans=self.plans,
                           pins=self.pins, faults=faults, times=self.times, config=config,
                           model_id=model_id, epoch=setup.epoch, tp_rank=setup.tp_rank,
@@ -178,8 +179,9 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
         must end: its next planned snapshot past `start` and past what it restored (the
         prefill adder asks, after SGLang matched the request). An anchor the store already
         holds needs no cut: the request chains on it without a copy."""
+        c = self.captures
         p = (self.plans.get(req.rid)
-             if self.kv.states is not None and self.captures is None else None)
+             if self.kv.states is not None and (c is None or c.dead) else None)
         if p is None:
             return None
         floor = max(start, self.anchors.tip_depth(req.rid))
@@ -189,20 +191,30 @@ class AnchorRadixCache(UnifiedRadixCache):  # type: ignore[misc,valid-type]
     # ---- around each forward (`Scheduler.run_batch`, hooked in ext/sglang/__init__.py) ---
     def begin_forward(self, batch: Any) -> None:
         """Before an extend batch runs: the states to capture inside it (`Captures.begin`)."""
-        if self.captures is not None and self.plans.active and batch.forward_mode.is_extend():
-            self.captures.begin(batch, self.plans, self.anchors)
+        c = self.captures
+        if c is not None and not c.dead and self.plans.active and batch.forward_mode.is_extend():
+            c.begin(batch, self.plans, self.anchors)
 
     def end_forward(self) -> None:
-        if self.captures is not None:
-            self.captures.end()
+        c = self.captures
+        if c is None:
+            return
+        dead = c.dead
+        c.end()
+        if c.dead and not dead:  # (every rank alike: the same code sees the same forward)
+            log.warning("hybrid anchors: this model's layers took none of the captures "
+                        "named to them (mode %s); prefill chunks end at anchor depths from "
+                        "now on", c.mode)
 
     def capture_stats(self) -> CaptureStatsRecord | None:
         """How this hybrid model's anchors get their state (`/anchor/stats` `captures`)."""
         if self.kv.states is None:
             return None
         c = self.captures
-        return (CaptureStatsRecord("in_forward", c.taken, c.no_slot, c.unwritten)
-                if c is not None else CaptureStatsRecord("chunk_cut"))
+        if c is None:
+            return CaptureStatsRecord("chunk_cut")
+        return CaptureStatsRecord("chunk_cut" if c.dead else "in_forward", c.taken, c.no_slot,
+                                  c.unwritten, by=c.mode)
 
     def _join(self, rid: str, p: Any) -> None:
         """A request's copies joined at its release or end; its spare Mamba slots freed."""

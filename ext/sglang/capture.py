@@ -27,15 +27,25 @@ not cut at all:
   with the KV rows into the anchor, then frees the slot (`Captures.free`); a request that
   ends first frees its spare slots at its end (`AnchorRadixCache._join`).
 
-Where the kernels cannot (a GPU's Triton/FLA kernels, a real `sgl_kernel` CPU build)
-`kernels_capture` is false and prefill chunks still end at anchor depths
-(ext/sglang/admission.py): docs/sglang.md says where and why.
+Where the kernels cannot hand out a state inside a sequence (a GPU's FLA Triton kernels,
+a real `sgl_kernel` CPU build), a Gated DeltaNet layer takes its captures in a second pass
+of its own kernels over each captured prefix, before its forward (`subpass`,
+ext/sglang/subpass.py): the forward itself is still not cut, and its outputs are still the
+plain run's. Elsewhere (Mamba2 layers on a GPU) `capture_mode` is None and prefill chunks
+still end at anchor depths (ext/sglang/admission.py): docs/sglang.md says where and why.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
+from anchorcache.wire import CaptureBy
+
+# How captures are taken (`capture_mode`): by the kernels of the forward itself, or by a
+# second pass of a layer's kernels over each captured prefix (ext/sglang/subpass.py)
+KERNELS: Final = "kernels"
+SUBPASS: Final = "subpass"
 # What the kernels read while a forward runs: request state slot (physical) → [(offset into
 # its extend, spare slot (physical))], offsets ascending. None between forwards.
 _WANTED: dict[int, list[tuple[int, int]]] | None = None
@@ -46,6 +56,30 @@ _LAST_CONV: tuple[int, list[int]] | None = None
 # spare slot → the pieces written into it in this forward (a conv window and a recurrent
 # state per layer): a capture with fewer is never read (`Captures.end`)
 _WRITES: dict[int, int] = {}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One capture of a `subpass` forward: the state after the forward's input tokens
+    `[lo, hi)` (one request's, packed as the forward packs them), from the state in slot
+    `source` (the request's own, or its previous capture's spare), goes into slot `spare`.
+    `initial`: whether `source` holds a state (not a new sequence's first segment)."""
+
+    source: int
+    spare: int
+    lo: int
+    hi: int
+    initial: bool
+
+
+# `subpass` forwards: the captures, in rounds (round r: each request's r-th capture, which
+# starts from its capture r - 1); None between forwards and in `kernels` forwards
+_ROUNDS: list[list[Segment]] | None = None
+
+
+def rounds() -> list[list[Segment]] | None:
+    """The `subpass` captures the running forward asks for (None: none)."""
+    return _ROUNDS
 
 
 def wanted(slot: int) -> list[tuple[int, int]]:
@@ -73,29 +107,40 @@ def scan_targets() -> tuple[Any, list[int]] | None:
     return _LAYER_STATES[_LAST_CONV[0]], _LAST_CONV[1]
 
 
-def kernels_capture(pool: Any) -> bool:
-    """Whether this process's kernels for `pool`'s mixers capture inside a prefill: on CPU,
-    Gated DeltaNet layers (the pool names their conv's q/k/v blocks) served by the CPU
-    recipe's reference kernels (not a real `sgl_kernel` CPU build's), and Mamba2 layers
-    served by its Mamba2 kernels (SGLang has no other on CPU)."""
+def capture_mode(pool: Any, wanted: str = "auto") -> CaptureBy | None:
+    """How this process captures states inside a prefill of `pool`'s mixers: `kernels` on
+    CPU, for Gated DeltaNet layers served by the CPU recipe's reference kernels (not a real
+    `sgl_kernel` CPU build's) and Mamba2 layers served by its Mamba2 kernels (SGLang has no
+    other on CPU); `subpass` for Gated DeltaNet layers elsewhere (any device, any of SGLang's
+    kernels: ext/sglang/subpass.py); None (prefill chunks end at anchor depths) for Mamba2
+    layers off CPU. `wanted` (`SGLangAnchorConfig.hybrid_capture`): `auto`, or one mode
+    (`cuts`: none), for the benchmark and tests that compare them."""
     from sglang.srt.utils import is_cpu
 
-    from . import cpu_kernels, cpu_mamba2
+    from . import cpu_kernels, cpu_mamba2, subpass
 
-    if not is_cpu():
-        return False
-    if getattr(pool, "conv_shard_groups", None) is not None:  # Gated DeltaNet
-        return cpu_kernels.CAPTURING <= cpu_kernels.INSTALLED
-    return cpu_mamba2.CAPTURING <= cpu_mamba2.INSTALLED  # Mamba2
+    if wanted == "cuts":
+        return None
+    # SGLang's pool names the conv's q/k/v blocks exactly for Gated DeltaNet mixers
+    gdn = getattr(pool, "conv_shard_groups", None) is not None
+    ours = (cpu_kernels if gdn else cpu_mamba2)
+    if wanted in ("auto", KERNELS) and is_cpu() and ours.CAPTURING <= ours.INSTALLED:
+        return KERNELS
+    if wanted in ("auto", SUBPASS) and gdn and subpass.install():
+        return SUBPASS
+    return None
 
 
 class Captures:
     """Spare Mamba slots for the states captured inside one forward; see the module
-    docstring. `alloc_state()` gives a free slot (`[1]`, logical) or None."""
+    docstring. `alloc_state()` gives a free slot (`[1]`, logical) or None; `mode`: who
+    writes them (`capture_mode`)."""
 
-    def __init__(self, req_to_token_pool: Any, alloc_state: Any) -> None:
+    def __init__(self, req_to_token_pool: Any, alloc_state: Any,
+                 mode: CaptureBy = KERNELS) -> None:
         self._pool = req_to_token_pool
         self._alloc_state = alloc_state
+        self.mode = mode
         cache = req_to_token_pool.mamba_pool.mamba_cache
         self._layers = {cache.conv[0][layer].data_ptr(): cache.temporal[layer]
                         for layer in range(cache.temporal.shape[0])}
@@ -104,21 +149,26 @@ class Captures:
         self.taken = 0  # captures named to the kernels, since start
         self.no_slot = 0  # planned depths not captured: no Mamba slot free
         self.unwritten = 0  # named, but the kernels did not write every piece: dropped
+        self.dead = False  # a forward named captures and none of them got a piece
 
     def begin(self, batch: Any, plans: Any, store: Any) -> None:
         """Name the captures of extend batch `batch` (its requests' planned depths strictly
         inside their extends) to the kernels; each request's spare slots go in its plan's
         `captured` {depth: (logical slot tensor, physical slot)}."""
-        global _WANTED, _LAYER_STATES
+        global _WANTED, _ROUNDS, _LAYER_STATES
         from .hybrid import state_slot
 
         wanted: dict[int, list[tuple[int, int]]] = {}
+        rounds: list[list[Segment]] = []
+        packed = 0  # where each request's extend starts in the forward's input
         for req, start, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens,
                                       strict=False):
+            at, packed = packed, packed + extend
             p = plans.get(req.rid)
             if p is None or not p.todo:
                 continue
             floor = max(start, store.tip_depth(req.rid))
+            taken: list[tuple[int, int]] = []  # (offset into the extend, spare slot)
             for spec in p.todo:
                 d = spec.depth
                 if not floor < d < start + extend or d in p.captured \
@@ -130,10 +180,24 @@ class Captures:
                     continue
                 physical = int(self._pool.translate_mamba_indices(slot)[0])
                 p.captured[d] = (slot, physical)
-                wanted.setdefault(state_slot(self._pool, req), []).append((d - start, physical))
+                taken.append((d - start, physical))
                 self._named.append((p, d))
                 self.taken += 1
+            if not taken:
+                continue
+            taken.sort()
+            source = state_slot(self._pool, req)
+            if self.mode == KERNELS:
+                wanted[source] = taken
+                continue
+            lo, initial = at, start > 0  # (SGLang's own `has_initial_state`)
+            for r, (offset, spare) in enumerate(taken):
+                if r == len(rounds):
+                    rounds.append([])
+                rounds[r].append(Segment(source, spare, lo, at + offset, initial))
+                source, lo, initial = spare, at + offset, True
         _WANTED = wanted or None
+        _ROUNDS = rounds or None
         _LAYER_STATES = self._layers
         _WRITES.clear()
 
@@ -142,8 +206,10 @@ class Captures:
         window and state (a kernel that did not see it) is dropped, its slot freed, and the
         request's anchors with it (on every rank: a rank may not hold what another lacks):
         never an anchor written with a stale state."""
-        global _WANTED, _LAST_CONV
-        _WANTED = _LAST_CONV = None
+        global _WANTED, _ROUNDS, _LAST_CONV
+        _WANTED = _ROUNDS = _LAST_CONV = None
+        if self._named and not _WRITES:  # (nothing of this process's forward takes them)
+            self.dead = True
         for p, d in self._named:
             got = p.captured.get(d)
             if got is not None and _WRITES.get(got[1], 0) != self._pieces:

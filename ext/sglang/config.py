@@ -6,7 +6,8 @@ writes one JSON variable, the scheduler's cache factory reads it back. Two more:
 data parallelism, the folder of the ranks' RPC sockets (`rpc.RANK_RPC_DIR`, read by the
 plugin's hook), and for tests only (no launcher flag sets it)
 `ANCHORCACHE_SGLANG_SLAB_DUMP_DIR`: `slab_dump_dir`; for benchmarks,
-`ANCHORCACHE_SGLANG_HYBRID_CUTS=1`: `in_forward_capture` off.
+`ANCHORCACHE_SGLANG_HYBRID_CAPTURE=kernels|subpass|cuts`: `hybrid_capture` (and
+`ANCHORCACHE_SGLANG_HYBRID_CUTS=1`: `cuts`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from anchorcache.defaults import ANCHOR_BYTES, ANCHOR_SLOTS, PINNED_SLOTS
 ENV = "ANCHORCACHE_SGLANG_CONFIG"
 DUMP_ENV = "ANCHORCACHE_SGLANG_SLAB_DUMP_DIR"
 CUTS_ENV = "ANCHORCACHE_SGLANG_HYBRID_CUTS"
+CAPTURE_ENV = "ANCHORCACHE_SGLANG_HYBRID_CAPTURE"
+HYBRID_CAPTURES = ("auto", "kernels", "subpass", "cuts")
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,12 @@ class SGLangAnchorConfig:
     # budget (None: a share of the free disk; 0: off); TP 1 and DP 1 only
     anchor_disk_dir: str | None = None
     anchor_disk_bytes: int | None = None
-    # hybrid models: states at anchor depths captured inside the forward where the kernels
-    # can (ext/sglang/capture.py); off, prefill chunks end at anchor depths everywhere (the
-    # path before, kept for the benchmark that compares the two)
-    in_forward_capture: bool = True
+    # hybrid models: how states at anchor depths are taken (ext/sglang/capture.py): `auto`
+    # (inside the forward where the layers can: by the CPU recipe's kernels, else by a
+    # second pass of a Gated DeltaNet layer's own; else prefill chunks end there), or one
+    # of `kernels`, `subpass`, `cuts` (prefill chunks end at anchor depths everywhere: the
+    # path before, kept for the benchmark and tests that compare them)
+    hybrid_capture: str = "auto"
 
     def __post_init__(self) -> None:
         if self.anchor_slots < 1 or not 0 <= self.pinned_slots < self.anchor_slots:
@@ -53,6 +58,8 @@ class SGLangAnchorConfig:
             raise ValueError("anchor_capacity_bytes must be positive")
         if not 0 <= self.pin_budget_fraction < 0.5:
             raise ValueError("pin_budget_fraction must be in [0, 0.5)")
+        if self.hybrid_capture not in HYBRID_CAPTURES:
+            raise ValueError(f"hybrid_capture must be one of {', '.join(HYBRID_CAPTURES)}")
 
     def to_env(self) -> dict[str, str]:
         return {ENV: orjson.dumps(asdict(self)).decode()}
@@ -65,5 +72,7 @@ class SGLangAnchorConfig:
         if dump:
             config = replace(config, slab_dump_dir=dump)
         if os.environ.get(CUTS_ENV) == "1":
-            config = replace(config, in_forward_capture=False)
+            config = replace(config, hybrid_capture="cuts")
+        if os.environ.get(CAPTURE_ENV):
+            config = replace(config, hybrid_capture=os.environ[CAPTURE_ENV])
         return config

@@ -24,7 +24,9 @@ reference kernels (ext/sglang/cpu_kernels.py, `no_buffer` Mamba strategy), our a
 - Through the proxy, a BFCL replay with anchors on equals anchors off; a toolset that
   starts with another one's first tools restores their tool anchors.
 - With `--tp 2` (SGLang's CPU tensor parallelism, the GDN heads and state split over two
-  ranks) a restore is exact too, and a state corrupted on one rank only is caught.
+  ranks) a restore is exact too, and a state corrupted on one rank only is caught. That
+  server takes its captures as a GPU does (`subpass`, ext/sglang/subpass.py: a second pass
+  of each GDN layer's own kernels over the captured prefix), not by the reference kernels.
 - The embedded worker writes the same slabs (KV and state, docs/ext.md) for the same
   prompt and depths, to float32 rounding, and restores the SGLang worker's to its own cold
   run's tokens (the module's server saves what it confirms for that: `slab_dir`).
@@ -386,18 +388,27 @@ def test_tensor_parallel_restores_each_ranks_state_exactly(prompts):
     """`--tp 2`: each rank snapshots and restores its own shard of the KV heads and of the
     recurrent state; the restored chain's output equals a cold run with the same chunk
     ends, and `/anchor/verify` (which combines the ranks) sees a state corrupted on rank 1
-    only."""
+    only. The states are captured as on a GPU (`subpass`): the anchored run's outputs are
+    the plain run's, bit for bit, and each rank's captures were all written."""
     from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+    from anchorcache.ext.sglang.config import CAPTURE_ENV
 
     model = build_tiny_model("qwen3_5", tiny_model_dir("qwen3_5"))
     tool_depth, conv_depth, p1, p2 = prompts[1]
     # float32, as the module's server (`close`'s bound is float32 rounding)
     with sglang_worker_process("--max-total-tokens", str(POOL), "--tp", "2", "--dtype",
-                               "float32", model=str(model), env=CONV_FLOAT32) as worker:
+                               "float32", model=str(model),
+                               env={**CONV_FLOAT32, CAPTURE_ENV: "subpass"}) as worker:
         url = worker.url
         cold = cold_cut(url, p2, tool_depth, conv_depth)
         flush_device(url)
-        keys = save(url, p1, tool_depth, conv_depth)
+        plain = generate(url, p1, logprobs=True)
+        flush_device(url)
+        keys, first = save(url, p1, tool_depth, conv_depth, out=True)
+        same(first, plain)
+        captures = httpx.get(url + "/anchor/stats", timeout=60).json()["captures"]
+        assert captures["mode"] == "in_forward" and captures["by"] == "subpass"
+        assert captures["taken"] >= 1 and captures["unwritten"] == 0
         chain = restore((tool_depth, keys[tool_depth]), (conv_depth, keys[conv_depth]))
         flush_device(url)
         warm = generate(url, p2, chain, logprobs=True)

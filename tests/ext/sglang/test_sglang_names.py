@@ -23,6 +23,11 @@ ROOT = Path(__file__).resolve().parents[3]
 RESOLVE = r'''
 import importlib, inspect, json, re, sys
 
+# (modules that bind SGLang's CPU kernels at import, the GDN backend's, need the CPU
+# recipe's reference kernels registered first, as the worker's scheduler has them)
+from anchorcache.ext.sglang import cpu_kernels
+cpu_kernels.install()
+
 def has(obj, attr):
     if hasattr(obj, attr):
         return True
@@ -44,6 +49,11 @@ for name in json.loads(sys.argv[1]):
         obj = importlib.import_module(module)
         parts = path.split(".")
         for i, attr in enumerate(parts):
+            if inspect.ismodule(obj) and not hasattr(obj, attr):  # (a submodule?)
+                try:
+                    importlib.import_module(f"{obj.__name__}.{attr}")
+                except ImportError:
+                    pass
             if i == len(parts) - 1 and not hasattr(obj, attr):
                 if not has(obj, attr):
                     raise AttributeError(attr)

@@ -1,0 +1,170 @@
+"""States captured inside a prefill by a second pass of a Gated DeltaNet layer's own kernels
+(issue 38): the `subpass` mode of ext/sglang/capture.py, for kernels that cannot hand out
+a state inside a sequence (a GPU's FLA Triton kernels, FlashInfer's, a real `sgl_kernel`
+CPU build's).
+
+Around SGLang's `GDNAttnBackend.forward_extend` (wrapped once per scheduler process by
+`install`), before the layer's forward: for each capture `Captures.begin` named
+(`capture.rounds()`), the layer's conv and chunked delta rule run over the request's
+tokens from its extend's start (or its previous capture) to the anchor depth, from the
+state the forward itself starts from, on gathered copies of the states; the conv window
+and the recurrent state they end with go into the capture's spare slot. The same
+functions the forward calls (`gdn_backend.causal_conv1d_fn`, the backend's gates and
+extend kernel) with the same arguments, so the state at the depth is the one a prefill
+chunk ending there would leave: what the chunk-cut path gave, without the cut. The forward
+itself then runs as it would have: no chunk ends at an anchor, its outputs and final state
+are the plain run's, bit for bit.
+
+Costs: the recurrent part of each captured prefix twice (the projections, attention and
+MLPs once), a few more kernel launches per layer: one round per capture depth of a
+request (round r: every request's r-th capture, which starts from its r - 1th).
+
+A forward this does not take (speculative verify, multi-item scoring), or a pass that
+fails (logged; the forward runs on), writes nothing: the capture is dropped with its
+request's anchors (`Captures.end`), never read stale. Its pieces go into the spare slots
+only once a round's kernels are done, from gathered copies: the pool's own slots are never
+touched but the spares'. Any of SGLang's GDN extend kernels (Triton/FLA, FlashInfer's on
+Hopper and Blackwell, the CPU ones) is called as the backend calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from . import capture
+
+log = logging.getLogger("anchorcache.sglang")
+_INSTALLED = False
+_SKIPPED: set[str] = set()  # why layers did not take captures, logged once each
+
+
+def install() -> bool:
+    """Wrap SGLang's GDN backend's `forward_extend` in this process (once); False where
+    SGLang has none."""
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    try:
+        from sglang.srt.layers.attention.linear import gdn_backend
+    except Exception as exc:  # (an SGLang without it, a device it cannot import on)
+        log.warning("hybrid anchors: no GDN backend to take captures (%s)", exc)
+        return False
+    original = gdn_backend.GDNAttnBackend.forward_extend
+
+    @functools.wraps(original)
+    def forward_extend(self: Any, layer: Any, forward_batch: Any, mixed_qkv: Any,
+                       a: Any, b: Any, **kwargs: Any) -> Any:
+        rounds = capture.rounds()
+        if rounds:
+            take(self, layer, forward_batch, mixed_qkv, a, b, rounds)
+        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+
+    gdn_backend.GDNAttnBackend.forward_extend = forward_extend
+    _INSTALLED = True
+    return True
+
+
+def _refused(backend: Any, forward_batch: Any, mixed_qkv: Any) -> str | None:
+    """Why this layer's forward cannot take captures (None: it can)."""
+    if not isinstance(mixed_qkv, torch.Tensor):
+        return "split q/k/v inputs"
+    if forward_batch.forward_mode.is_target_verify():
+        return "speculative verify"
+    if getattr(backend, "mis_metadata", None) is not None:
+        return "multi-item scoring"
+    return None
+
+
+def take(backend: Any, layer: Any, forward_batch: Any, mixed_qkv: torch.Tensor,
+         a: torch.Tensor, b: torch.Tensor, rounds: list[list[capture.Segment]]) -> None:
+    """Write the conv window and recurrent state of layer `layer` at each capture of
+    `rounds` into its spare slot, before the layer's forward over `mixed_qkv` runs."""
+    from sglang.srt.layers.attention.linear import gdn_backend
+
+    why = _refused(backend, forward_batch, mixed_qkv)
+    if why is not None:
+        _skipped(why)
+        return
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    conv_pool, ssm_pool = cache.conv[0], cache.temporal
+
+    def conv(x: torch.Tensor, states: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        return gdn_backend.causal_conv1d_fn(
+            x.transpose(0, 1), layer.conv_weights, layer.bias, activation=layer.activation,
+            conv_states=states, has_initial_state=rows.initial, cache_indices=rows.slots,
+            query_start_loc=rows.starts, seq_lens_cpu=rows.lens).transpose(0, 1)
+
+    def gates(rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        return backend._prefill_gates(layer, _gather(a, rows.tokens), _gather(b, rows.tokens))
+
+    def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, states: torch.Tensor, rows: _Rows) -> None:
+        backend.kernel_dispatcher.extend(q=q, k=k, v=v, g=g, beta=beta, ssm_states=states,
+                                         cache_indices=rows.slots,
+                                         query_start_loc=rows.starts)
+
+    try:
+        run(rounds, mixed_qkv, conv_pool, ssm_pool, layer, conv, gates, delta_rule)
+    except Exception as exc:  # (never the forward's failure: the capture is not written)
+        _skipped(f"{type(exc).__name__}: {exc}")
+
+
+def _skipped(why: str) -> None:
+    if why not in _SKIPPED:
+        _SKIPPED.add(why)
+        log.warning("hybrid anchors: a GDN layer took no captures (%s); those anchors are "
+                    "dropped", why)
+
+
+class _Rows:
+    """One round's segments as the kernels take them, on `device`: the input rows
+    (`tokens`), their sequences' bounds (`starts`, `lens`), whether each starts from a
+    state (`initial`), and state slots 0..n-1 (`slots`: the segments' gathered copies)."""
+
+    def __init__(self, segments: list[capture.Segment], device: torch.device) -> None:
+        self.lens = [s.hi - s.lo for s in segments]
+        self.tokens = torch.cat([torch.arange(s.lo, s.hi) for s in segments]).to(device)
+        bounds = [0]
+        for n in self.lens:
+            bounds.append(bounds[-1] + n)
+        self.starts = torch.tensor(bounds, dtype=torch.int32, device=device)
+        self.initial = torch.tensor([s.initial for s in segments], device=device)
+        self.slots = torch.arange(len(segments), dtype=torch.int32, device=device)
+        self.sources = torch.tensor([s.source for s in segments], device=device)
+        self.spares = torch.tensor([s.spare for s in segments], device=device)
+
+
+def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0 if x.dim() == 2 else 1, tokens)
+
+
+def run(rounds: list[list[capture.Segment]], mixed_qkv: torch.Tensor,
+        conv_pool: torch.Tensor, ssm_pool: torch.Tensor, layer: Any, conv: Any, gates: Any,
+        delta_rule: Any) -> None:
+    """The captures of one layer, round by round: each segment's conv window and state
+    start as its source slot's (gathered copies), the layer's kernels run over its rows,
+    and what they end with is written into its spare slot. `conv(x, states, rows)`,
+    `gates(rows)` and `delta_rule(q, k, v, g, beta, states, rows)` are the layer's own
+    kernels, updating `states` in place at `rows.slots` (`take` binds SGLang's)."""
+    for segments in rounds:
+        rows = _Rows(segments, mixed_qkv.device)
+        conv_states = conv_pool.index_select(0, rows.sources)
+        ssm_states = ssm_pool.index_select(0, rows.sources)
+        x = conv(mixed_qkv.index_select(0, rows.tokens), conv_states, rows)
+        n = x.shape[0]
+        q, k, v = torch.split(x, [layer.q_dim, layer.k_dim, layer.v_dim], dim=-1)
+        # (contiguous, as SGLang's fused split hands them to a GPU's kernels)
+        q = q.reshape(1, n, layer.num_q_heads, layer.head_q_dim).contiguous()
+        k = k.reshape(1, n, layer.num_k_heads, layer.head_k_dim).contiguous()
+        v = v.reshape(1, n, layer.num_v_heads, layer.head_v_dim).contiguous()
+        g, beta = gates(rows)
+        delta_rule(q, k, v, g, beta, ssm_states, rows)
+        conv_pool.index_copy_(0, rows.spares, conv_states)
+        ssm_pool.index_copy_(0, rows.spares, ssm_states)
+        for s in segments:
+            capture.wrote(s.spare)  # (its conv window
+            capture.wrote(s.spare)  # and its state)

@@ -1,0 +1,257 @@
+"""Captures by a second pass of a Gated DeltaNet layer's own kernels (ext/sglang/subpass.py,
+the `subpass` mode a GPU runs): the kernels SGLang's backend calls, driven as
+`GDNAttnBackend.forward_extend` drives them, over a batch of three requests (one new, two
+continuing; captures at several depths of one, chained).
+
+- The forward after the captures is the plain forward, bit for bit (outputs, final states);
+  no slot but the spares changes.
+- A capture's state (conv window, recurrent state) is the one a prefill of its request up
+  to the depth leaves (a cold run), and what the reference kernels capture inside the
+  forward themselves (`kernels` mode): on CPU, through the recipe's reference kernels, to
+  float32 rounding (the batches differ); on a GPU, through SGLang's Triton conv, gating and
+  FLA chunked delta rule, within their tolerance.
+- A prefill restored from a capture (its state, the rest of the request) gives the plain
+  forward's outputs for the rest, and its final state, to the same bounds.
+
+The GPU case runs in `bench/gpu_check.sh` (its CUDA tests); here it is skipped."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from anchorcache.ext.sglang import capture, subpass
+from anchorcache.ext.sglang.capture import Segment
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])]
+H, HV, K, V, WIDTH = 2, 4, 32, 32, 4  # key heads, value heads, key/value dims, conv width
+LAYER = SimpleNamespace(q_dim=H * K, k_dim=H * K, v_dim=HV * V, num_q_heads=H,
+                        num_k_heads=H, num_v_heads=HV, head_q_dim=K, head_k_dim=K,
+                        head_v_dim=V)
+DIM = LAYER.q_dim + LAYER.k_dim + LAYER.v_dim
+# three requests packed as SGLang packs an extend batch: (extend length, continuing from a
+# state, capture offsets); slot i is request i's, spares from 3 on
+EXTENDS = [(90, True, [5, 70]), (77, False, [64]), (40, True, [])]
+
+
+class Kernels:
+    """The layer's kernels on `device`, in the signatures subpass.run binds: SGLang's CUDA
+    ones, or the CPU recipe's (ext/sglang/cpu_kernels.py), which SGLang's CPU backend
+    calls. The recurrent state's last two dims are `[K, V]` on CPU, `[V, K]` on CUDA."""
+
+    def __init__(self, device: str, weight: torch.Tensor, bias: torch.Tensor,
+                 a_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+        self.device, self.weight, self.bias = device, weight, bias
+        self.a_log, self.dt_bias = a_log, dt_bias
+        self.state_shape = (HV, K, V) if device == "cpu" else (HV, V, K)
+
+    def conv(self, x: torch.Tensor, states: torch.Tensor, rows) -> torch.Tensor:
+        if self.device == "cpu":
+            from anchorcache.ext.sglang import cpu_kernels as ck
+
+            return ck.causal_conv1d_fwd(x.transpose(0, 1), self.weight, self.bias, states,
+                                        rows.starts, rows.slots, rows.initial, True, -1,
+                                        False).transpose(0, 1)
+        from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_fn
+
+        return causal_conv1d_fn(x.transpose(0, 1), self.weight, self.bias, activation="silu",
+                                conv_states=states, has_initial_state=rows.initial,
+                                cache_indices=rows.slots, query_start_loc=rows.starts,
+                                seq_lens_cpu=rows.lens).transpose(0, 1)
+
+    def gates(self, a: torch.Tensor, b: torch.Tensor):
+        if self.device == "cpu":
+            from anchorcache.ext.sglang import cpu_kernels as ck
+
+            return ck.fused_gdn_gating(self.a_log, a, b, self.dt_bias)
+        from sglang.kernels.ops.attention.linear.fused_gdn_gating import fused_gdn_gating
+
+        return fused_gdn_gating(self.a_log, a, b, self.dt_bias)
+
+    def delta_rule(self, q, k, v, g, beta, states, rows) -> torch.Tensor:
+        if self.device == "cpu":
+            from anchorcache.ext.sglang import cpu_kernels as ck
+
+            return ck.chunk_gated_delta_rule(q, k, v, g, beta, states, True, rows.starts,
+                                             False, True, rows.slots)[0]
+        from sglang.kernels.ops.attention.fla.chunk import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g,
+                                      beta, initial_state=states,
+                                      initial_state_indices=rows.slots, cu_seqlens=rows.starts,
+                                      use_qk_l2norm_in_kernel=True)[0]
+
+
+def _forward(kernels: Kernels, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
+             seqs: list[tuple[int, int, bool, int]]) -> torch.Tensor:
+    """The layer's prefill over sequences `seqs` [(first row, end row, from a state, state
+    slot)] of `x`, states in the pools updated in place: what SGLang's backend runs."""
+    rows = SimpleNamespace(
+        tokens=torch.cat([torch.arange(lo, hi) for lo, hi, _, _ in seqs]).to(x.device),
+        lens=[hi - lo for lo, hi, _, _ in seqs],
+        initial=torch.tensor([i for _, _, i, _ in seqs], device=x.device),
+        slots=torch.tensor([s for _, _, _, s in seqs], dtype=torch.int32, device=x.device))
+    bounds = [0]
+    for n in rows.lens:
+        bounds.append(bounds[-1] + n)
+    rows.starts = torch.tensor(bounds, dtype=torch.int32, device=x.device)
+    y = kernels.conv(x.index_select(0, rows.tokens), conv_pool, rows)
+    n = y.shape[0]
+    q, k, v = torch.split(y, [LAYER.q_dim, LAYER.k_dim, LAYER.v_dim], dim=-1)
+    g, beta = kernels.gates(a.index_select(0, rows.tokens), b.index_select(0, rows.tokens))
+    return kernels.delta_rule(q.reshape(1, n, H, K), k.reshape(1, n, H, K),
+                              v.reshape(1, n, HV, V), g, beta, ssm_pool, rows)
+
+
+def _setup(device: str, seed: int):
+    if device == "cuda":
+        pytest.importorskip("sglang")  # (gpu_check's offline set-up has none)
+    g = torch.Generator().manual_seed(seed)
+    total = sum(n for n, _, _ in EXTENDS)
+    weight, bias = torch.randn(DIM, WIDTH, generator=g) * 0.5, torch.randn(DIM, generator=g)
+    a_log, dt_bias = torch.rand(HV, generator=g), torch.randn(HV, generator=g)
+    kernels = Kernels(device, *(t.to(device) for t in (weight, bias, a_log, dt_bias)))
+    x = torch.randn(total, DIM, generator=g)
+    a, b = torch.randn(total, HV, generator=g), torch.randn(total, HV, generator=g)
+    slots = 3 + sum(len(c) for _, _, c in EXTENDS) + 1
+    conv_pool = torch.randn(slots, DIM, WIDTH - 1, generator=g)
+    ssm_pool = torch.randn(slots, *kernels.state_shape, generator=g) * 0.1
+    return kernels, *(t.to(device) for t in (x, a, b, conv_pool, ssm_pool))
+
+
+def _plan():
+    """(the batch's sequences for `_forward`, the captures' rounds as `Captures.begin`
+    names them, [(request, offset, spare)])."""
+    seqs, rounds, caps, at, spare = [], [], [], 0, 3
+    for i, (n, initial, offsets) in enumerate(EXTENDS):
+        seqs.append((at, at + n, initial, i))
+        source, lo, init = i, at, initial
+        for r, o in enumerate(offsets):
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append(Segment(source, spare, lo, at + o, init))
+            caps.append((i, o, spare))
+            source, lo, init, spare = spare, at + o, True, spare + 1
+        at += n
+    return seqs, rounds, caps
+
+
+def _compare(device: str):
+    """Another batch's forward, so not bit for bit: on CPU to float32 rounding (the
+    elementwise gates, vectorized over other rows, differ in the last bit: ~1e-6
+    relative here), on a GPU within the Triton kernels' tolerance. A wrong state (another
+    depth, another request's, a stale one) is off by far more: O(1) on these inputs."""
+    if device == "cpu":
+        return lambda got, want: torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    return lambda got, want: torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_subpass_captures_are_cold_prefill_states_and_change_nothing_else(device,
+                                                                           monkeypatch):
+    monkeypatch.setattr(capture, "_WANTED", None)  # (the CPU kernels capture nothing)
+    kernels, x, a, b, conv0, ssm0 = _setup(device, seed=7)
+    seqs, rounds, caps = _plan()
+    conv_plain, ssm_plain = conv0.clone(), ssm0.clone()
+    plain = _forward(kernels, x, a, b, conv_plain, ssm_plain, seqs)
+
+    conv, ssm = conv0.clone(), ssm0.clone()
+    monkeypatch.setattr(capture, "_WRITES", {})
+    subpass.run(rounds, x, conv, ssm, LAYER,
+                kernels.conv, lambda rows: kernels.gates(a.index_select(0, rows.tokens),
+                                                         b.index_select(0, rows.tokens)),
+                kernels.delta_rule)
+    assert capture._WRITES == {spare: 2 for _, _, spare in caps}
+    spares = [spare for _, _, spare in caps]
+    others = [s for s in range(conv0.shape[0]) if s not in spares]
+    assert torch.equal(conv[others], conv0[others]) and torch.equal(ssm[others], ssm0[others])
+    after = _forward(kernels, x, a, b, conv, ssm, seqs)
+    assert torch.equal(after, plain)  # the forward: the plain one, bit for bit
+    assert torch.equal(conv[others], conv_plain[others])
+    assert torch.equal(ssm[others], ssm_plain[others])
+
+    close = _compare(device)
+    for i, offset, spare in caps:  # each capture: a cold prefill up to its depth
+        lo, _, initial, _ = seqs[i]
+        cold_conv, cold_ssm = conv0.clone(), ssm0.clone()
+        _forward(kernels, x, a, b, cold_conv, cold_ssm, [(lo, lo + offset, initial, i)])
+        close(conv[spare], cold_conv[i])
+        close(ssm[spare], cold_ssm[i])
+        # a restore from it: the rest of the request from the captured state
+        lo, hi, _, _ = seqs[i]
+        rest_conv, rest_ssm = conv0.clone(), ssm0.clone()
+        rest_conv[i], rest_ssm[i] = conv[spare], ssm[spare]
+        rest = _forward(kernels, x, a, b, rest_conv, rest_ssm, [(lo + offset, hi, True, i)])
+        start = sum(hi_ - lo_ for lo_, hi_, _, _ in seqs[:i])
+        close(rest[0], plain[0, start + offset:start + hi - lo])
+        close(rest_ssm[i], ssm_plain[i])
+
+
+def test_subpass_captures_equal_the_reference_kernels_own(monkeypatch):
+    """CPU: the same states as the `kernels` mode, where the reference kernels write each
+    capture on the way through the forward (ext/sglang/cpu_kernels.py)."""
+    kernels, x, a, b, conv0, ssm0 = _setup("cpu", seed=11)
+    seqs, rounds, caps = _plan()
+    conv, ssm = conv0.clone(), ssm0.clone()
+    monkeypatch.setattr(capture, "_WANTED", None)
+    subpass.run(rounds, x, conv, ssm, LAYER,
+                kernels.conv, lambda rows: kernels.gates(a.index_select(0, rows.tokens),
+                                                         b.index_select(0, rows.tokens)),
+                kernels.delta_rule)
+    conv_k, ssm_k = conv0.clone(), ssm0.clone()
+    wanted: dict[int, list[tuple[int, int]]] = {}
+    for i, offset, spare in caps:
+        wanted.setdefault(i, []).append((offset, spare))
+    monkeypatch.setattr(capture, "_WANTED", wanted)
+    _forward(kernels, x, a, b, conv_k, ssm_k, seqs)
+    close = _compare("cpu")
+    for _, _, spare in caps:
+        close(conv[spare], conv_k[spare])
+        close(ssm[spare], ssm_k[spare])
+
+
+def test_a_pass_that_fails_writes_nothing_and_the_forward_runs_on(monkeypatch, caplog):
+    """`subpass.take` around a layer whose kernels raise (or a forward it does not take:
+    speculative verify): no piece is counted, no slot changes, nothing is raised into the
+    forward; `Captures.end` then drops the capture (unwritten), never read stale."""
+    from anchorcache.ext.sglang import cpu_kernels
+
+    cpu_kernels.install()  # (SGLang's GDN backend binds these ops at import on CPU)
+    from sglang.srt.layers.attention.linear import gdn_backend
+
+    kernels, x, a, b, conv0, ssm0 = _setup("cpu", seed=3)
+
+    def conv_cpu(x, weight, bias, *, activation, conv_states, has_initial_state,
+                 cache_indices, query_start_loc, seq_lens_cpu):  # (as SGLang's CPU one)
+        return cpu_kernels.causal_conv1d_fwd(x, weight, bias, conv_states, query_start_loc,
+                                             cache_indices, has_initial_state,
+                                             activation == "silu", -1, False)
+
+    # (this process is not the CPU recipe's scheduler: SGLang bound its Triton conv here)
+    monkeypatch.setattr(gdn_backend, "causal_conv1d_fn", conv_cpu)
+    _, rounds, _ = _plan()
+    conv, ssm = conv0.clone(), ssm0.clone()
+
+    def broken(**kwargs):
+        raise RuntimeError("kernel refused the shapes")
+
+    layer = SimpleNamespace(**vars(LAYER), layer_id=0, conv_weights=kernels.weight,
+                            bias=kernels.bias, activation="silu")
+    backend = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(
+            mamba2_layer_cache=lambda layer_id: SimpleNamespace(conv=[conv], temporal=ssm)),
+        kernel_dispatcher=SimpleNamespace(extend=broken), mis_metadata=None,
+        _prefill_gates=lambda layer, a_, b_: kernels.gates(a_, b_))
+    monkeypatch.setattr(capture, "_WANTED", None)
+    for verify in (False, True):
+        monkeypatch.setattr(capture, "_WRITES", {})
+        batch = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda v=verify: v))
+        subpass.take(backend, layer, batch, x, a, b, rounds)
+        assert capture._WRITES == {}
+        assert torch.equal(conv, conv0) and torch.equal(ssm, ssm0)
+    assert "kernel refused the shapes" in caplog.text and "speculative verify" in caplog.text

@@ -99,6 +99,11 @@ def conv_called(conv_states: Any, slots: list[int]) -> None:
         _LAST_CONV = (conv_states.data_ptr(), slots)
 
 
+def layer_states(conv_states: Any) -> Any:
+    """The SSM state tensor of the layer whose conv state tensor is `conv_states`."""
+    return _LAYER_STATES[conv_states.data_ptr()]
+
+
 def scan_targets() -> tuple[Any, list[int]] | None:
     """For the Mamba2 scan running now: (the layer's SSM state tensor, the sequences'
     slots), from the conv call before it; None when nothing is captured."""
@@ -113,7 +118,7 @@ def capture_mode(pool: Any, wanted: str = "auto") -> CaptureBy | None:
     `sgl_kernel` CPU build's) and Mamba2 layers served by its Mamba2 kernels (SGLang has no
     other on CPU); `subpass` for Gated DeltaNet layers elsewhere (any device, any of SGLang's
     kernels: ext/sglang/subpass.py); None (prefill chunks end at anchor depths) for Mamba2
-    layers off CPU. `wanted` (`SGLangAnchorConfig.hybrid_capture`): `auto`, or one mode
+    layers off CPU, whose second pass (`subpass`) runs only where asked. `wanted` (`SGLangAnchorConfig.hybrid_capture`): `auto`, or one mode
     (`cuts`: none), for the benchmark and tests that compare them."""
     from sglang.srt.utils import is_cpu
 
@@ -126,7 +131,8 @@ def capture_mode(pool: Any, wanted: str = "auto") -> CaptureBy | None:
     ours = (cpu_kernels if gdn else cpu_mamba2)
     if wanted in ("auto", KERNELS) and is_cpu() and ours.CAPTURING <= ours.INSTALLED:
         return KERNELS
-    if wanted in ("auto", SUBPASS) and gdn and subpass.install():
+    # (Mamba2 layers by a second pass only where asked: not yet run on a GPU, subpass.py)
+    if (wanted == SUBPASS or (wanted == "auto" and gdn)) and subpass.install(gdn):
         return SUBPASS
     return None
 

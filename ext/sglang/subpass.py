@@ -1,7 +1,9 @@
-"""States captured inside a prefill by a second pass of a Gated DeltaNet layer's own kernels
+"""States captured inside a prefill by a second pass of a recurrent layer's own kernels
 (issue 38): the `subpass` mode of ext/sglang/capture.py, for kernels that cannot hand out
 a state inside a sequence (a GPU's FLA Triton kernels, FlashInfer's, a real `sgl_kernel`
-CPU build's).
+CPU build's, the Triton SSD scan).
+
+Gated DeltaNet layers (`install(gdn=True)`):
 
 Around SGLang's `GDNAttnBackend.forward_extend` (wrapped once per scheduler process by
 `install`), before the layer's forward: for each capture `Captures.begin` named
@@ -19,6 +21,16 @@ Costs: the recurrent part of each captured prefix twice (the projections, attent
 MLPs once), a few more kernel launches per layer: one round per capture depth of a
 request (round r: every request's r-th capture, which starts from its r - 1th).
 
+Mamba2 layers (`install(gdn=False)`; SGLang's `MambaMixer2` calls the conv and the SSD scan
+by their names in its module, which are wrapped): the conv window at a depth is the last
+`width - 1` conv inputs before it (after the state it starts from), written by the conv
+wrapper; the scan wrapper runs the layer's own scan over each captured prefix, from the
+state the forward starts from (or the request's previous capture), with the sequence
+metadata SGLang's `Mamba2Metadata.prepare_mixed` builds for a batch, and writes the final
+states. Only where asked (`ANCHORCACHE_SGLANG_HYBRID_CAPTURE=subpass`): checked on CPU and
+by `bench/gpu_check.sh`'s CUDA tests, it becomes a GPU's default once a GPU check has run
+it (`auto` keeps Mamba2 layers off CPU on prefill cuts until then).
+
 A forward this does not take (speculative verify, multi-item scoring), or a pass that
 fails (logged; the forward runs on), writes nothing: the capture is dropped with its
 request's anchors (`Captures.end`), never read stale. Its pieces go into the spare slots
@@ -30,6 +42,7 @@ Hopper and Blackwell, the CPU ones) is called as the backend calls it.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from typing import Any
 
@@ -38,15 +51,21 @@ import torch
 from . import capture
 
 log = logging.getLogger("anchorcache.sglang")
-_INSTALLED = False
+MIXER_MODULE = "sglang.srt.layers.attention.mamba.mamba"  # SGLang's Mamba2 mixer
+_INSTALLED: set[str] = set()  # "gdn", "mamba2": wrapped in this process
 _SKIPPED: set[str] = set()  # why layers did not take captures, logged once each
+# Mamba2: the SSM state tensor of the layer whose conv ran last (the scan after it reads it)
+_SCAN_POOL: torch.Tensor | None = None
 
 
-def install() -> bool:
-    """Wrap SGLang's GDN backend's `forward_extend` in this process (once); False where
-    SGLang has none."""
-    global _INSTALLED
-    if _INSTALLED:
+def install(gdn: bool = True) -> bool:
+    """Wrap, in this process (once), the calls of SGLang's Gated DeltaNet (`gdn`) or Mamba2
+    layers that take the captures; False where SGLang has none."""
+    return _install_gdn() if gdn else _install_mamba2()
+
+
+def _install_gdn() -> bool:
+    if "gdn" in _INSTALLED:
         return True
     try:
         from sglang.srt.layers.attention.linear import gdn_backend
@@ -64,8 +83,113 @@ def install() -> bool:
         return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
 
     gdn_backend.GDNAttnBackend.forward_extend = forward_extend
-    _INSTALLED = True
+    _INSTALLED.add("gdn")
     return True
+
+
+def _install_mamba2() -> bool:
+    if "mamba2" in _INSTALLED:
+        return True
+    try:
+        module = importlib.import_module(MIXER_MODULE)
+    except Exception as exc:
+        log.warning("hybrid anchors: no Mamba2 mixer to take captures (%s)", exc)
+        return False
+    for name in ("causal_conv1d_fn", "causal_conv1d_fn_triton"):
+        if getattr(module, name, None) is not None:
+            setattr(module, name, mamba2_conv(getattr(module, name)))
+    setattr(module, "mamba_chunk_scan_combined",  # noqa: B010
+            mamba2_scan(getattr(module, "mamba_chunk_scan_combined")))  # noqa: B009
+    _INSTALLED.add("mamba2")
+    return True
+
+
+def mamba2_conv(original: Any) -> Any:
+    """The Mamba2 mixer's prefill conv, which first writes each capture's conv window."""
+
+    @functools.wraps(original)
+    def conv(x: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        global _SCAN_POOL
+        rounds, states = capture.rounds(), kwargs.get("conv_states")
+        _SCAN_POOL = None
+        if rounds and states is not None:
+            try:
+                _SCAN_POOL = capture.layer_states(states)
+                windows(rounds, x, states, weight.shape[-1] - 1)
+            except Exception as exc:
+                _skipped(f"{type(exc).__name__}: {exc}")
+        return original(x, weight, *args, **kwargs)
+
+    return conv
+
+
+def windows(rounds: list[list[capture.Segment]], x: torch.Tensor, states: torch.Tensor,
+            hist: int) -> None:
+    """Each capture's conv window: the last `hist` conv inputs (`x` `[dim, T]`, packed)
+    before its depth, after those of the state it starts from (none: zeros)."""
+    for segments in rounds:
+        for s in segments:
+            new = x[:, s.lo:s.hi].to(states.dtype)
+            if new.shape[1] < hist:
+                prev = (states[s.source] if s.initial
+                        else states.new_zeros((states.shape[1], hist)))
+                new = torch.cat([prev, new], dim=1)
+            states[s.spare] = new[:, new.shape[1] - hist:]
+            capture.wrote(s.spare)
+
+
+def mamba2_scan(original: Any) -> Any:
+    """The Mamba2 mixer's SSD scan, which first writes each capture's state, through itself
+    over the captured prefixes (`scan_segments`)."""
+
+    @functools.wraps(original)
+    def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        global _SCAN_POOL
+        rounds, pool, _SCAN_POOL = capture.rounds(), _SCAN_POOL, None
+        if rounds and pool is not None:
+            try:
+                scan_segments(original, rounds, pool, x, dt, A, B, C, *args, **kwargs)
+            except Exception as exc:
+                _skipped(f"{type(exc).__name__}: {exc}")
+        return original(x, dt, A, B, C, *args, **kwargs)
+
+    return scan
+
+
+def scan_segments(scan: Any, rounds: list[list[capture.Segment]], pool: torch.Tensor,
+                  x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                  C: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """`scan` (the layer's SSD scan, called as the mixer calls it: x `[1, T, H, P]`, dt
+    `[1, T, H]`, B and C `[1, T, G, N]`) over each round's segments, from their sources'
+    states, the final states into their spare slots of the layer's SSM states `pool`."""
+    from sglang.srt.layers.attention.mamba.mamba2_metadata import Mamba2Metadata
+
+    chunk_size = args[0] if args else kwargs["chunk_size"]
+    z = kwargs.get("z")
+    for segments in rounds:
+        rows = _Rows(segments, x.device)
+        total = sum(rows.lens)
+        seq_idx = torch.repeat_interleave(
+            torch.arange(len(segments), dtype=torch.int32, device=x.device),
+            rows.starts.diff(), output_size=total).unsqueeze(0)
+        chunk_indices, chunk_offsets = Mamba2Metadata._query_start_loc_to_chunk_indices_offsets(
+            rows.starts, chunk_size, total)
+        zero = pool.new_zeros(pool.shape[1:])
+        initial = torch.stack([pool[s.source] if s.initial else zero for s in segments])
+        xs = x.index_select(1, rows.tokens)
+        sub = {**kwargs, "seq_idx": seq_idx, "chunk_indices": chunk_indices,
+               "chunk_offsets": chunk_offsets, "cu_seqlens": rows.starts,
+               "initial_states": initial, "out": torch.empty_like(xs),
+               "z": None if z is None else z.index_select(1, rows.tokens),
+               "return_varlen_states": True, "return_final_states": False,
+               "return_intermediate_states": False, "return_track_states": False,
+               "track_seq_idx": None, "track_end_locs": None}
+        varlen = scan(xs, dt.index_select(1, rows.tokens), A, B.index_select(1, rows.tokens),
+                      C.index_select(1, rows.tokens), *args, **sub)
+        pool.index_copy_(0, rows.spares, varlen.to(pool.dtype))
+        for s in segments:
+            capture.wrote(s.spare)
 
 
 def _refused(backend: Any, forward_batch: Any, mixed_qkv: Any) -> str | None:

@@ -19,6 +19,11 @@ For each:
   tokens of a plain cold run (anchors off); the tree's state equals the slab (`/anchor/verify`), and a
   corrupted state restore is what that check catches.
 
+Falcon-H1's server takes its captures as a GPU's would (`subpass`, ext/sglang/subpass.py:
+a second pass of each Mamba2 layer's own conv and scan over the captured prefix), Qwen3-Next's
+by the reference kernels themselves (`kernels`); test_mamba2_cpu_kernels.py checks the
+Mamba2 kernels' own captures.
+
 One server per architecture (module-scoped, parametrized): one to two minutes each to start
 on a 2-core machine."""
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import httpx
 import pytest
 import torch
 
@@ -36,6 +42,7 @@ from anchorcache.testing.exactness import (
     equal_to_transformers,
     generate,
     restore,
+    same,
     save,
 )
 from anchorcache.testing.servers import sglang_worker_process
@@ -51,17 +58,22 @@ POOL = 6000
 CONV_FLOAT32 = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
 
-@pytest.fixture(scope="module", params=["falcon_h1", "qwen3_next"])
+CAPTURES = {"falcon_h1": "subpass", "qwen3_next": "kernels"}  # who writes each one's
+
+
+@pytest.fixture(scope="module", params=list(CAPTURES))
 def hybrid(request):
     """(worker, model dir): the SGLang worker with our anchor cache on a tiny model of the
     architecture (Qwen3-Next's config.json carries `full_attention_interval`, which SGLang's
-    config reads)."""
+    config reads), capturing as `CAPTURES` says."""
     from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
+    from anchorcache.ext.sglang.config import CAPTURE_ENV
 
     model = build_tiny_model(request.param, tiny_model_dir(request.param))
+    env = {**CONV_FLOAT32, CAPTURE_ENV: CAPTURES[request.param]}
     with sglang_worker_process("--max-total-tokens", str(POOL), "--dtype", "float32",
-                               model=str(model), env=CONV_FLOAT32) as worker:
-        yield worker, model
+                               model=str(model), env=env) as worker:
+        yield worker, model, CAPTURES[request.param]
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers(hybrid):
@@ -69,7 +81,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(hybrid):
     update), and over SGLang's own cached state at the first turn's end."""
     from transformers import AutoModelForCausalLM
 
-    worker, model_dir = hybrid
+    worker, model_dir, _ = hybrid
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     check = partial(equal_to_transformers, model, worker.url)
     flush_device(worker.url)
@@ -83,8 +95,9 @@ def test_greedy_tokens_and_logprobs_equal_transformers(hybrid):
 
 def test_chain_restore_after_a_flush_equals_a_cold_run(hybrid, qwen3_tokenizer):
     """Turn 2 of a BFCL conversation restores turn 1's chain (tool anchor + conversation
-    anchor, each with its conv and recurrent state) from the host tier."""
-    worker, _ = hybrid
+    anchor, each with its conv and recurrent state) from the host tier, and its tool anchor
+    alone (a state captured inside turn 1's forward)."""
+    worker, _, by = hybrid
     url = worker.url
     tool_depth, conv_depth, p1, p2 = two_turn_prompts(qwen3_tokenizer, 1)[0]
     flush_device(url)
@@ -93,7 +106,13 @@ def test_chain_restore_after_a_flush_equals_a_cold_run(hybrid, qwen3_tokenizer):
     cold = cold_cut(url, p2, tool_depth, conv_depth)
     assert cold["output_ids"] == off["output_ids"]
     flush_device(url)
-    keys = save(url, p1, tool_depth, conv_depth)
+    plain = generate(url, p1, logprobs=True)
+    flush_device(url)
+    keys, first = save(url, p1, tool_depth, conv_depth, out=True)
+    same(first, plain)  # captures inside the forward change none of its outputs
+    captures = httpx.get(url + "/anchor/stats", timeout=60).json()["captures"]
+    assert captures["mode"] == "in_forward" and captures["by"] == by
+    assert captures["taken"] >= 1 and captures["unwritten"] == 0
     chain = restore((tool_depth, keys[tool_depth]), (conv_depth, keys[conv_depth]))
     flush_device(url)
     warm = generate(url, p2, chain, logprobs=True)
@@ -112,3 +131,9 @@ def test_chain_restore_after_a_flush_equals_a_cold_run(hybrid, qwen3_tokenizer):
     assert post(url, "/anchor/verify", {"key": keys[conv_depth].hex()})["state_equal"] is False
     flush_device(url)
     close(generate(url, p2, chain, logprobs=True), cold)
+    # the tool anchor alone: its state is the one captured inside turn 1's forward
+    cold_tool = cold_cut(url, p2, tool_depth)
+    flush_device(url)
+    warm_tool = generate(url, p2, restore((tool_depth, keys[tool_depth])), logprobs=True)
+    assert warm_tool["meta_info"]["cached_tokens"] == tool_depth
+    close(warm_tool, cold_tool)

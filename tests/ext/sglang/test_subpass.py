@@ -255,3 +255,111 @@ def test_a_pass_that_fails_writes_nothing_and_the_forward_runs_on(monkeypatch, c
         assert capture._WRITES == {}
         assert torch.equal(conv, conv0) and torch.equal(ssm, ssm0)
     assert "kernel refused the shapes" in caplog.text and "speculative verify" in caplog.text
+
+
+# ---- Mamba2 (SGLang's MambaMixer2: the conv and the SSD scan by their module names) --------
+
+MH, MP, MG, MN = 4, 16, 2, 16  # heads, head dim, groups, state size
+M_DIM = MH * MP + 2 * MG * MN  # the conv's channels: x, B, C
+CHUNK = 64
+
+
+def _mamba2_kernels(device: str):
+    """(conv, scan) as SGLang's Mamba2 mixer calls them on `device`: the CPU recipe's
+    (ext/sglang/cpu_mamba2.py, which the CPU engine binds there), or the CUDA ones its
+    module binds on a GPU."""
+    if device == "cpu":
+        from anchorcache.ext.sglang import cpu_mamba2
+
+        return cpu_mamba2.causal_conv1d_fn, cpu_mamba2.mamba_chunk_scan_combined
+    pytest.importorskip("sglang")
+    import importlib
+
+    module = importlib.import_module(subpass.MIXER_MODULE)
+    return module.causal_conv1d_fn, module.mamba_chunk_scan_combined
+
+
+def _mixer(conv, scan, p, conv_pool, ssm_pool, seqs):
+    """The prefill half of `MambaMixer2.forward` over sequences `seqs` [(first row, end
+    row, from a state, slot)] of the projected inputs `p` (xbc, dt): conv, scan, the final
+    states written to the slots; returns the scan's output."""
+    from sglang.srt.layers.attention.mamba.mamba2_metadata import Mamba2Metadata
+
+    device = p["xbc"].device
+    tokens = torch.cat([torch.arange(lo, hi) for lo, hi, _, _ in seqs]).to(device)
+    lens = [hi - lo for lo, hi, _, _ in seqs]
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                          device=device)
+    initial = torch.tensor([i for _, _, i, _ in seqs], device=device)
+    slots = torch.tensor([s for _, _, _, s in seqs], dtype=torch.int32, device=device)
+    total = sum(lens)
+    y = conv(p["xbc"].index_select(0, tokens).transpose(0, 1), p["weight"], p["bias"],
+             activation="silu", conv_states=conv_pool, has_initial_state=initial,
+             cache_indices=slots, query_start_loc=starts, seq_lens_cpu=lens).transpose(0, 1)
+    hs, b, c = torch.split(y[:total], [MH * MP, MG * MN, MG * MN], dim=-1)
+    seq_idx = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.int32,
+                                                   device=device), starts.diff()).unsqueeze(0)
+    chunk_indices, chunk_offsets = Mamba2Metadata._query_start_loc_to_chunk_indices_offsets(
+        starts, CHUNK, total)
+    states = torch.where(initial[:, None, None, None], ssm_pool[slots.long()], 0)
+    out = torch.empty(1, total, MH, MP, device=device)
+    _, varlen, _ = scan(hs.reshape(1, total, MH, MP), p["dt"].index_select(0, tokens)[None],
+                        p["A"], b.reshape(1, total, MG, MN), c.reshape(1, total, MG, MN),
+                        chunk_size=CHUNK, D=p["D"], z=None, dt_bias=p["dt_bias"],
+                        seq_idx=seq_idx, chunk_indices=chunk_indices,
+                        chunk_offsets=chunk_offsets, cu_seqlens=starts, initial_states=states,
+                        return_varlen_states=True, return_final_states=False,
+                        return_track_states=True, track_seq_idx=None, track_end_locs=None,
+                        dt_softplus=True, dt_limit=(0.0, float("inf")), out=out,
+                        state_dtype=ssm_pool.dtype)
+    ssm_pool[slots.long()] = varlen.to(ssm_pool.dtype)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mamba2_subpass_captures_are_cold_prefill_states_and_change_nothing_else(device,
+                                                                                  monkeypatch):
+    conv, scan = _mamba2_kernels(device)
+    g = torch.Generator().manual_seed(5)
+    total = sum(n for n, _, _ in EXTENDS)
+    p = {"xbc": torch.randn(total, M_DIM, generator=g),
+         "dt": torch.randn(total, MH, generator=g) - 2.0,
+         "weight": torch.randn(M_DIM, WIDTH, generator=g) * 0.5,
+         "bias": torch.randn(M_DIM, generator=g), "A": -torch.rand(MH, generator=g) - 0.01,
+         "D": torch.randn(MH, generator=g), "dt_bias": torch.randn(MH, generator=g) * 0.5}
+    p = {k: v.to(device) for k, v in p.items()}
+    slots = 3 + sum(len(c) for _, _, c in EXTENDS) + 1
+    conv0 = torch.randn(slots, M_DIM, WIDTH - 1, generator=g).to(device)
+    ssm0 = (torch.randn(slots, MH, MP, MN, generator=g) * 0.1).to(device)
+    seqs, rounds, caps = _plan()
+    monkeypatch.setattr(capture, "_WANTED", None)  # (the CPU kernels capture nothing)
+    conv_plain, ssm_plain = conv0.clone(), ssm0.clone()
+    plain = _mixer(conv, scan, p, conv_plain, ssm_plain, seqs)
+
+    conv_pool, ssm_pool = conv0.clone(), ssm0.clone()
+    monkeypatch.setattr(capture, "_ROUNDS", rounds)
+    monkeypatch.setattr(capture, "_LAYER_STATES", {conv_pool.data_ptr(): ssm_pool})
+    monkeypatch.setattr(capture, "_WRITES", {})
+    after = _mixer(subpass.mamba2_conv(conv), subpass.mamba2_scan(scan), p, conv_pool,
+                   ssm_pool, seqs)
+    monkeypatch.setattr(capture, "_ROUNDS", None)
+    assert capture._WRITES == {spare: 2 for _, _, spare in caps}
+    assert torch.equal(after, plain)  # the forward: the plain one, bit for bit
+    spares = [spare for _, _, spare in caps]
+    others = [s for s in range(slots) if s not in spares]
+    assert torch.equal(conv_pool[others], conv_plain[others])
+    assert torch.equal(ssm_pool[others], ssm_plain[others])
+
+    close = _compare(device)
+    for i, offset, spare in caps:
+        lo, hi, initial, _ = seqs[i]
+        cold_conv, cold_ssm = conv0.clone(), ssm0.clone()
+        _mixer(conv, scan, p, cold_conv, cold_ssm, [(lo, lo + offset, initial, i)])
+        assert torch.equal(conv_pool[spare], cold_conv[i])  # (the inputs themselves)
+        close(ssm_pool[spare], cold_ssm[i])
+        rest_conv, rest_ssm = conv0.clone(), ssm0.clone()
+        rest_conv[i], rest_ssm[i] = conv_pool[spare], ssm_pool[spare]
+        rest = _mixer(conv, scan, p, rest_conv, rest_ssm, [(lo + offset, hi, True, i)])
+        start = sum(h - lo_ for lo_, h, _, _ in seqs[:i])
+        close(rest[0], plain[0, start + offset:start + hi - lo])
+        close(rest_ssm[i], ssm_plain[i])

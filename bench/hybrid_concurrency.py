@@ -60,6 +60,13 @@ def env(**values: str):
                 os.environ[k] = v
 
 
+def scheduler_ms(worker: str) -> dict[str, float]:
+    """The worker's cumulative time in anchor work, ms by kind (`/anchor/stats`
+    `scheduler_calls`)."""
+    calls = httpx.get(worker + "/anchor/stats", timeout=60).json().get("scheduler_calls", [])
+    return {c["op"]: c["total_ms"] for c in calls}
+
+
 def p99(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
@@ -129,13 +136,20 @@ def main() -> None:
                             httpx.post(worker + "/anchor/flush", timeout=60).raise_for_status()
                         if anchored and tier == "steady":  # the anchors written, unmeasured
                             concurrent(url, convs[:n], args.turns, args.max_tokens, worker)
+                        before = scheduler_ms(worker)
                         got = concurrent(url, convs[:n], args.turns, args.max_tokens, worker,
                                          direct, ttfts=True)
+                        after = scheduler_ms(worker)
                         ttfts = got.pop("ttfts")
                         cell = {"pool": pool_kind, "pool_tokens": pool, "conversations": n,
                                 "tier": tier, "side": side, **got,
                                 "ttft_p50_s": round(statistics.median(ttfts), 3),
-                                "ttft_p99_s": round(p99(ttfts), 3)}
+                                "ttft_p99_s": round(p99(ttfts), 3),
+                                # the worker's own time in anchor work during the run, by
+                                # kind (scheduler loop and copy thread; docs/worker-protocol)
+                                "anchor_work_ms": {op: round(ms - before.get(op, 0.0), 1)
+                                                   for op, ms in after.items()
+                                                   if ms - before.get(op, 0.0) >= 0.05}}
                         cells.append(cell)
                         print(json.dumps(cell), flush=True)
     for cell in cells:

@@ -163,31 +163,24 @@ def scan_segments(scan: Any, rounds: list[list[capture.Segment]], pool: torch.Te
     """`scan` (the layer's SSD scan, called as the mixer calls it: x `[1, T, H, P]`, dt
     `[1, T, H]`, B and C `[1, T, G, N]`) over each round's segments, from their sources'
     states, the final states into their spare slots of the layer's SSM states `pool`."""
-    from sglang.srt.layers.attention.mamba.mamba2_metadata import Mamba2Metadata
 
     chunk_size = args[0] if args else kwargs["chunk_size"]
     z = kwargs.get("z")
-    for segments in rounds:
-        rows = _Rows(segments, x.device)
-        total = sum(rows.lens)
-        seq_idx = torch.repeat_interleave(
-            torch.arange(len(segments), dtype=torch.int32, device=x.device),
-            rows.starts.diff(), output_size=total).unsqueeze(0)
-        chunk_indices, chunk_offsets = Mamba2Metadata._query_start_loc_to_chunk_indices_offsets(
-            rows.starts, chunk_size, total)
+    for segments, r in zip(rounds, forward_rows(rounds, x.device), strict=True):
+        seq_idx, chunk_indices, chunk_offsets = r.scan_metadata(chunk_size)
         zero = pool.new_zeros(pool.shape[1:])
         initial = torch.stack([pool[s.source] if s.initial else zero for s in segments])
-        xs = x.index_select(1, rows.tokens)
+        xs = x.index_select(1, r.tokens)
         sub = {**kwargs, "seq_idx": seq_idx, "chunk_indices": chunk_indices,
-               "chunk_offsets": chunk_offsets, "cu_seqlens": rows.starts,
+               "chunk_offsets": chunk_offsets, "cu_seqlens": r.starts,
                "initial_states": initial, "out": torch.empty_like(xs),
-               "z": None if z is None else z.index_select(1, rows.tokens),
+               "z": None if z is None else z.index_select(1, r.tokens),
                "return_varlen_states": True, "return_final_states": False,
                "return_intermediate_states": False, "return_track_states": False,
                "track_seq_idx": None, "track_end_locs": None}
-        varlen = scan(xs, dt.index_select(1, rows.tokens), A, B.index_select(1, rows.tokens),
-                      C.index_select(1, rows.tokens), *args, **sub)
-        pool.index_copy_(0, rows.spares, varlen.to(pool.dtype))
+        varlen = scan(xs, dt.index_select(1, r.tokens), A, B.index_select(1, r.tokens),
+                      C.index_select(1, r.tokens), *args, **sub)
+        pool.index_copy_(0, r.spares, varlen.to(pool.dtype))
         for s in segments:
             capture.wrote(s.spare)
 
@@ -247,19 +240,52 @@ def _skipped(why: str) -> None:
 class _Rows:
     """One round's segments as the kernels take them, on `device`: the input rows
     (`tokens`), their sequences' bounds (`starts`, `lens`), whether each starts from a
-    state (`initial`), and state slots 0..n-1 (`slots`: the segments' gathered copies)."""
+    state (`initial`), state slots 0..n-1 (`slots`: the segments' gathered copies); for a
+    Mamba2 scan, its sequence metadata (`scan_metadata`). Built once a forward, on the
+    host, and copied over once (`forward_rows`): every layer reads the same."""
 
     def __init__(self, segments: list[capture.Segment], device: torch.device) -> None:
         self.lens = [s.hi - s.lo for s in segments]
-        self.tokens = torch.cat([torch.arange(s.lo, s.hi) for s in segments]).to(device)
         bounds = [0]
         for n in self.lens:
             bounds.append(bounds[-1] + n)
-        self.starts = torch.tensor(bounds, dtype=torch.int32, device=device)
+        self.bounds = torch.tensor(bounds, dtype=torch.int32)
+        self.tokens = torch.cat([torch.arange(s.lo, s.hi) for s in segments]).to(device)
+        self.starts = self.bounds.to(device)
         self.initial = torch.tensor([s.initial for s in segments], device=device)
         self.slots = torch.arange(len(segments), dtype=torch.int32, device=device)
         self.sources = torch.tensor([s.source for s in segments], device=device)
         self.spares = torch.tensor([s.spare for s in segments], device=device)
+        self._scan: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def scan_metadata(self, chunk_size: int) -> tuple[torch.Tensor, ...]:
+        """(seq_idx `[1, T]`, chunk_indices, chunk_offsets) of these sequences for a Mamba2
+        scan in chunks of `chunk_size`, as `Mamba2Metadata.prepare_mixed` builds them."""
+        if chunk_size not in self._scan:
+            from sglang.srt.layers.attention.mamba.mamba2_metadata import Mamba2Metadata
+
+            total = sum(self.lens)
+            seq_idx = torch.repeat_interleave(
+                torch.arange(len(self.lens), dtype=torch.int32), self.bounds.diff(),
+                output_size=total).unsqueeze(0)
+            indices, offsets = Mamba2Metadata._query_start_loc_to_chunk_indices_offsets(
+                self.bounds, chunk_size, total)
+            device = self.starts.device
+            self._scan[chunk_size] = (seq_idx.to(device), indices.to(device),
+                                      offsets.to(device))
+        return self._scan[chunk_size]
+
+
+# the running forward's rounds, as `_Rows` on a device: (rounds, device, rows)
+_ROWS: tuple[Any, torch.device, list[_Rows]] | None = None
+
+
+def forward_rows(rounds: list[list[capture.Segment]], device: torch.device) -> list[_Rows]:
+    """`rounds` as `_Rows` on `device`, built at the forward's first layer."""
+    global _ROWS
+    if _ROWS is None or _ROWS[0] is not rounds or _ROWS[1] != device:
+        _ROWS = (rounds, device, [_Rows(segments, device) for segments in rounds])
+    return _ROWS[2]
 
 
 def _gather(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -274,21 +300,20 @@ def run(rounds: list[list[capture.Segment]], mixed_qkv: torch.Tensor,
     and what they end with is written into its spare slot. `conv(x, states, rows)`,
     `gates(rows)` and `delta_rule(q, k, v, g, beta, states, rows)` are the layer's own
     kernels, updating `states` in place at `rows.slots` (`take` binds SGLang's)."""
-    for segments in rounds:
-        rows = _Rows(segments, mixed_qkv.device)
-        conv_states = conv_pool.index_select(0, rows.sources)
-        ssm_states = ssm_pool.index_select(0, rows.sources)
-        x = conv(mixed_qkv.index_select(0, rows.tokens), conv_states, rows)
+    for segments, r in zip(rounds, forward_rows(rounds, mixed_qkv.device), strict=True):
+        conv_states = conv_pool.index_select(0, r.sources)
+        ssm_states = ssm_pool.index_select(0, r.sources)
+        x = conv(mixed_qkv.index_select(0, r.tokens), conv_states, r)
         n = x.shape[0]
         q, k, v = torch.split(x, [layer.q_dim, layer.k_dim, layer.v_dim], dim=-1)
         # (contiguous, as SGLang's fused split hands them to a GPU's kernels)
         q = q.reshape(1, n, layer.num_q_heads, layer.head_q_dim).contiguous()
         k = k.reshape(1, n, layer.num_k_heads, layer.head_k_dim).contiguous()
         v = v.reshape(1, n, layer.num_v_heads, layer.head_v_dim).contiguous()
-        g, beta = gates(rows)
-        delta_rule(q, k, v, g, beta, ssm_states, rows)
-        conv_pool.index_copy_(0, rows.spares, conv_states)
-        ssm_pool.index_copy_(0, rows.spares, ssm_states)
+        g, beta = gates(r)
+        delta_rule(q, k, v, g, beta, ssm_states, r)
+        conv_pool.index_copy_(0, r.spares, conv_states)
+        ssm_pool.index_copy_(0, r.spares, ssm_states)
         for s in segments:
             capture.wrote(s.spare)  # (its conv window
             capture.wrote(s.spare)  # and its state)

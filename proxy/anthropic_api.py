@@ -23,7 +23,7 @@ from aiohttp import web
 
 from .anthropic_messages import fold_system_messages
 from .anthropic_schema import MessagesRequest, parse_messages_request
-from .errors import ApiError, json_response
+from .errors import ApiError, EventStream, json_response
 from .pipeline import Completion, FinishReason, Outcome, Usage, check_model
 from .running import STATE, ProxyState
 from .schema import BODY_BYTES, read_items, read_json
@@ -233,33 +233,26 @@ async def messages(request: web.Request) -> web.StreamResponse:
     # rejects the request still gets a proper status code rather than a 200 stream.
     async with contextlib.aclosing(completion.deltas()) as deltas:
         first = await anext(deltas, None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache",
-                                           **_headers(state, req, completion)})
+        resp = EventStream(_headers(state, req, completion))
         await resp.prepare(request)
         # the prompt's split into cached and new tokens is known at the end (message_delta)
         start_usage = {"input_tokens": len(completion.split.input_ids), "output_tokens": 0,
                        "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
-        await resp.write(sse("message_start", {"type": "message_start", "message": {
-            **message, "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": start_usage}}))
-        await resp.write(sse("ping", {"type": "ping"}))
-        try:
-            if first is not None:
-                for event in framer.feed(first):
-                    await resp.write(event)
+        unsent = [sse("message_start", {"type": "message_start", "message": {
+                      **message, "content": [], "stop_reason": None, "stop_sequence": None,
+                      "usage": start_usage}}),
+                  sse("ping", {"type": "ping"})]
+        try:  # (the opening events go out with the first delta's)
+            await resp.send([*unsent, *(() if first is None else framer.feed(first))])
+            unsent = []
             async for delta in deltas:
-                for event in framer.feed(delta):
-                    await resp.write(event)
+                await resp.send(framer.feed(delta))
         except ApiError as e:  # the stream has started: report in-band, then end it
-            await resp.write(sse("error", e.anthropic_body()))
-            await resp.write_eof()
+            await resp.end([*unsent, sse("error", e.anthropic_body())])
             return resp
-    for event in framer.close():
-        await resp.write(event)
-    await resp.write(sse("message_delta", {"type": "message_delta",
-                                           "delta": _stop(completion.outcome),
-                                           "usage": usage_json(completion.usage())}))
-    await resp.write(sse("message_stop", {"type": "message_stop"}))
-    await resp.write_eof()
+    await resp.end([*framer.close(),
+                    sse("message_delta", {"type": "message_delta",
+                                          "delta": _stop(completion.outcome),
+                                          "usage": usage_json(completion.usage())}),
+                    sse("message_stop", {"type": "message_stop"})])
     return resp

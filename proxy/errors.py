@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -82,6 +83,28 @@ def json_response(data: Any, status: int = 200,
                   headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
                         headers=headers)
+
+
+class EventStream(web.StreamResponse):
+    """A `text/event-stream` response written a group of events at a time: its headers go
+    out with the first group (as aiohttp's own `Response` sends them with its body), each
+    `send` is one write, `end` the last one with the stream's end. One send(2) per group,
+    not per event: a streamed turn's opening events and first delta go out together, its
+    closing events with the end."""
+
+    _send_headers_immediately = False  # (aiohttp's: `Response` sets it so too)
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        super().__init__(headers={"Content-Type": "text/event-stream",
+                                  "Cache-Control": "no-cache", **headers})
+
+    async def send(self, events: Iterable[bytes]) -> None:
+        data = b"".join(events)
+        if data:
+            await self.write(data)
+
+    async def end(self, events: Iterable[bytes] = ()) -> None:
+        await self.write_eof(b"".join(events))
 
 
 def error_response(err: ApiError, *, anthropic: bool = False) -> web.Response:

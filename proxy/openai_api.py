@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from .errors import ApiError, json_response
+from .errors import ApiError, EventStream, json_response
 from .pipeline import (
     ChoiceDelta,
     Completion,
@@ -196,23 +196,17 @@ async def stream_events(request: web.Request, completion: Completion,
     is reported in-band and ends the stream."""
     async with contextlib.aclosing(completion.choice_deltas()) as pieces:
         first = await anext(pieces, None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", **completion.headers()})
+        resp = EventStream(completion.headers())
         await resp.prepare(request)
-        for event in opening():
-            await resp.write(event)
-        try:
-            if first is not None:
-                await resp.write(piece_frame(first))
+        unsent = opening()
+        try:  # (the opening events go out with the first piece)
+            await resp.send([*unsent, *([] if first is None else [piece_frame(first)])])
+            unsent = []
             async for piece in pieces:
                 await resp.write(piece_frame(piece))
         except ApiError as e:
-            await resp.write(b"data: " + orjson.dumps(e.body()) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await resp.end([*unsent, b"data: " + orjson.dumps(e.body()) + b"\n\n",
+                            b"data: [DONE]\n\n"])
             return resp
-    for event in closing():
-        await resp.write(event)
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    await resp.end([*closing(), b"data: [DONE]\n\n"])
     return resp

@@ -24,13 +24,13 @@ import logging
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from .errors import ApiError, json_response
+from .errors import ApiError, EventStream, json_response
 from .openai_api import anchors_wanted, usage_json
 from .pipeline import Completion, FinishReason, Usage, check_model
 from .responses_items import Item, encrypt_reasoning, parse_items
@@ -293,41 +293,37 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     seq = 0
 
-    async def write(resp: web.StreamResponse, event: dict[str, Any]) -> None:
+    def frames(events: Iterable[dict[str, Any]]) -> list[bytes]:
+        """`events` as SSE frames, numbered on from the last one."""
         nonlocal seq
-        await resp.write(_sse(event, seq))
-        seq += 1
+        out = [_sse(event, n) for n, event in enumerate(events, seq)]
+        seq += len(out)
+        return out
 
     # Wait for the first delta before sending headers, so that a worker that is down or
     # rejects the request still gets a proper status code rather than a 200 stream.
     async with contextlib.aclosing(completion.deltas()) as deltas:
         first = await anext(deltas, None)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", **headers()})
+        resp = EventStream(headers())
         await resp.prepare(request)
         started = _response(req, model, rid, created)
-        await write(resp, {"type": "response.created", "response": started})
-        await write(resp, {"type": "response.in_progress", "response": started})
-        try:
-            if first is not None:
-                for event in framer.feed(first):
-                    await write(resp, event)
+        unsent = frames([{"type": "response.created", "response": started},
+                         {"type": "response.in_progress", "response": started}])
+        try:  # (the opening events go out with the first delta's)
+            await resp.send([*unsent, *frames(() if first is None else framer.feed(first))])
+            unsent = []
             async for delta in deltas:
-                for event in framer.feed(delta):
-                    await write(resp, event)
+                await resp.send(frames(framer.feed(delta)))
         except ApiError as e:  # the stream has started: the response failed, in-band
-            for event in framer.close("incomplete"):  # the item it was writing, as far as it got
-                await write(resp, event)
+            closed = frames(framer.close("incomplete"))  # the item it was writing, so far
             failed = _response(req, model, rid, created, status="failed", output=framer.items)
             failed["error"] = _failure(e)
-            await write(resp, {"type": "response.failed", "response": failed})
-            await resp.write_eof()
+            await resp.end([*unsent, *closed,
+                            *frames([{"type": "response.failed", "response": failed}])])
             return resp
     response, events = finish()
-    for event in events:
-        await write(resp, event)
-    await write(resp, {"type": f"response.{response['status']}", "response": response})
-    await resp.write_eof()
+    await resp.end(frames([*events, {"type": f"response.{response['status']}",
+                                     "response": response}]))
     return resp
 
 

@@ -29,6 +29,7 @@ on a 2-core machine."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import httpx
@@ -137,3 +138,21 @@ def test_chain_restore_after_a_flush_equals_a_cold_run(hybrid, qwen3_tokenizer):
     warm_tool = generate(url, p2, restore((tool_depth, keys[tool_depth])), logprobs=True)
     assert warm_tool["meta_info"]["cached_tokens"] == tool_depth
     close(warm_tool, cold_tool)
+
+
+def test_captures_of_requests_prefilled_together_are_each_their_own(hybrid, qwen3_tokenizer):
+    """Four conversations' first turns sent at once (SGLang packs the ones waiting into one
+    prefill, where each capture is taken from its own rows): each one's tool anchor
+    restores its own state, a turn 2 over it equal to its cold run."""
+    worker, _, _ = hybrid
+    url = worker.url
+    prompts = two_turn_prompts(qwen3_tokenizer, 4)
+    flush_device(url)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        keys = list(pool.map(lambda p: save(url, p[2], p[0]), prompts))
+    for (tool_depth, _, _, p2), k in zip(prompts, keys, strict=True):
+        cold = cold_cut(url, p2, tool_depth)
+        flush_device(url)
+        warm = generate(url, p2, restore((tool_depth, k[tool_depth])), logprobs=True)
+        assert warm["meta_info"]["cached_tokens"] == tool_depth
+        close(warm, cold)

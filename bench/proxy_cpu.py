@@ -1,6 +1,6 @@
 """The proxy's own CPU per request, by conversation length.
 
-The proxy (a real `anchorcache proxy` process, anchors on, its own ledger) stands in front
+The proxy (a real `anchorcache proxy` process, anchors on unless `--no-anchors`, its own ledger) stands in front
 of an *instant worker*: the worker contract's HTTP layer (`ext/contract.py`) over a backend
 that answers at once with fixed tokens, one per event, and reports every snapshot it was
 asked for as written (keys derived as a worker derives them) and every restore link as
@@ -469,6 +469,8 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help="conversation lengths in tokens, comma-separated")
     ap.add_argument("--no-throughput", action="store_true", help="skip the concurrent run")
+    ap.add_argument("--no-anchors", action="store_true",
+                    help="the proxy with --no-anchors: what its anchor work costs, by difference")
     ap.add_argument("--api", choices=sorted(APIS), default="chat",
                     help="the API the turns by length are sent through (the concurrent run "
                          "is OpenAI chat's)")
@@ -523,7 +525,8 @@ def main() -> None:
         return
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", stub, timeout_s=120)
-        with proxy_process(f"http://127.0.0.1:{port}") as proxy:
+        with proxy_process(f"http://127.0.0.1:{port}",
+                           *(["--no-anchors"] if args.no_anchors else [])) as proxy:
             pid = proxy.proc.pid
             spies = []
 

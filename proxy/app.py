@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from anchorcache.state.ledger import Ledger
+from anchorcache.state.ledger import HITS_FLUSH_S, Ledger
 from anchorcache.wire import ModelInfo
 
 from . import admin
@@ -173,6 +173,17 @@ async def _housekeep(ledger: Ledger, config: ProxyConfig) -> None:
         await asyncio.sleep(config.housekeeping_interval_s)
 
 
+async def _write_hits(ledger: Ledger) -> None:
+    """Write the anchor hits requests counted in memory (`Ledger.note_hits`) every
+    `HITS_FLUSH_S`, so that the other processes' reads see them while this one is idle."""
+    while True:
+        await asyncio.sleep(HITS_FLUSH_S)
+        try:
+            ledger.flush_hits()
+        except Exception:  # a busy or failing disk: tried again next time
+            log.exception("writing anchor hits failed")
+
+
 def create_app(config: ProxyConfig, *,
                worker_status: Callable[[], HasStatus] | None = None) -> web.Application:
     """`worker_status`: given when this process supervises the worker (`anchorcache serve`);
@@ -239,10 +250,12 @@ def create_app(config: ProxyConfig, *,
                     log.info("adapter %s deviates from the chat template on purpose: %s",
                              adapter.name, adapter.deviation)
                 housekeeping = asyncio.create_task(_housekeep(ledger, config))
+                hits = asyncio.create_task(_write_hits(ledger))
                 try:
                     yield
                 finally:
                     housekeeping.cancel()
+                    hits.cancel()
                     await targets.close()
                     splits.close()
         finally:

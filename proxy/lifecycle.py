@@ -421,7 +421,7 @@ class AnchorLifecycle:
             if settled.removed:
                 led.mark(self.worker_id, epoch, settled.removed, AnchorStatus.EVICTED)
             if report.restored:
-                led.record_hits(self.worker_id, epoch, [h.key for h in report.restored])
+                led.note_hits(self.worker_id, epoch, [h.key for h in report.restored])
             led.close_reservation(anchored.rid, ReservationOutcome.CONFIRMED, reason
                                   if ok == {w.slot for w in report.written} else "confirm_refused")
         if caller.own_namespace and caller.tenant != SHARED_TENANT:

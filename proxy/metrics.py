@@ -31,6 +31,7 @@ of API keys cannot grow the series without bound.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -265,11 +266,14 @@ class ProxyMetrics:
             self.restore_seconds.labels(t).observe(meta.restore_ms / 1e3)
         self.lookups.labels(t, "restored" if report.restored else "missed" if plan.chain
                             else "cold").inc()
-        for hit in report.restored:
-            self.hits.labels(t, hit.kind.value).inc()
-            rec = planned.get(hit.key)
-            if rec is not None:
-                self.restore_bytes.labels(t).inc(rec.nbytes)
+        if report.restored:  # (a chain's links: one label lookup per kind, not per link)
+            kinds = collections.Counter(hit.kind.value for hit in report.restored)
+            for kind, n in kinds.items():
+                self.hits.labels(t, kind).inc(n)
+            restored = sum(rec.nbytes for hit in report.restored
+                           if (rec := planned.get(hit.key)) is not None)
+            if restored:
+                self.restore_bytes.labels(t).inc(restored)
         for miss in report.restore_miss:
             rec = planned.get(miss.key)
             self.misses.labels(t, rec.kind.value if rec else "unknown", miss.reason).inc()

@@ -53,6 +53,7 @@ LOCK_FILE = "ledger.lock"
 # rows that can no longer matter (closed reservations, anchors no worker holds, events) are
 # deleted once this much older (`Ledger.housekeep`)
 RETENTION_S = 7 * 24 * 3600.0
+HITS_FLUSH_S = 1.0  # hits counted in memory are written at least this often (`note_hits`)
 KEY_PREFIX = "ac-"
 
 
@@ -79,6 +80,10 @@ class Ledger:
         self.clock = clock
         self._lock = lock  # the file descriptor holding `exclusive`'s lock, if any
         self.owner = os.getpid()  # the reservations and requests in flight this process holds
+        # hits noted and not yet written (`note_hits`): (worker, epoch, key hex) → [count,
+        # last hit]; and when they were last written
+        self._hits: dict[tuple[str, str, str], list[float]] = {}
+        self._hits_flushed = clock()
 
     @classmethod
     def open(cls, path: Path | str, *, clock: Callable[[], float] = time.time,
@@ -111,6 +116,10 @@ class Ledger:
         return cls(db, clock=clock, lock=lock)
 
     def close(self) -> None:
+        try:
+            self.flush_hits()
+        except sqlite3.Error:  # (a ledger closing on a failing disk: the counts are lost)
+            pass
         self.db.close()
         if self._lock is not None:
             os.close(self._lock)  # (releases the lock)
@@ -400,6 +409,9 @@ class Ledger:
     def _upsert_anchors(self, rid: str | None, worker: str, epoch: str, namespace: bytes,
                         tenant: str, anchors: Iterable[NewAnchor], status: AnchorStatus) -> None:
         now = self.clock()
+        anchors = list(anchors)
+        if self._hits and any((worker, epoch, a.key.hex()) in self._hits for a in anchors):
+            self.flush_hits()  # (a re-written key's hits are its old incarnation's)
         # a re-written key starts over; one reported held keeps its hits
         self.db.conn.executemany(
             "INSERT INTO anchors (worker, epoch, key, depth, parent, namespace, tenant, slot, "
@@ -453,11 +465,36 @@ class Ledger:
                 "AND status IN ('committed', 'reserved')", [self.clock(), worker]).rowcount
 
     def record_hits(self, worker: str, epoch: str, keys: Iterable[bytes]) -> None:
+        """A hit on each of `keys` (a chain's links), written now."""
+        self.note_hits(worker, epoch, keys)
+        self.flush_hits()
+
+    def note_hits(self, worker: str, epoch: str, keys: Iterable[bytes]) -> None:
+        """A hit on each of `keys`, counted in memory and written with the others at most
+        `HITS_FLUSH_S` later (`flush_hits`): a request that restored a long chain costs no
+        UPDATE per link. Every read of this ledger that returns hits writes them first; a
+        re-written key writes its own first; another process sees them within
+        `HITS_FLUSH_S` of a later request, a `flush_hits` or `close`."""
         now = self.clock()
+        for key in keys:
+            entry = self._hits.setdefault((worker, epoch, key.hex()), [0, now])
+            entry[0] += 1
+            entry[1] = now
+        if now - self._hits_flushed >= HITS_FLUSH_S:
+            self.flush_hits()
+
+    def flush_hits(self) -> None:
+        """Write the hits `note_hits` counted: one UPDATE per key hit, in one transaction."""
+        self._hits_flushed = self.clock()
+        if not self._hits:
+            return
+        pending, self._hits = self._hits, {}
         with self.transaction():
-            self.db.conn.executemany("UPDATE anchors SET hits = hits + 1, last_hit = ? "
-                                     "WHERE worker = ? AND epoch = ? AND key = ?",
-                                     [[now, worker, epoch, key.hex()] for key in keys])
+            self.db.conn.executemany(
+                "UPDATE anchors SET hits = hits + ?, last_hit = max(coalesce(last_hit, 0), ?) "
+                "WHERE worker = ? AND epoch = ? AND key = ?",
+                [[int(n), last, worker, epoch, key]
+                 for (worker, epoch, key), (n, last) in pending.items()])
 
     @staticmethod
     def _anchor(r: dict[str, Any]) -> AnchorRow:
@@ -469,6 +506,7 @@ class Ledger:
     def anchors(self, *, worker: str | None = None, epoch: str | None = None,
                 tenant: str | None = None, status: AnchorStatus | None = None,
                 key: bytes | None = None) -> list[AnchorRow]:
+        self.flush_hits()
         where, args = self._where(worker=worker, epoch=epoch, tenant=tenant,
                                   status=status.value if status else None,
                                   key=key.hex() if key else None)
@@ -481,6 +519,7 @@ class Ledger:
         return int(row[0])
 
     def stats(self) -> dict[str, Any]:
+        self.flush_hits()
         q = self.db.execute
         by_status = dict(q("SELECT status, count(*) FROM anchors GROUP BY status").fetchall())
         held = q("SELECT coalesce(sum(nbytes), 0), coalesce(sum(hits), 0) FROM anchors "
@@ -517,6 +556,7 @@ class Ledger:
         """Anchors whose status, slot or epoch changed after change number `after` (by any
         process), as they are now, in the order of their last change; and the number to
         ask after next time. One indexed read; nothing when nothing changed."""
+        self.flush_hits()
         rows = self._rows("SELECT * FROM anchors WHERE seq > ? ORDER BY seq LIMIT ?",
                           [after, limit])
         return (rows[-1]["seq"] if rows else after), [self._anchor(r) for r in rows]

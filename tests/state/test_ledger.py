@@ -312,3 +312,40 @@ def test_a_request_settles_in_one_transaction_that_others_see_whole_or_not_at_al
     assert [r["rid"] for r in other.reservations(ReservationOutcome.OPEN)] == ["r2"]
     led.close()
     other.close()
+
+
+def test_noted_hits_are_written_in_one_batch_read_back_and_never_carried_over(tmp_path):
+    """`note_hits` counts a request's chain in memory: nothing is written until a second
+    has passed (then one UPDATE per key, counts and latest time), a read of this ledger
+    writes them first, another connection sees them once written; a key written again
+    (a new incarnation, hits from 0) never gets its old incarnation's pending hits."""
+    now = [1000.0]
+    led = Ledger.open(tmp_path / "state", clock=lambda: now[0])
+    other = Ledger.open(tmp_path / "state")
+    led.ensure_tenant("t")
+    led.open_reservation("r1", "t", W, E1)
+    led.record_written("r1", W, E1, NS, "t", [anchor(i, 10 * i) for i in (1, 2, 3)])
+    led.commit(W, E1, [key(1), key(2)])
+    statements: list[str] = []
+    led.db.conn.set_trace_callback(statements.append)
+    for _ in range(3):
+        now[0] += 0.1
+        led.note_hits(W, E1, [key(1), key(2), key(3)])
+    assert statements == []  # nothing written yet
+    assert {a.key: a.hits for a in other.anchors(worker=W)} == {key(i): 0 for i in (1, 2, 3)}
+    # key 3 (still reserved) is written again: its pending hits are its old incarnation's
+    # (written first, then reset with the row, as when they were written at once)
+    led.record_written("r1", W, E1, NS, "t", [anchor(3, 30, slot=7)])
+    led.db.conn.set_trace_callback(None)
+    assert {a.key: (a.hits, round(a.last_hit, 6)) for a in led.anchors(worker=W)} == {
+        key(1): (3, 1000.3), key(2): (3, 1000.3), key(3): (0, 1000.3)}
+    now[0] += 0.5
+    led.note_hits(W, E1, [key(1)])
+    assert other.anchors(worker=W, key=key(1))[0].hits == 3  # (under a second: counted only)
+    now[0] += 1.0
+    led.note_hits(W, E1, [key(2)])  # a second on: both written
+    assert {a.key: a.hits for a in other.anchors(worker=W)} == {key(1): 4, key(2): 4, key(3): 0}
+    led.note_hits(W, E1, [key(1)])
+    led.close()  # (writes what is left)
+    assert other.anchors(worker=W, key=key(1))[0].hits == 5
+    other.close()

@@ -31,8 +31,9 @@ Where the kernels cannot hand out a state inside a sequence (a GPU's FLA Triton 
 a real `sgl_kernel` CPU build), a Gated DeltaNet layer takes its captures in a second pass
 of its own kernels over each captured prefix, before its forward (`subpass`,
 ext/sglang/subpass.py): the forward itself is still not cut, and its outputs are still the
-plain run's. Elsewhere (Mamba2 layers on a GPU) `capture_mode` is None and prefill chunks
-still end at anchor depths (ext/sglang/admission.py): docs/sglang.md says where and why.
+plain run's; Mamba2 layers the same way where asked. Elsewhere (Mamba2 layers off CPU,
+unless asked) `capture_mode` is None and prefill chunks still end at anchor depths
+(ext/sglang/admission.py): docs/sglang.md says where and why.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def capture_mode(pool: Any, wanted: str = "auto") -> CaptureBy | None:
     `sgl_kernel` CPU build's) and Mamba2 layers served by its Mamba2 kernels (SGLang has no
     other on CPU); `subpass` for Gated DeltaNet layers elsewhere (any device, any of SGLang's
     kernels: ext/sglang/subpass.py); None (prefill chunks end at anchor depths) for Mamba2
-    layers off CPU, whose second pass (`subpass`) runs only where asked. `wanted` (`SGLangAnchorConfig.hybrid_capture`): `auto`, or one mode
-    (`cuts`: none), for the benchmark and tests that compare them."""
+    layers off CPU, whose second pass (`subpass`) runs only where asked. `wanted`
+    (`SGLangAnchorConfig.hybrid_capture`): `auto`, or one mode (`cuts`: none), for the
+    benchmark and tests that compare them."""
     from sglang.srt.utils import is_cpu
 
     from . import cpu_kernels, cpu_mamba2, subpass

@@ -363,3 +363,46 @@ def test_mamba2_subpass_captures_are_cold_prefill_states_and_change_nothing_else
         start = sum(h - lo_ for lo_, h, _, _ in seqs[:i])
         close(rest[0], plain[0, start + offset:start + hi - lo])
         close(rest_ssm[i], ssm_plain[i])
+
+
+def test_a_forward_whose_layers_take_no_capture_turns_captures_off(monkeypatch):
+    """`Captures.end` after a forward in which nothing wrote any piece of the captures named
+    to it (a layer type the wrappers do not know, a graph that never calls them): each is
+    dropped with its request's anchors (`failed`), its spare slot given back, and the
+    captures turn off for good (`dead`: the cache cuts prefill chunks from then on); a
+    forward whose captures were written whole reads them. The pool is a stand-in for
+    SGLang's Mamba pool (the fault, layers that never call us, is not one a real CPU
+    forward produces)."""
+    from anchorcache.ext.sglang.capture import Captures
+
+    conv = torch.zeros(2, 8, 4, WIDTH - 1)  # [layers, slots, dim, width - 1]
+    freed: list[int] = []
+    pool = SimpleNamespace(
+        mamba_pool=SimpleNamespace(mamba_cache=SimpleNamespace(
+            conv=[conv], temporal=torch.zeros(2, 8, 2, 2))),
+        translate_mamba_indices=lambda idx: idx,
+        mamba_allocator=SimpleNamespace(free=lambda slot: freed.append(int(slot[0]))))
+    spares = iter(range(4, 8))
+    captures = Captures(pool, lambda: torch.tensor([next(spares)]), capture.SUBPASS)
+    store = SimpleNamespace(tip_depth=lambda rid: 0,
+                            table=SimpleNamespace(contains=lambda key, depth: False))
+
+    def forward(writes: bool) -> SimpleNamespace:
+        plan = SimpleNamespace(todo=[SimpleNamespace(depth=5)], captured={}, keys={5: b"k"},
+                               failed=False)
+        req = SimpleNamespace(rid="r", kv=SimpleNamespace(mamba_pool_idx=torch.tensor([1])))
+        batch = SimpleNamespace(reqs=[req], prefix_lens=[0], extend_lens=[9])
+        captures.begin(batch, SimpleNamespace(get=lambda rid: plan), store)
+        assert capture.rounds() == [[capture.Segment(1, plan.captured[5][1], 0, 5, False)]]
+        if writes:
+            for _ in range(4):  # (a conv window and a state for each of the 2 layers)
+                capture.wrote(plan.captured[5][1])
+        captures.end()
+        assert capture.rounds() is None
+        return plan
+
+    written = forward(writes=True)
+    assert not written.failed and 5 in written.captured and not captures.dead
+    dropped = forward(writes=False)
+    assert dropped.failed and dropped.captured == {} and freed == [5]
+    assert captures.dead and captures.unwritten == 1

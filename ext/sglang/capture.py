@@ -39,9 +39,10 @@ unless asked) `capture_mode` is None and prefill chunks still end at anchor dept
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from anchorcache.wire import CaptureBy
+if TYPE_CHECKING:  # (the module imports with torch alone: gpu_check's offline CUDA tests)
+    from anchorcache.wire import CaptureBy
 
 # How captures are taken (`capture_mode`): by the kernels of the forward itself, or by a
 # second pass of a layer's kernels over each captured prefix (ext/sglang/subpass.py)

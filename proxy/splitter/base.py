@@ -32,12 +32,14 @@ import bisect
 import hashlib
 import operator
 import re
+import threading
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple, cast
 
+import cachetools
 import orjson
 
 from .memo import MessageMemo
@@ -58,6 +60,17 @@ from .turns import Turn, turns_memo
 from .types import Cut, CutKind, SplitResult
 
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
+
+TOOLS_MEMO_BYTES = 32 << 20  # `TextAdapter._tool_memo`: the tools' JSON bytes, about
+
+
+class _ToolsEntry(NamedTuple):
+    tools: list[dict] | None
+    safe: list[dict] | None
+    json_bytes: int
+
+    def size(self) -> int:
+        return 4 * self.json_bytes + 256  # two copies as Python objects, roughly
 
 
 class Adapter(ABC):
@@ -205,19 +218,32 @@ class TextAdapter(Adapter):
         self._boundaries: dict[tuple[str, str], bool] = {}
         self.chunking_ok = self._probe_chunking()
         self.turns = turns_memo()  # the last turns' splits, per scope (turns.py)
+        # (scope, digest of the tools' JSON) → (normalized tools, defused): agents resend
+        # the same tools every turn; weighed by that JSON's length
+        self._tool_memo: cachetools.LRUCache[tuple[bytes, bytes], _ToolsEntry] = \
+            cachetools.LRUCache(TOOLS_MEMO_BYTES, getsizeof=_ToolsEntry.size)
+        self._tool_lock = threading.Lock()
 
     @abstractmethod
     def render_pieces(self, messages: list[dict], tools: list[dict] | None,
-                      template_kwargs: dict, start: int = 0) -> list[Piece]:
+                      template_kwargs: dict, start: int = 0,
+                      kept: Turn | None = None) -> list[Piece]:
         """Normalized request → text pieces (module docstring, step 1). `start` > 0: only
         the pieces after the boundary where the first `start` messages are rendered (one the
-        whole render has), exactly as the whole render has them."""
+        whole render has), exactly as the whole render has them; `kept`: a turn whose
+        messages are the first `kept.count` (its `facts` spare a walk over them)."""
 
-    def stable_messages(self, messages: list[dict], kept: int) -> int:
+    def stable_messages(self, messages: list[dict], kept: Turn) -> int:
         """How many leading messages of `messages` render (with every piece before them)
-        exactly as they did in the render of its first `kept` messages alone: what a split
-        may reuse of the last turn's (turns.py). 0, nothing, unless the adapter knows."""
+        exactly as they did in the render of its first `kept.count` messages alone (`kept`:
+        that render's turn): what a split may reuse of the last turn's (turns.py). 0,
+        nothing, unless the adapter knows."""
         return 0
+
+    def _turn_facts(self, safe_msgs: list[dict], kept: Turn | None) -> Any:
+        """`Turn.facts` of a render of `safe_msgs` (`kept`: a turn whose messages are their
+        first `kept.count`, when the split extends one): None unless the adapter keeps any."""
+        return None
 
     def render_text(self, messages: list[dict], tools: list[dict] | None = None, *,
                     template_kwargs: dict | None = None,
@@ -240,9 +266,8 @@ class TextAdapter(Adapter):
                 context = orjson.dumps([tools, template_kwargs, canonical_tools])
             except (TypeError, orjson.JSONEncodeError):
                 blob = context = None
-        (msgs, safe_msgs), tls = (self._messages(messages, scope, blob),
-                                  self._tools(tools, canonical_tools))
-        safe_tls = self.guard.defuse(tls)
+        msgs, safe_msgs = self._messages(messages, scope, blob)
+        _, safe_tls = self._tools_pair(tools, canonical_tools, scope, context)
         kwargs = dict(template_kwargs or {})
         turn = None
         if blob is not None and context is not None:
@@ -258,7 +283,7 @@ class TextAdapter(Adapter):
             else:
                 (ids, ends), hashes = self._encode_whole_verified(chunks), []
             input_ids = tuple(ids)
-            turn = self._turn(msgs, chunks, consumed, ends, hashes, input_ids,
+            turn = self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, input_ids,
                               array("q", input_ids).tobytes())
         if blob is not None and context is not None:
             # (the memo counts the head and context bytes, the turn the rest)
@@ -270,12 +295,32 @@ class TextAdapter(Adapter):
         head = safe_msgs[:leading_system_count(msgs) + 1]  # what renders before the tools end
         return self._with_tool_cuts(
             split, safe_tls, lambda pos: "".join(chunks[: ends.index(pos) + 1]),
-            lambda k: "".join(p.text for p in self.render_pieces(head, safe_tls[:k], kwargs)),
+            lambda k: "".join(p.text for p in self.render_pieces(head, (safe_tls or [])[:k], kwargs)),
             self.guard.encode_batch, scope)
 
-    def _turn(self, msgs: list[dict], chunks: list[str], consumed: list[int | None],
-              ends: list[int], hashes: list[Any], ids: tuple[int, ...], token_bytes: bytes,
-              kept: Turn | None = None, reused: int = 0) -> Turn:
+    def _tools_pair(self, tools: list[dict] | None, canonical: bool | None, scope: bytes,
+                    context: bytes | None) -> tuple[list[dict] | None, list[dict] | None]:
+        """The tools normalized (validated), and defused; from `scope`'s memo where its
+        requests sent the same `context` before (`split`'s JSON of the tools and what the
+        render reads with them). The lists are shared: never mutated."""
+        if context is None or not tools:
+            tls = self._tools(tools, canonical)
+            return tls, self.guard.defuse(tls)
+        key = (scope, hashlib.blake2b(context, digest_size=16).digest())
+        with self._tool_lock:
+            kept = self._tool_memo.get(key)
+        if kept is None:  # (a bad list raises here, every time: never kept)
+            tls = self._tools(tools, canonical)
+            kept = _ToolsEntry(tls, self.guard.defuse(tls), len(context))
+            with self._tool_lock:
+                if kept.size() <= TOOLS_MEMO_BYTES:
+                    self._tool_memo[key] = kept
+        return kept.tools, kept.safe
+
+    def _turn(self, msgs: list[dict], safe_msgs: list[dict], chunks: list[str],
+              consumed: list[int | None], ends: list[int], hashes: list[Any],
+              ids: tuple[int, ...], token_bytes: bytes, kept: Turn | None = None,
+              reused: int = 0) -> Turn:
         """The split's turn (turns.py) with its cuts: `_classify`'s, and where the chunks
         are `kept`'s first `reused` ones and more, `kept`'s cuts before the newest messages
         of either (a cut there depends on nothing after it), then the rest classified."""
@@ -289,21 +334,21 @@ class TextAdapter(Adapter):
             start = bisect.bisect_left(ended, limit, hi=len(ended) - 1)
         self._classify(len(msgs), lead, newest, consumed, ends, start, cuts, at)
         return Turn(len(msgs), chunks, consumed, ends, hashes, ids, token_bytes,
-                    tuple(cuts), tuple(at), lead, newest)
+                    tuple(cuts), tuple(at), lead, newest, self._turn_facts(safe_msgs, kept))
 
     def _extend(self, kept: Turn, msgs: list[dict], safe_msgs: list[dict],
                 safe_tls: list[dict] | None, kwargs: dict) -> Turn | None:
         """The split of a request whose messages extend `kept`'s (turns.py): `kept`'s chunks
         up to the last that ends where the render cannot have changed, then the rest
         rendered, chunked and encoded; None where no chunk can be kept."""
-        stable = self.stable_messages(safe_msgs, kept.count)  # what render_pieces sees
+        stable = self.stable_messages(safe_msgs, kept)  # what render_pieces sees
         # chunks end after strictly more messages each (the last chunk, the generation
         # prompt, ends none): keep those ending after at most `stable` messages
         ended = cast("list[int]", kept.consumed)  # every chunk but the last ends a message
         c = bisect.bisect_right(ended, stable, hi=len(ended) - 1) - 1
         if c < 0 or not ended[c]:
             return None
-        tail = self.render_pieces(safe_msgs, safe_tls, kwargs, start=ended[c])
+        tail = self.render_pieces(safe_msgs, safe_tls, kwargs, start=ended[c], kept=kept)
         if not self._safe_boundary(kept.chunks[c], tail[0].text):
             return None  # the whole render would not end a chunk there either
         new_chunks, new_consumed = self._chunks(tail)
@@ -314,6 +359,7 @@ class TextAdapter(Adapter):
         ids = kept.ids[:base] + tuple(new_ids)
         ends, hashes, total, h = kept.ends[:c + 1], kept.hashes[:c + 1], base, kept.hashes[c]
         wanted = self._wanted(msgs)
+        kept_prefixes: list[tuple[bytes, int]] = []  # (digest, chunks) of those cached
         for i, enc in enumerate(encoded, c + 1):
             total += len(enc)
             ends.append(total)
@@ -322,8 +368,12 @@ class TextAdapter(Adapter):
                 h.update(chunks[i].encode("utf-8", "surrogatepass"))
                 hashes.append(h)
                 if consumed[i] in wanted:
-                    self.cache.put(h.digest(), CachedPrefix(ids[:total], tuple(ends)))
-        return self._turn(msgs, chunks, consumed, ends, hashes, ids,
+                    kept_prefixes.append((h.digest(), i + 1))
+        if kept_prefixes:
+            shared = tuple(ends)
+            for digest, count in kept_prefixes:
+                self.cache.put(digest, CachedPrefix(ids, shared, count))
+        return self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, ids,
                           kept.token_bytes[:8 * base] + array("q", new_ids).tobytes(), kept, c + 1)
 
     def _safe_boundary(self, before: str, after: str) -> bool:
@@ -393,12 +443,19 @@ class TextAdapter(Adapter):
         start, ids, ends = 0, [], []
         hit = self.cache.deepest(keys) if use_cache else None
         if hit is not None:
-            start, ids, ends = hit[0] + 1, list(hit[1].ids), list(hit[1].chunk_ends)
+            entry = hit[1]
+            start = hit[0] + 1
+            ids, ends = list(entry.ids[:entry.tokens]), list(entry.chunk_ends[:entry.chunks])
+        kept: list[int] = []  # the chunks whose prefixes are cached
         for i, enc in enumerate(self.guard.encode_batch(chunks[start:]), start):
             ids.extend(enc)
             ends.append(len(ids))
             if use_cache and i < len(keys) and consumed[i] in wanted:
-                self.cache.put(keys[i], CachedPrefix(tuple(ids), tuple(ends)))
+                kept.append(i)
+        if kept:
+            shared = tuple(ids), tuple(ends)
+            for i in kept:
+                self.cache.put(keys[i], CachedPrefix(*shared, i + 1))
         return ids, ends, hashes
 
     def _encode_whole_verified(self, chunks: list[str]) -> tuple[list[int], list[int]]:

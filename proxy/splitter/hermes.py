@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from .base import Piece, TextAdapter
 from .normalize import arguments_text
 from .parsers import OutputParser, TagParser
 from .probes import first_mismatch, ignores_tools
 from .reasoning import THINK_TAGS
+from .turns import Turn
 
 TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                 "You are provided with function signatures within <tools></tools> XML tags:\n"
@@ -88,15 +89,18 @@ def lower_tools(msgs: list[dict], tools: list[dict] | None,
     return [{k: v for k, v in m.items() if k != "lowered_tool"} for m in out]
 
 
-def _last_query(msgs: list[dict], end: int) -> int | None:
-    """The index of the last real user query (not a tool response) before `end`."""
-    for i in range(end - 1, -1, -1):
+def _last_query(msgs: list[dict], end: int, kept: Turn | None = None) -> int | None:
+    """The index of the last real user query (not a tool response) before `end`. `kept`: a
+    turn of `msgs`' first `kept.count` messages, whose `facts` hold their last query: the
+    walk back stops there (an agent's turn adds a few messages to hundreds)."""
+    stop = kept.count if kept is not None and kept.count <= end else 0
+    for i in range(end - 1, stop - 1, -1):
         m = msgs[i]
         if m["role"] == "user":
             c = m["content"]
             if not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
                 return i
-    return None
+    return cast("int | None", kept.facts) if stop and kept is not None else None
 
 
 class HermesAdapter(TextAdapter):
@@ -178,20 +182,23 @@ class Qwen3Adapter(HermesAdapter):
         return "<|im_start|>" in template and "<tool_call>" in template \
             and "<tool_response>" in template
 
-    def stable_messages(self, messages: list[dict], kept: int) -> int:
+    def stable_messages(self, messages: list[dict], kept: Turn) -> int:
         """A message renders from itself and its neighbours' roles, except an assistant's
         think block, kept only after the last real user query: the messages up to the
         earlier of the two renders' last queries, and all but the last of the kept ones
         when that query did not move."""
-        n = len(messages)
-        query = _last_query(messages, n)
-        kept_query = query if query is None or query < kept else _last_query(messages, kept)
+        n, count = len(messages), kept.count
+        query, kept_query = _last_query(messages, n, kept), kept.facts
         now = n - 1 if query is None else query
-        then = kept - 1 if kept_query is None else kept_query
-        return kept - 1 if now == then else min(kept - 1, min(now, then) + 1)
+        then = count - 1 if kept_query is None else kept_query
+        return count - 1 if now == then else min(count - 1, min(now, then) + 1)
+
+    def _turn_facts(self, safe_msgs: list[dict], kept: Turn | None) -> Any:
+        return _last_query(safe_msgs, len(safe_msgs), kept)
 
     def render_pieces(self, messages: list[dict], tools: list[dict] | None,
-                      template_kwargs: dict, start: int = 0) -> list[Piece]:
+                      template_kwargs: dict, start: int = 0,
+                      kept: Turn | None = None) -> list[Piece]:
         msgs, n = messages, len(messages)
         first_system = bool(msgs) and msgs[0]["role"] in ("system", "developer")
         pieces: list[Piece] = []
@@ -203,7 +210,7 @@ class Qwen3Adapter(HermesAdapter):
                                 + "<|im_end|>\n", int(first_system)))
         elif first_system:
             pieces.append(Piece("<|im_start|>system\n" + msgs[0]["content"] + "<|im_end|>\n", 1))
-        query = _last_query(msgs, n)
+        query = _last_query(msgs, n, kept)
         last_query = n - 1 if query is None else query
         for i in range(start, n):
             m = msgs[i]
@@ -280,13 +287,14 @@ class ChatMLAdapter(HermesAdapter):
             return text[len(head): text.index("<|im_end|>")]
         return None
 
-    def stable_messages(self, messages: list[dict], kept: int) -> int:
+    def stable_messages(self, messages: list[dict], kept: Turn) -> int:
         """A message renders from itself and its neighbours' roles (a tool result opens or
         closes a run): all but the last kept one render as they did."""
-        return kept - 1
+        return kept.count - 1
 
     def render_pieces(self, messages: list[dict], tools: list[dict] | None,
-                      template_kwargs: dict, start: int = 0) -> list[Piece]:
+                      template_kwargs: dict, start: int = 0,
+                      kept: Turn | None = None) -> list[Piece]:
         msgs = messages
         first_system = bool(msgs) and msgs[0]["role"] in ("system", "developer")
         system = msgs[0]["content"] if first_system else self.default_system

@@ -19,6 +19,7 @@ from .base import Piece, TextAdapter
 from .normalize import arguments_json
 from .parsers import OutputParser, call_from_object
 from .probes import first_mismatch
+from .turns import Turn
 
 TOOLS_PREAMBLE = ("You have access to the following functions. To call a function, please respond "
                   "with JSON for a function call.Respond in the format {\"name\": function name, "
@@ -73,12 +74,13 @@ class Llama3Adapter(TextAdapter):
                                                for t in tools)
         return system + (msgs[0]["content"].strip() if first_system else "") + "<|eot_id|>"
 
-    def stable_messages(self, messages: list[dict], kept: int) -> int:
+    def stable_messages(self, messages: list[dict], kept: Turn) -> int:
         """Each message renders from itself alone (kept one short, as every family)."""
-        return kept - 1
+        return kept.count - 1
 
     def render_pieces(self, messages: list[dict], tools: list[dict] | None,
-                      template_kwargs: dict, start: int = 0) -> list[Piece]:
+                      template_kwargs: dict, start: int = 0,
+                      kept: Turn | None = None) -> list[Piece]:
         msgs = messages
         first_system = bool(msgs) and msgs[0]["role"] in ("system", "developer")
         pieces = [] if start else [Piece(self._system(msgs, tools, template_kwargs),

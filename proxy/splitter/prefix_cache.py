@@ -19,8 +19,17 @@ from typing import NamedTuple
 
 
 class CachedPrefix(NamedTuple):
+    """A prefix's ids, the first `tokens` of `ids`, in `chunks` chunks: the first `chunks` of
+    `chunk_ends` (token count at the end of each). Both may run on past the prefix: an
+    agent's prompt keeps two of its prefixes, which share the prompt's tuples, not copies."""
+
     ids: tuple[int, ...]
-    chunk_ends: tuple[int, ...]  # token count at the end of each chunk of the prefix
+    chunk_ends: tuple[int, ...]
+    chunks: int
+
+    @property
+    def tokens(self) -> int:
+        return self.chunk_ends[self.chunks - 1]
 
 
 class PrefixCache:

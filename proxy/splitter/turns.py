@@ -46,6 +46,9 @@ class Turn:
     cut_msgs: tuple[int, ...]  # how many messages each cut ends after
     lead: int  # leading system messages
     newest: int  # where the newest messages start (normalize.newest_start)
+    # what the adapter's render reads of all its messages that a next turn's render needs
+    # again (`TextAdapter._turn_facts`: Qwen3's last real user query), None where nothing
+    facts: Any = None
 
     @property
     def size(self) -> int:

@@ -39,6 +39,7 @@ T = TypeVar("T")
 # a well worker answers /health at once; a hung one must not hang the proxy's /health
 HEALTH_TIMEOUT_S = 10.0
 SLAB_TIMEOUT_S = 120.0  # one slab file out of or into a disk tier
+MAX_EVENT_BYTES = 64 << 20  # one event line of a generate reply (its meta: anchors, logprobs)
 
 
 class ProgressClock:
@@ -240,6 +241,41 @@ class WorkerClient:
     async def evict(self, key: bytes) -> bool:
         return await self._key_op("/anchor/evict", "evicted", key)
 
+    def _chunks(self, lines: list[bytes]) -> tuple[list[Chunk], bool]:
+        """The chunks of event lines that arrived together, and whether `[DONE]` ended them:
+        consecutive chunks of one sample merged into one (up to its last, with the meta),
+        so that a proxy that falls behind the worker catches up by the batch, not by the
+        token."""
+        out: list[Chunk] = []
+        for line in lines:
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                return out, True
+            event = orjson.loads(payload)
+            if "error" in event:
+                raise ApiError("worker_error",
+                               f"worker error: {event['error'].get('message', '')}")
+            raw = event.get("meta_info")
+            try:
+                meta = from_json(GenerateMeta, raw) if raw is not None else None
+            except WireError as e:
+                raise ApiError("worker_error", f"malformed meta_info: {e}") from None
+            if meta is not None:
+                self._saw(meta.epoch)
+            chunk = Chunk(tuple(event.get("output_ids", ())), meta, int(event.get("index", 0)),
+                          _logprobs(event))
+            last = out[-1] if out else None
+            if last is not None and last.meta is None and last.index == chunk.index \
+                    and (last.logprobs is None) == (chunk.logprobs is None):
+                out[-1] = Chunk(last.output_ids + chunk.output_ids, meta, chunk.index,
+                                None if last.logprobs is None or chunk.logprobs is None
+                                else last.logprobs + chunk.logprobs)
+            else:
+                out.append(chunk)
+        return out, False
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """Stream a generate request's chunks; the last one carries `meta`.
 
@@ -254,27 +290,28 @@ class WorkerClient:
                 self.progress.attach(held, resp.content)
                 if resp.status >= 400:
                     raise _worker_error(resp.status, await resp.read())
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
+                pending = bytearray()  # what arrived after the last whole line
+                done = False
+                async for data in resp.content.iter_any():
+                    pending += data
+                    end = pending.rfind(b"\n")
+                    if end < 0:
+                        if len(pending) > MAX_EVENT_BYTES:
+                            raise ApiError("worker_error", "worker sent an event over "
+                                                           f"{MAX_EVENT_BYTES} bytes")
                         continue
-                    payload = line[6:].strip()
-                    if payload == b"[DONE]":
+                    lines = bytes(pending[:end]).split(b"\n")
+                    del pending[:end + 1]
+                    chunks, done = self._chunks(lines)
+                    for chunk in chunks:
+                        yield chunk
+                        finished = finished or chunk.meta is not None
+                    if done:
                         break
-                    event = orjson.loads(payload)
-                    if "error" in event:
-                        raise ApiError("worker_error",
-                                       f"worker error: {event['error'].get('message', '')}")
-                    raw = event.get("meta_info")
-                    try:
-                        meta = from_json(GenerateMeta, raw) if raw is not None else None
-                    except WireError as e:
-                        raise ApiError("worker_error", f"malformed meta_info: {e}") from None
-                    if meta is not None:
-                        self._saw(meta.epoch)
-                    yield Chunk(tuple(event.get("output_ids", ())), meta,
-                                int(event.get("index", 0)), _logprobs(event))
-                    if meta is not None:
-                        finished = True
+                if not done and pending:  # a last line with no newline
+                    for chunk in self._chunks([bytes(pending)])[0]:
+                        yield chunk
+                        finished = finished or chunk.meta is not None
                 if not finished:
                     raise ApiError("worker_error", "worker ended the stream without finishing")
         except aiohttp.ClientConnectorError as e:

@@ -20,8 +20,13 @@ request. Prints a table, writes bench/results/<name>.json and .png.
 agents of the 8k size for `--seconds`, each request on a new connection (the kernel spreads
 connections over the processes, SO_REUSEPORT, so a conversation's turns land anywhere), then
 each agent on one keep-alive connection (its turns stay with one process); requests/s and
-the CPU of every proxy process per request. The load generator and the stub worker run on the same machine and
-compete with the proxies for its cores (the JSON records how many there were).
+the CPU of every proxy process per request. The load generator (threads of
+`--client-processes` processes) and the stub worker (`--stub-processes` processes on one
+port) run on the same machine and compete with the proxies for its cores (the JSON records
+how many there were): on a box of a few cores they, not the proxy, set the ceiling.
+
+`--output-repeat N`: each reply is the fixed text N times (about 19 tokens each), for what
+a token costs the proxy.
 
     .venv/bin/python bench/proxy_cpu.py [--turns 10] [--concurrent 8] [--name proxy_cpu]
     .venv/bin/python bench/proxy_cpu.py --processes 1,2 [--concurrent 16] [--name proxy_processes]
@@ -62,8 +67,11 @@ OUTPUT_TEXT = "I will call the tool to look that up for you now, then report wha
 
 # ---- the instant worker -------------------------------------------------------------------
 
-def stub_worker(port: int, tokenizer_path: str) -> None:
-    """Serve the worker contract on `port` with a backend that answers at once."""
+def stub_worker(port: int, tokenizer_path: str, epoch: str = "", slot_base: int = 0,
+                output_repeat: int = 1) -> None:
+    """Serve the worker contract on `port` with a backend that answers at once (`epoch`:
+    the worker's, shared by the stub's processes on one port; `slot_base`: where this
+    process numbers its slots; `output_repeat`: the reply is OUTPUT_TEXT that many times)."""
     from aiohttp import web
 
     from anchorcache.ext import contract
@@ -72,14 +80,14 @@ def stub_worker(port: int, tokenizer_path: str) -> None:
 
     tokenizer = load_tokenizer(tokenizer_path)
     eos = tokenizer.token_to_id("<|im_end|>")
-    output = tuple(tokenizer.encode(OUTPUT_TEXT)) + (eos,)
-    epoch = uuid.uuid4().hex
+    output = tuple(tokenizer.encode(OUTPUT_TEXT * output_repeat)) + (eos,)
+    epoch = epoch or uuid.uuid4().hex
 
     class Instant(Backend):
         """Fixed tokens, one per event; every snapshot written, every restore a hit."""
 
         def __init__(self) -> None:
-            self.slot = 0
+            self.slot = slot_base
 
         @property
         def epoch(self) -> str:
@@ -191,7 +199,8 @@ def stub_worker(port: int, tokenizer_path: str) -> None:
     for r in contract.routes(False):
         app.router.add_route(r.method, r.path, route(r))
     app.router.add_post("/generate", generate)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
+                reuse_port=True)
 
 
 # ---- conversations ------------------------------------------------------------------------
@@ -393,24 +402,19 @@ def tree_cpu_ns(pid: int) -> int:
     return sum(cpu_ns(p) for p in pids if Path(f"/proc/{p}").exists())
 
 
-def scaling(url: str, pid: int, concurrent: int, seconds: float, count_tokens: Any,
-            per_agent: bool) -> dict:
-    """Requests/s of `concurrent` agents for `seconds`, and the proxy's CPU (all its
-    processes) per request. Each request on a new connection, or (`per_agent`) each agent's
-    on one keep-alive connection (its conversation stays with one process)."""
-    (conv,), stops = grown(8_000, 40, count_tokens)
-    tools, messages = conv["tools"], conv["messages"]
-    deadline = time.perf_counter() + seconds
-
-    def agent(j: int) -> int:
+def _agents(url: str, tools: list, messages: list[dict], stops: list[int], deadline: float,
+            per_agent: bool, names: list[str]) -> int:
+    """Agents `names` (threads of this process) until `deadline` (time.time()): each its own
+    conversation's turns, streamed, a new conversation each round. Requests made."""
+    def agent(j: str) -> int:
         n, rounds = 0, 0
         kept = httpx.Client(timeout=300) if per_agent else None
-        while time.perf_counter() < deadline:
+        while time.time() < deadline:
             msgs = [dict(m) for m in messages]  # each round a new conversation
             own(msgs, f"{j}.{rounds}")
             rounds += 1
             for stop in stops:
-                if time.perf_counter() >= deadline:
+                if time.time() >= deadline:
                     break
                 with contextlib.nullcontext(kept) if kept else httpx.Client(timeout=300) as client:
                     request(client, url, tools, msgs[:stop], True)
@@ -419,21 +423,41 @@ def scaling(url: str, pid: int, concurrent: int, seconds: float, count_tokens: A
             kept.close()
         return n
 
+    with cf.ThreadPoolExecutor(len(names)) as pool:
+        return sum(pool.map(agent, names))
+
+
+def scaling(url: str, pid: int, concurrent: int, seconds: float, count_tokens: Any,
+            per_agent: bool, client_processes: int = 1) -> dict:
+    """Requests/s of `concurrent` agents for `seconds` (threads of `client_processes`
+    processes), and the proxy's CPU (all its processes) per request. Each request on a new
+    connection, or (`per_agent`) each agent's on one keep-alive connection (its conversation
+    stays with one process)."""
+    (conv,), stops = grown(8_000, 40, count_tokens)
+    tools, messages = conv["tools"], conv["messages"]
     request(httpx.Client(timeout=300), url, tools, messages[:stops[0]], True)  # warm up
-    n, wall, cpu_ms = run_agents(agent, concurrent, lambda: tree_cpu_ns(pid))
+    names = [str(j) for j in range(concurrent)]
+    groups = [names[k::client_processes] for k in range(client_processes)]
+    before, start = tree_cpu_ns(pid), time.perf_counter()
+    deadline = time.time() + seconds
+    with cf.ProcessPoolExecutor(client_processes) as pool:
+        n = sum(pool.map(_agents, *zip(*[(url, tools, messages, stops, deadline, per_agent, g)
+                                          for g in groups if g], strict=True)))
+    wall, cpu_ms = time.perf_counter() - start, (tree_cpu_ns(pid) - before) / 1e6
     return {"concurrent": concurrent, "requests": n, "wall_s": round(wall, 2),
             "requests_per_s": round(n / wall, 1), "cpu_ms_per_request": round(cpu_ms / n, 2)}
 
 
 def by_processes(stub_url: str, counts: list[int], concurrent: int, seconds: float,
-                 count_tokens: Any) -> list[dict]:
+                 count_tokens: Any, client_processes: int) -> list[dict]:
     rows = []
     for connections in ("per_request", "per_agent"):
         for n in counts:
             with proxy_process(stub_url, "--processes", str(n)) as proxy:
                 rows.append({"processes": n, "connections": connections,
                              **scaling(proxy.url, proxy.proc.pid, concurrent, seconds,
-                                       count_tokens, connections == "per_agent")})
+                                       count_tokens, connections == "per_agent",
+                                       client_processes)})
         base = rows[-len(counts)]["requests_per_s"]
         for r in rows[-len(counts):]:
             r["speedup"] = round(r["requests_per_s"] / base, 2) if base else None
@@ -479,14 +503,26 @@ def main() -> None:
                                         "comma-separated (e.g. 1,2); only that is measured")
     ap.add_argument("--seconds", type=float, default=20.0,
                     help="how long each process count is loaded (--processes)")
+    cpus = os.cpu_count() or 1
+    ap.add_argument("--client-processes", type=int, default=max(1, cpus // 4),
+                    help="processes the --processes load generator's agents run in (default: "
+                         "a quarter of the cores)")
+    ap.add_argument("--stub-processes", type=int, default=max(1, cpus // 4),
+                    help="processes of the instant worker, on one port (default: a quarter "
+                         "of the cores)")
+    ap.add_argument("--output-repeat", type=int, default=1,
+                    help="each reply is the fixed text this many times (about 19 tokens each)")
     ap.add_argument("--stub-worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    ap.add_argument("--stub-epoch", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--stub-slot-base", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     from anchorcache.ext.embedded.tiny_models import build_tiny_model, tiny_model_dir
 
     tokenizer_path = args.tokenizer or str(build_tiny_model("qwen3", tiny_model_dir("qwen3")))
     if args.stub_worker:
-        stub_worker(args.stub_worker, tokenizer_path)
+        stub_worker(args.stub_worker, tokenizer_path, args.stub_epoch, args.stub_slot_base,
+                    args.output_repeat)
         return
 
     from anchorcache.proxy.splitter.tokenizers import load_tokenizer
@@ -496,19 +532,31 @@ def main() -> None:
     def count_tokens(tools: list, messages: list) -> int:
         return len(tokenizer.encode(tokenizer.render(messages, tools)))
 
-    port = free_port()
-    stub = subprocess.Popen([sys.executable, __file__, "--stub-worker", str(port),
-                             "--tokenizer", tokenizer_path], start_new_session=True)
+    port, epoch = free_port(), uuid.uuid4().hex
+    stubs = [subprocess.Popen([sys.executable, __file__, "--stub-worker", str(port),
+                               "--tokenizer", tokenizer_path, "--stub-epoch", epoch,
+                               "--stub-slot-base", str(k << 40),
+                               "--output-repeat", str(args.output_repeat)],
+                              start_new_session=True)
+             for k in range(args.stub_processes if args.processes else 1)]
+    stub = stubs[0]
+
+    def stop_stubs() -> None:
+        for p in stubs:
+            p.terminate()
+        for p in stubs:
+            p.wait(timeout=30)
+
     spy = None
     if args.processes:
         try:
-            wait_ready(f"http://127.0.0.1:{port}/health", stub, timeout_s=120)
+            for p in stubs:
+                wait_ready(f"http://127.0.0.1:{port}/health", p, timeout_s=120)
             counts = [int(x) for x in args.processes.split(",")]
             scale = by_processes(f"http://127.0.0.1:{port}", counts, args.concurrent,
-                                 args.seconds, count_tokens)
+                                 args.seconds, count_tokens, args.client_processes)
         finally:
-            stub.terminate()
-            stub.wait(timeout=30)
+            stop_stubs()
         print(f"{'connections':>12} {'processes':>9} {'requests/s':>10} {'speedup':>8} "
               f"{'CPU ms/req':>10} {'requests':>8}")
         for r in scale:
@@ -518,9 +566,10 @@ def main() -> None:
         name = args.name if args.name != "proxy_cpu" else "proxy_processes"
         out = {"command": " ".join(["bench/proxy_cpu.py", *sys.argv[1:]]),
                "cpus": os.cpu_count(), "client": f"{args.concurrent} threads of httpx in "
-               "one process on the same machine, streamed; a new connection per request "
-               "(per_request) or one keep-alive connection per agent (per_agent)",
-               "output_text": OUTPUT_TEXT, "by_processes": scale}
+               f"{args.client_processes} process(es) on the same machine, streamed; a new "
+               "connection per request (per_request) or one keep-alive connection per agent "
+               "(per_agent)", "stub_processes": args.stub_processes,
+               "output_text": OUTPUT_TEXT * args.output_repeat, "by_processes": scale}
         (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2) + "\n")
         return
     try:
@@ -533,7 +582,7 @@ def main() -> None:
             def profile() -> None:
                 spies.append(subprocess.Popen(
                     [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid),
-                     "-o", args.profile, "--format", "raw", "-r", "200", "--threads"]))
+                     "-o", args.profile, "--format", "raw", "-r", "200", "--threads", "--gil"]))
                 time.sleep(1)
 
             rows = by_length(proxy.url, pid, args.turns, count_tokens,
@@ -546,8 +595,7 @@ def main() -> None:
                 spy.send_signal(2)
                 spy.wait(timeout=60)
     finally:
-        stub.terminate()
-        stub.wait(timeout=30)
+        stop_stubs()
 
     print(f"{'tokens':>8} {'mode':>8} {'cold ms':>8} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
     for r in rows:
@@ -559,7 +607,7 @@ def main() -> None:
               f"(CPU-bound: {rate['cpu_bound_requests_per_s']} requests/s per core)")
     RESULTS.mkdir(exist_ok=True)
     out = {"command": " ".join(["bench/proxy_cpu.py", *sys.argv[1:]]), "cpus": os.cpu_count(),
-           "api": args.api, "output_text": OUTPUT_TEXT, "by_length": rows, "throughput": rate}
+           "api": args.api, "output_text": OUTPUT_TEXT * args.output_repeat, "by_length": rows, "throughput": rate}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=2) + "\n")
     plot(rows, RESULTS / f"{args.name}.png")
 

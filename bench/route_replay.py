@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import itertools
 import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -89,12 +91,26 @@ def flush(workers: list[str]) -> None:
             httpx.post(w + path, timeout=60).raise_for_status()
 
 
+def cpu_ns(pid: int) -> int:
+    """Run time of every thread of process `pid`, nanoseconds (/proc/<pid>/task/*/schedstat:
+    exact, unlike `cpu_s`'s clock ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
 def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: int,
         prompts: dict[tuple[int, int], list[int]],
-        kill: tuple[int, Callable[[], None]] | None = None) -> dict:
+        kill: tuple[int, Callable[[], None]] | None = None, cpu_of: int | None = None) -> dict:
     """Every conversation's turns in order, `concurrent` conversations at once. `kill`:
     (at which request, what to call just before sending it); no new request is sent while
-    it runs (the requests in flight go on)."""
+    it runs (the requests in flight go on). `cpu_of` (with `concurrent` 1): the proxy's pid,
+    whose CPU each request costs is then measured (`proxy_cpu_ms`: p50, p90, mean, over all
+    requests and over each conversation's later turns)."""
+    assert cpu_of is None or concurrent == 1, "per-request CPU needs one request at a time"
+    cpu_ms: dict[tuple[int, int], float] = {}
     order: list[tuple[int, int]] = []  # (conversation, turn) in the order sent
     replies: dict[tuple[int, int], bench.Reply] = {}
     failures: list[str] = []
@@ -119,8 +135,11 @@ def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: 
                 messages = turn_requests(convs[c], turns)[t]
                 for attempt in (1, 2):  # an agent retries a failed turn once
                     try:
+                        before = cpu_ns(cpu_of) if cpu_of is not None else 0
                         replies[c, t] = bench.ask(client, bench.BenchTarget(proxy), messages,
                                                   convs[c]["tools"], max_tokens)
+                        if cpu_of is not None:
+                            cpu_ms[c, t] = (cpu_ns(cpu_of) - before) / 1e6
                         break
                     except bench.BenchError as e:
                         failures.append(str(e))
@@ -147,7 +166,16 @@ def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: 
                                                             int(0.99 * len(ttfts)))], 4)}
     prefilled = sum(r.usage["prompt_tokens"] - r.usage["prompt_tokens_details"]["cached_tokens"]
                     for r in replies.values())
-    return {"requests": len(replies), "failed": len(failures), "failures": failures[:5],
+    out: dict = {}
+    if cpu_ms:
+        def stats(xs: list[float]) -> dict:
+            xs = sorted(xs)
+            return {"n": len(xs), "p50": round(statistics.median(xs), 2),
+                    "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 2),
+                    "mean": round(statistics.fmean(xs), 2)}
+        out["proxy_cpu_ms"] = {"all": stats(list(cpu_ms.values())),
+                               "later_turns": stats([v for (_, t), v in cpu_ms.items() if t])}
+    return out | {"requests": len(replies), "failed": len(failures), "failures": failures[:5],
             "wall_s": round(wall, 2), "requests_per_s": round(len(replies) / wall, 3),
             "prompt_tokens": sum(len(prompts[k]) for k in replies), "prefilled": prefilled,
             "ideal": ideal, "prefill_over_ideal": round(prefilled / max(1, ideal), 3),
@@ -167,6 +195,11 @@ def main() -> None:
                     help="one SGLang server with --dp-size 2 (its two ranks as the targets)")
     ap.add_argument("--name", default=None, help="default: route_replay_<backend>[_dp]")
     ap.add_argument("--kill-only", action="store_true", help="only the kill runs")
+    ap.add_argument("--no-kill", action="store_true", help="no kill runs")
+    ap.add_argument("--profile", help="py-spy record the proxy of the one-at-a-time run "
+                    "into this file (raw format)")
+    ap.add_argument("--routes", default=",".join(ROUTES),
+                    help="the routing policies to compare (default: all)")
     args = ap.parse_args()
     if args.dp and args.backend != "sglang":
         ap.error("--dp needs --backend sglang")
@@ -195,7 +228,7 @@ def main() -> None:
         else:
             workers = [stack.enter_context(spawn(*worker_args, tail=tail)) for _ in range(2)]
             given = list(workers)
-        for policy in () if args.kill_only else ROUTES:
+        for policy in () if args.kill_only else [r for r in args.routes.split(",") if r]:
             flush(workers)
             with spawn("proxy", *itertools.chain(*(("--worker", w) for w in given)),
                        "--route", policy) as proxy:
@@ -207,7 +240,24 @@ def main() -> None:
                     1e3 * used / max(1, results[policy]["requests"]), 2)
             print(policy, json.dumps({k: v for k, v in results[policy].items()
                                       if k != "per_turn"}), flush=True)
-        if not args.dp:  # (a rank of one server cannot be killed alone)
+        if not args.kill_only:  # the proxy's CPU per request: one request at a time
+            flush(workers)
+            with spawn("proxy", *itertools.chain(*(("--worker", w) for w in given)),
+                       "--route", "affinity") as proxy:
+                spy = None if not args.profile else subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(proxy.pid),
+                     "-o", args.profile, "--format", "raw", "-r", "200", "--threads", "--gil"])
+                st0 = Path(f"/proc/{proxy.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                results["affinity_one_at_a_time"] = run(
+                    proxy, convs, args.turns, 1, args.max_tokens, prompts, cpu_of=proxy.pid)
+                st1 = Path(f"/proc/{proxy.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                print("utime", int(st1[11]) - int(st0[11]), "stime", int(st1[12]) - int(st0[12]))
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(timeout=60)
+            print("affinity_one_at_a_time", json.dumps(
+                results["affinity_one_at_a_time"]["proxy_cpu_ms"]), flush=True)
+        if not args.dp and not args.no_kill:  # (a rank of one server cannot be killed alone)
             kill_run(results, workers[0], worker_args, tail, convs, args, prompts)
 
     print()
@@ -219,7 +269,7 @@ def main() -> None:
                         if t in r["per_turn"] else "-" for t in range(1, args.turns + 1))
         print(f"{run_name:>24} {r['requests']:>4} {r['failed']:>4} {r['prefilled']:>9} "
               f"{r['ideal']:>7} {r['prefill_over_ideal']:>6} {r['requests_per_s']:>6} "
-              f"{r.get('proxy_cpu_ms_per_request', '-'):>10} {ttft}")
+              f"{cpu_column(r):>10} {ttft}")
     data = {"backend": args.backend, "model": model, "conversations": len(convs),
             "turns": args.turns, "concurrent": args.concurrent, "longest_prompt": longest,
             "runs": results}
@@ -227,6 +277,13 @@ def main() -> None:
     behind = "2 DP ranks of one SGLang server" if args.dp else f"2 {args.backend} workers"
     plot(results, args.turns, RESULTS / f"{name}{'_kill' if args.kill_only else ''}.png",
          f"{behind}, {len(convs)} BFCL conversations, {args.concurrent} at a time")
+
+
+def cpu_column(r: dict) -> str:
+    """The table's proxy CPU: the mean over a concurrent run, the median one at a time."""
+    if "proxy_cpu_ms" in r:
+        return f"p50 {r['proxy_cpu_ms']['all']['p50']}"
+    return str(r.get("proxy_cpu_ms_per_request", "-"))
 
 
 def kill_run(results: dict[str, dict], survivor: str, worker_args: tuple[str, ...],

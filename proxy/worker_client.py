@@ -254,9 +254,12 @@ class WorkerClient:
             if payload == b"[DONE]":
                 return out, True
             event = orjson.loads(payload)
+            if not isinstance(event, dict):
+                raise ApiError("worker_error", "worker sent an event that is not an object")
             if "error" in event:
-                raise ApiError("worker_error",
-                               f"worker error: {event['error'].get('message', '')}")
+                error = event["error"]
+                message = error.get("message", "") if isinstance(error, dict) else error
+                raise ApiError("worker_error", f"worker error: {str(message)[:500]}")
             raw = event.get("meta_info")
             try:
                 meta = from_json(GenerateMeta, raw) if raw is not None else None
@@ -264,8 +267,10 @@ class WorkerClient:
                 raise ApiError("worker_error", f"malformed meta_info: {e}") from None
             if meta is not None:
                 self._saw(meta.epoch)
-            chunk = Chunk(tuple(event.get("output_ids", ())), meta, int(event.get("index", 0)),
-                          _logprobs(event))
+            ids = tuple(event.get("output_ids", ()))
+            if not all(type(t) is int for t in ids):
+                raise ApiError("worker_error", "worker sent output ids that are not integers")
+            chunk = Chunk(ids, meta, int(event.get("index", 0)), _logprobs(event))
             last = out[-1] if out else None
             if last is not None and last.meta is None and last.index == chunk.index \
                     and (last.logprobs is None) == (chunk.logprobs is None):

@@ -291,7 +291,8 @@ class TextAdapter(Adapter):
                             turn.size + 3 * (len(blob) + len(context)))
         chunks, ends = turn.chunks, turn.ends
         split = SplitResult(self.name, turn.ids, turn.cuts, stable_tail=self.stable_tail,
-                            given_token_bytes=turn.token_bytes)
+                            given_token_bytes=turn.token_bytes,
+                            given_anchor_cuts=(turn.cuts, turn.anchor_cuts))
         head = safe_msgs[:leading_system_count(msgs) + 1]  # what renders before the tools end
         return self._with_tool_cuts(
             split, safe_tls, lambda pos: "".join(chunks[: ends.index(pos) + 1]),
@@ -325,16 +326,25 @@ class TextAdapter(Adapter):
         are `kept`'s first `reused` ones and more, `kept`'s cuts before the newest messages
         of either (a cut there depends on nothing after it), then the rest classified."""
         lead, newest = leading_system_count(msgs), newest_start(msgs)
-        cuts, at, start = [], [], 0
+        cuts: list[Cut] = []
+        at: list[int] = []
+        anchor_cuts: list[Cut] = []
+        start = 0
         if kept is not None and kept.lead == lead:
             limit = min(newest, kept.newest, (kept.consumed[reused - 1] or 0) + 1)
             k = bisect.bisect_left(kept.cut_msgs, limit)
             cuts, at = list(kept.cuts[:k]), list(kept.cut_msgs[:k])
+            if k:  # (positions strictly increase)
+                last = cuts[-1].position
+                anchor_cuts = [c for c in kept.anchor_cuts if c.position <= last]
             ended = cast("list[int]", consumed)  # every chunk but the last ends a message
             start = bisect.bisect_left(ended, limit, hi=len(ended) - 1)
+        classified = len(cuts)
         self._classify(len(msgs), lead, newest, consumed, ends, start, cuts, at)
+        anchor_cuts += (c for c in cuts[classified:] if c.kind is not CutKind.TURN)
         return Turn(len(msgs), chunks, consumed, ends, hashes, ids, token_bytes,
-                    tuple(cuts), tuple(at), lead, newest, self._turn_facts(safe_msgs, kept))
+                    tuple(cuts), tuple(at), tuple(anchor_cuts), lead, newest,
+                    self._turn_facts(safe_msgs, kept))
 
     def _extend(self, kept: Turn, msgs: list[dict], safe_msgs: list[dict],
                 safe_tls: list[dict] | None, kwargs: dict) -> Turn | None:

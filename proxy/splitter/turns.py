@@ -44,6 +44,7 @@ class Turn:
     token_bytes: bytes  # `ids` as int64s (SplitResult.token_bytes)
     cuts: tuple[Cut, ...]  # the split's cuts (an adapter with no instruction text has none)
     cut_msgs: tuple[int, ...]  # how many messages each cut ends after
+    anchor_cuts: tuple[Cut, ...]  # the cuts but the TURN ones (SplitResult.anchor_cuts)
     lead: int  # leading system messages
     newest: int  # where the newest messages start (normalize.newest_start)
     # what the adapter's render reads of all its messages that a next turn's render needs

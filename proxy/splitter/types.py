@@ -58,6 +58,10 @@ class SplitResult:
     # `input_ids` as native int64s, what anchor keys hash (`wire.anchor_keys`); made from
     # the ids when not given (`token_bytes`)
     given_token_bytes: bytes | None = field(default=None, repr=False, compare=False)
+    # (`cuts`, their anchor cuts) where the maker knows them (a kept turn's: `anchor_cuts`
+    # then walks no TURN cut); used only while `cuts` is that very tuple
+    given_anchor_cuts: tuple[tuple[Cut, ...], tuple[Cut, ...]] | None = field(
+        default=None, repr=False, compare=False)
 
     def _position(self, kind: CutKind) -> int | None:
         for cut in self.cuts:
@@ -81,6 +85,9 @@ class SplitResult:
     def anchor_cuts(self) -> tuple[Cut, ...]:
         """The cuts but the TURN ones: those the planner may anchor (a long conversation
         has a TURN cut per turn). Made on the split thread with `token_bytes`."""
+        given = self.given_anchor_cuts
+        if given is not None and given[0] is self.cuts:
+            return given[1]
         return tuple(c for c in self.cuts if c.kind is not CutKind.TURN)
 
     @cached_property

@@ -128,9 +128,12 @@ async def test_a_stream_without_its_meta_or_with_an_error_is_a_worker_error(aioh
     with pytest.raises(ApiError) as e:
         await read(aiohttp_server, [tokens([1]) + event({"error": {"message": "engine died"}})])
     assert e.value.kind == "worker_error" and "engine died" in e.value.message
-    with pytest.raises(ApiError) as e:
-        await read(aiohttp_server, [tokens([1]) + b"data: {not json\n\n"])
-    assert e.value.kind == "worker_error"
+    for bad in (b"data: {not json\n\n", b"data: [1, 2]\n\n", b'data: {"error": "oom"}\n\n',
+                b'data: {"output_ids": ["a"]}\n\n', b'data: {"output_ids": 5}\n\n',
+                b'data: {"output_ids": [1], "index": "x"}\n\n'):
+        with pytest.raises(ApiError) as e:
+            await read(aiohttp_server, [tokens([1]) + bad])
+        assert e.value.kind == "worker_error", bad
 
 
 async def test_an_endless_line_is_refused(aiohttp_server, monkeypatch):

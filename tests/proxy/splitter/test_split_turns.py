@@ -93,6 +93,7 @@ def test_a_split_from_the_last_turn_equals_one_from_nothing(adapters, name, case
                              scope=b"cold", use_cache=False)
         assert got == want
         assert got.token_bytes == want.token_bytes
+        assert got.anchor_cuts == want.anchor_cuts  # (got's kept with its turn)
     assert adapter.turns.hits > hits or len(order) == 1
 
 
@@ -114,6 +115,7 @@ def test_a_changed_earlier_message_is_rendered_anew(adapters, name, case, at, ed
     got = adapter.split(copy.deepcopy(changed), tools, scope=scope)
     want = adapter.split(changed, tools, scope=b"cold", use_cache=False)
     assert got == want and got.token_bytes == want.token_bytes
+    assert got.anchor_cuts == want.anchor_cuts
 
 
 @pytest.mark.parametrize("name", ADAPTERS)

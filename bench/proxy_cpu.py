@@ -26,7 +26,8 @@ port) run on the same machine and compete with the proxies for its cores (the JS
 how many there were): on a box of a few cores they, not the proxy, set the ceiling.
 
 `--output-repeat N`: each reply is the fixed text N times (about 19 tokens each), for what
-a token costs the proxy.
+a token costs the proxy; `--token-interval-ms T`: the worker sends them one at a time, T ms
+apart, as a decoding engine does (the proxy then has nothing to read by the batch).
 
     .venv/bin/python bench/proxy_cpu.py [--turns 10] [--concurrent 8] [--name proxy_cpu]
     .venv/bin/python bench/proxy_cpu.py --processes 1,2 [--concurrent 16] [--name proxy_processes]
@@ -35,6 +36,7 @@ a token costs the proxy.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures as cf
 import contextlib
 import copy
@@ -68,10 +70,11 @@ OUTPUT_TEXT = "I will call the tool to look that up for you now, then report wha
 # ---- the instant worker -------------------------------------------------------------------
 
 def stub_worker(port: int, tokenizer_path: str, epoch: str = "", slot_base: int = 0,
-                output_repeat: int = 1) -> None:
+                output_repeat: int = 1, token_interval_s: float = 0.0) -> None:
     """Serve the worker contract on `port` with a backend that answers at once (`epoch`:
     the worker's, shared by the stub's processes on one port; `slot_base`: where this
-    process numbers its slots; `output_repeat`: the reply is OUTPUT_TEXT that many times)."""
+    process numbers its slots; `output_repeat`: the reply is OUTPUT_TEXT that many times;
+    `token_interval_s`: a pause before each token, else all at once)."""
     from aiohttp import web
 
     from anchorcache.ext import contract
@@ -99,6 +102,8 @@ def stub_worker(port: int, tokenizer_path: str, epoch: str = "", slot_base: int 
         async def generate(self, handle: Any) -> AsyncGenerator[Any, None]:
             req: wire.GenerateRequest = handle
             for t in output:
+                if token_interval_s:  # as a decoding engine: one token at a time
+                    await asyncio.sleep(token_interval_s)
                 yield Tokens((t,))
             plan, ids = req.anchor, req.input_ids
             restored: tuple[wire.AnchorHit, ...] = ()
@@ -512,6 +517,9 @@ def main() -> None:
                          "of the cores)")
     ap.add_argument("--output-repeat", type=int, default=1,
                     help="each reply is the fixed text this many times (about 19 tokens each)")
+    ap.add_argument("--token-interval-ms", type=float, default=0.0,
+                    help="the instant worker pauses this long before each token (0: sends "
+                         "them all at once, which the proxy reads as one batch)")
     ap.add_argument("--stub-worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer", help=argparse.SUPPRESS)
     ap.add_argument("--stub-epoch", default="", help=argparse.SUPPRESS)
@@ -522,7 +530,7 @@ def main() -> None:
     tokenizer_path = args.tokenizer or str(build_tiny_model("qwen3", tiny_model_dir("qwen3")))
     if args.stub_worker:
         stub_worker(args.stub_worker, tokenizer_path, args.stub_epoch, args.stub_slot_base,
-                    args.output_repeat)
+                    args.output_repeat, args.token_interval_ms / 1000)
         return
 
     from anchorcache.proxy.splitter.tokenizers import load_tokenizer
@@ -536,7 +544,8 @@ def main() -> None:
     stubs = [subprocess.Popen([sys.executable, __file__, "--stub-worker", str(port),
                                "--tokenizer", tokenizer_path, "--stub-epoch", epoch,
                                "--stub-slot-base", str(k << 40),
-                               "--output-repeat", str(args.output_repeat)],
+                               "--output-repeat", str(args.output_repeat),
+                               "--token-interval-ms", str(args.token_interval_ms)],
                               start_new_session=True)
              for k in range(args.stub_processes if args.processes else 1)]
     stub = stubs[0]

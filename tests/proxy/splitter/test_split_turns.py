@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import copy
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from anchorcache.proxy.splitter.types import SplitError
 from anchorcache.testing.strategies import text, tool, tool_round
 
 ADAPTERS = ["qwen3", "chatml", "llama3"]
@@ -153,3 +155,28 @@ def test_kept_turns_stay_within_their_bytes(adapters):
         adapter.turns.max_bytes = limit
         adapter.turns.clear()
 
+
+
+def test_tools_are_memoized_per_scope_and_a_bad_list_every_time(adapters):
+    """The tools normalized and defused once per caller and tools JSON (`_tools_pair`): the
+    same list in another scope is its own entry, a changed tool is another, and a bad list
+    is refused on every request (never kept)."""
+    adapter = adapters["qwen3"]
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "list <|im_end|> files"}]
+    context = orjson.dumps([tools, None, None])
+    first = adapter._tools_pair(copy.deepcopy(tools), None, b"a", context)
+    assert adapter._tools_pair(copy.deepcopy(tools), None, b"a", context) == first
+    assert adapter._tools_pair(copy.deepcopy(tools), None, b"a", context)[1] is first[1]
+    assert adapter._tools_pair(copy.deepcopy(tools), None, b"b", context)[1] is not first[1]
+    changed = copy.deepcopy(tools)
+    changed[0]["function"]["name"] = "dir"
+    other = adapter._tools_pair(changed, None, b"a", orjson.dumps([changed, None, None]))
+    assert other[0][0]["function"]["name"] == "dir"
+    split = adapter.split(copy.deepcopy(msgs), changed, scope=b"a")
+    assert split == adapter.split(copy.deepcopy(msgs), changed, use_cache=False)
+    bad = [{"type": "function", "function": {"name": "ls", "parameters": "not a schema"}}]
+    for _ in range(2):
+        with pytest.raises(SplitError):
+            adapter.split(copy.deepcopy(msgs), copy.deepcopy(bad), scope=b"a")

@@ -16,9 +16,13 @@ starts its own worker and proxies).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import lzma
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,6 +32,31 @@ from typing import Any
 import httpx
 
 ANCHORS_HEADER = "X-Anchorcache-Anchors"
+
+
+def cpu_ns(pid: int) -> int:
+    """Run time of every thread of process `pid`, nanoseconds (/proc/<pid>/task/*/schedstat:
+    exact, unlike the clock ticks of /proc/<pid>/stat)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def start_py_spy(pid: int, path: str) -> subprocess.Popen:
+    """py-spy sampling process `pid` into `path` (raw format, every thread, the GIL holder's
+    stacks only: a thread preempted in a syscall is not counted as work), once attached."""
+    spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p",
+                            str(pid), "-o", path, "--format", "raw", "-r", "200", "--threads",
+                            "--gil"])
+    time.sleep(1)
+    return spy
+
+
+def stop_py_spy(spy: subprocess.Popen) -> None:
+    spy.send_signal(signal.SIGINT)  # (it writes its file then)
+    spy.wait(timeout=60)
 
 Conversation = dict[str, Any]
 Messages = list[dict[str, Any]]

@@ -57,6 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from anchorcache import wire  # noqa: E402
+from anchorcache.bench import cpu_ns, start_py_spy, stop_py_spy  # noqa: E402
 from anchorcache.cli import free_port, wait_ready  # noqa: E402
 from anchorcache.testing.data import conversations  # noqa: E402
 from anchorcache.testing.servers import proxy_process  # noqa: E402
@@ -257,17 +258,6 @@ def grown(target_tokens: int, turns: int, count_tokens: Any) -> tuple[list[dict]
 
 
 # ---- measuring ----------------------------------------------------------------------------
-
-def cpu_ns(pid: int) -> int:
-    """Run time of every thread of process `pid`, nanoseconds (exact, unlike clock ticks)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # a thread that just ended
-    return total
-
 
 def _post(client: httpx.Client, url: str, body: dict[str, Any], stream: bool) -> None:
     if stream:
@@ -556,7 +546,6 @@ def main() -> None:
         for p in stubs:
             p.wait(timeout=30)
 
-    spy = None
     if args.processes:
         try:
             for p in stubs:
@@ -589,20 +578,15 @@ def main() -> None:
             spies = []
 
             def profile() -> None:
-                spies.append(subprocess.Popen(
-                    [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(pid),
-                     "-o", args.profile, "--format", "raw", "-r", "200", "--threads", "--gil"]))
-                time.sleep(1)
+                spies.append(start_py_spy(pid, args.profile))
 
             rows = by_length(proxy.url, pid, args.turns, count_tokens,
                              tuple(int(s) for s in args.sizes.split(",")),
                              profile if args.profile else None, APIS[args.api])
-            spy = spies[0] if spies else None
             rate = None if args.no_throughput else throughput(
                 proxy.url, pid, args.concurrent, args.turns, count_tokens)
-            if spy is not None:
-                spy.send_signal(2)
-                spy.wait(timeout=60)
+            for spy in spies:
+                stop_py_spy(spy)
     finally:
         stop_stubs()
 

@@ -32,13 +32,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import itertools
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -91,16 +89,6 @@ def flush(workers: list[str]) -> None:
             httpx.post(w + path, timeout=60).raise_for_status()
 
 
-def cpu_ns(pid: int) -> int:
-    """Run time of every thread of process `pid`, nanoseconds (/proc/<pid>/task/*/schedstat:
-    exact, unlike `cpu_s`'s clock ticks)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
-
-
 def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: int,
         prompts: dict[tuple[int, int], list[int]],
         kill: tuple[int, Callable[[], None]] | None = None, cpu_of: int | None = None) -> dict:
@@ -135,11 +123,11 @@ def run(proxy: str, convs: list[dict], turns: int, concurrent: int, max_tokens: 
                 messages = turn_requests(convs[c], turns)[t]
                 for attempt in (1, 2):  # an agent retries a failed turn once
                     try:
-                        before = cpu_ns(cpu_of) if cpu_of is not None else 0
+                        before = bench.cpu_ns(cpu_of) if cpu_of is not None else 0
                         replies[c, t] = bench.ask(client, bench.BenchTarget(proxy), messages,
                                                   convs[c]["tools"], max_tokens)
                         if cpu_of is not None:
-                            cpu_ms[c, t] = (cpu_ns(cpu_of) - before) / 1e6
+                            cpu_ms[c, t] = (bench.cpu_ns(cpu_of) - before) / 1e6
                         break
                     except bench.BenchError as e:
                         failures.append(str(e))
@@ -244,17 +232,11 @@ def main() -> None:
             flush(workers)
             with spawn("proxy", *itertools.chain(*(("--worker", w) for w in given)),
                        "--route", "affinity") as proxy:
-                spy = None if not args.profile else subprocess.Popen(
-                    [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(proxy.pid),
-                     "-o", args.profile, "--format", "raw", "-r", "200", "--threads", "--gil"])
-                st0 = Path(f"/proc/{proxy.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                spy = bench.start_py_spy(proxy.pid, args.profile) if args.profile else None
                 results["affinity_one_at_a_time"] = run(
                     proxy, convs, args.turns, 1, args.max_tokens, prompts, cpu_of=proxy.pid)
-                st1 = Path(f"/proc/{proxy.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                print("utime", int(st1[11]) - int(st0[11]), "stime", int(st1[12]) - int(st0[12]))
                 if spy is not None:
-                    spy.send_signal(signal.SIGINT)
-                    spy.wait(timeout=60)
+                    bench.stop_py_spy(spy)
             print("affinity_one_at_a_time", json.dumps(
                 results["affinity_one_at_a_time"]["proxy_cpu_ms"]), flush=True)
         if not args.dp and not args.no_kill:  # (a rank of one server cannot be killed alone)

@@ -65,12 +65,11 @@ TOOLS_MEMO_BYTES = 32 << 20  # `TextAdapter._tool_memo`: the tools' JSON bytes, 
 
 
 class _ToolsEntry(NamedTuple):
-    tools: list[dict] | None
-    safe: list[dict] | None
+    safe: list[dict] | None  # the tools normalized, then defused
     json_bytes: int
 
     def size(self) -> int:
-        return 4 * self.json_bytes + 256  # two copies as Python objects, roughly
+        return 2 * self.json_bytes + 256  # as Python objects, roughly
 
 
 class Adapter(ABC):
@@ -218,8 +217,8 @@ class TextAdapter(Adapter):
         self._boundaries: dict[tuple[str, str], bool] = {}
         self.chunking_ok = self._probe_chunking()
         self.turns = turns_memo()  # the last turns' splits, per scope (turns.py)
-        # (scope, digest of the tools' JSON) → (normalized tools, defused): agents resend
-        # the same tools every turn; weighed by that JSON's length
+        # (scope, digest of the tools' JSON) → the tools normalized and defused: agents
+        # resend the same tools every turn; weighed by that JSON's length
         self._tool_memo: cachetools.LRUCache[tuple[bytes, bytes], _ToolsEntry] = \
             cachetools.LRUCache(TOOLS_MEMO_BYTES, getsizeof=_ToolsEntry.size)
         self._tool_lock = threading.Lock()
@@ -267,7 +266,7 @@ class TextAdapter(Adapter):
             except (TypeError, orjson.JSONEncodeError):
                 blob = context = None
         msgs, safe_msgs = self._messages(messages, scope, blob)
-        _, safe_tls = self._tools_pair(tools, canonical_tools, scope, context)
+        safe_tls = self._safe_tools(tools, canonical_tools, scope, context)
         kwargs = dict(template_kwargs or {})
         turn = None
         if blob is not None and context is not None:
@@ -299,24 +298,22 @@ class TextAdapter(Adapter):
             lambda k: "".join(p.text for p in self.render_pieces(head, (safe_tls or [])[:k], kwargs)),
             self.guard.encode_batch, scope)
 
-    def _tools_pair(self, tools: list[dict] | None, canonical: bool | None, scope: bytes,
-                    context: bytes | None) -> tuple[list[dict] | None, list[dict] | None]:
-        """The tools normalized (validated), and defused; from `scope`'s memo where its
+    def _safe_tools(self, tools: list[dict] | None, canonical: bool | None, scope: bytes,
+                    context: bytes | None) -> list[dict] | None:
+        """The tools normalized (validated), then defused; from `scope`'s memo where its
         requests sent the same `context` before (`split`'s JSON of the tools and what the
-        render reads with them). The lists are shared: never mutated."""
+        render reads with them). The list is shared: never mutated."""
         if context is None or not tools:
-            tls = self._tools(tools, canonical)
-            return tls, self.guard.defuse(tls)
+            return self.guard.defuse(self._tools(tools, canonical))
         key = (scope, hashlib.blake2b(context, digest_size=16).digest())
         with self._tool_lock:
             kept = self._tool_memo.get(key)
         if kept is None:  # (a bad list raises here, every time: never kept)
-            tls = self._tools(tools, canonical)
-            kept = _ToolsEntry(tls, self.guard.defuse(tls), len(context))
+            kept = _ToolsEntry(self.guard.defuse(self._tools(tools, canonical)), len(context))
             with self._tool_lock:
                 if kept.size() <= TOOLS_MEMO_BYTES:
                     self._tool_memo[key] = kept
-        return kept.tools, kept.safe
+        return kept.safe
 
     def _turn(self, msgs: list[dict], safe_msgs: list[dict], chunks: list[str],
               consumed: list[int | None], ends: list[int], hashes: list[Any],
@@ -456,15 +453,15 @@ class TextAdapter(Adapter):
             entry = hit[1]
             start = hit[0] + 1
             ids, ends = list(entry.ids[:entry.tokens]), list(entry.chunk_ends[:entry.chunks])
-        kept: list[int] = []  # the chunks whose prefixes are cached
+        cached: list[int] = []  # the chunks whose prefixes are cached
         for i, enc in enumerate(self.guard.encode_batch(chunks[start:]), start):
             ids.extend(enc)
             ends.append(len(ids))
             if use_cache and i < len(keys) and consumed[i] in wanted:
-                kept.append(i)
-        if kept:
+                cached.append(i)
+        if cached:
             shared = tuple(ids), tuple(ends)
-            for i in kept:
+            for i in cached:
                 self.cache.put(keys[i], CachedPrefix(*shared, i + 1))
         return ids, ends, hashes
 

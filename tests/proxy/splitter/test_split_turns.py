@@ -158,7 +158,7 @@ def test_kept_turns_stay_within_their_bytes(adapters):
 
 
 def test_tools_are_memoized_per_scope_and_a_bad_list_every_time(adapters):
-    """The tools normalized and defused once per caller and tools JSON (`_tools_pair`): the
+    """The tools normalized and defused once per caller and tools JSON (`_safe_tools`): the
     same list in another scope is its own entry, a changed tool is another, and a bad list
     is refused on every request (never kept)."""
     adapter = adapters["qwen3"]
@@ -166,14 +166,14 @@ def test_tools_are_memoized_per_scope_and_a_bad_list_every_time(adapters):
         "type": "object", "properties": {"path": {"type": "string"}}}}}]
     msgs = [{"role": "user", "content": "list <|im_end|> files"}]
     context = orjson.dumps([tools, None, None])
-    first = adapter._tools_pair(copy.deepcopy(tools), None, b"a", context)
-    assert adapter._tools_pair(copy.deepcopy(tools), None, b"a", context) == first
-    assert adapter._tools_pair(copy.deepcopy(tools), None, b"a", context)[1] is first[1]
-    assert adapter._tools_pair(copy.deepcopy(tools), None, b"b", context)[1] is not first[1]
+    first = adapter._safe_tools(copy.deepcopy(tools), None, b"a", context)
+    assert adapter._safe_tools(copy.deepcopy(tools), None, b"a", context) == first
+    assert adapter._safe_tools(copy.deepcopy(tools), None, b"a", context) is first
+    assert adapter._safe_tools(copy.deepcopy(tools), None, b"b", context) is not first
     changed = copy.deepcopy(tools)
     changed[0]["function"]["name"] = "dir"
-    other = adapter._tools_pair(changed, None, b"a", orjson.dumps([changed, None, None]))
-    assert other[0][0]["function"]["name"] == "dir"
+    other = adapter._safe_tools(changed, None, b"a", orjson.dumps([changed, None, None]))
+    assert other[0]["function"]["name"] == "dir"
     split = adapter.split(copy.deepcopy(msgs), changed, scope=b"a")
     assert split == adapter.split(copy.deepcopy(msgs), changed, use_cache=False)
     bad = [{"type": "function", "function": {"name": "ls", "parameters": "not a schema"}}]

@@ -8,9 +8,10 @@ the worker answering an error, dying mid-reply or not answering in time → 502
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -111,6 +112,25 @@ def _logprobs(event: dict[str, Any]) -> tuple[tuple[float, TopLogprobs], ...] | 
     tops = event.get("output_top_logprobs") or [[] for _ in tokens]
     return tuple((float(lp), tuple((int(t[1]), float(t[0])) for t in top))
                  for (lp, *_), top in zip(tokens, tops, strict=True))
+
+
+async def _line_batches(content: aiohttp.StreamReader) -> AsyncGenerator[list[bytes], None]:
+    """The whole lines of each read of `content`, a list a read (the last line at the end
+    even without its newline); a line over `MAX_EVENT_BYTES` is a `worker_error`."""
+    pending = bytearray()  # what arrived after the last whole line
+    async for data in content.iter_any():
+        pending += data
+        end = pending.rfind(b"\n")
+        if end < 0:
+            if len(pending) > MAX_EVENT_BYTES:
+                raise ApiError("worker_error", f"worker sent an event over {MAX_EVENT_BYTES} "
+                                               "bytes")
+            continue
+        lines = bytes(pending[:end]).split(b"\n")
+        del pending[:end + 1]
+        yield lines
+    if pending:
+        yield [bytes(pending)]
 
 
 def _worker_error(status: int, body: bytes) -> ApiError:
@@ -295,28 +315,14 @@ class WorkerClient:
                 self.progress.attach(held, resp.content)
                 if resp.status >= 400:
                     raise _worker_error(resp.status, await resp.read())
-                pending = bytearray()  # what arrived after the last whole line
-                done = False
-                async for data in resp.content.iter_any():
-                    pending += data
-                    end = pending.rfind(b"\n")
-                    if end < 0:
-                        if len(pending) > MAX_EVENT_BYTES:
-                            raise ApiError("worker_error", "worker sent an event over "
-                                                           f"{MAX_EVENT_BYTES} bytes")
-                        continue
-                    lines = bytes(pending[:end]).split(b"\n")
-                    del pending[:end + 1]
-                    chunks, done = self._chunks(lines)
-                    for chunk in chunks:
-                        yield chunk
-                        finished = finished or chunk.meta is not None
-                    if done:
-                        break
-                if not done and pending:  # a last line with no newline
-                    for chunk in self._chunks([bytes(pending)])[0]:
-                        yield chunk
-                        finished = finished or chunk.meta is not None
+                async with contextlib.aclosing(_line_batches(resp.content)) as batches:
+                    async for lines in batches:
+                        chunks, done = self._chunks(lines)
+                        for chunk in chunks:
+                            yield chunk
+                            finished = finished or chunk.meta is not None
+                        if done:
+                            break
                 if not finished:
                     raise ApiError("worker_error", "worker ended the stream without finishing")
         except aiohttp.ClientConnectorError as e:

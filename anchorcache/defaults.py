@@ -29,3 +29,9 @@ LEASE_BUDGET_BYTES = 1 << 30
 # The thin region of the slot table: slots for toolsets' instruction and tool anchors, which
 # pins keep; the rest (the thick region) hold conversation, prompt-end and response anchors.
 PINNED_SLOTS = ANCHOR_SLOTS // 4
+
+# A caller's conversations in flight at once that the proxy's per-caller memos follow (the
+# splitter's kept turns and message lists, the planner's key states): an agent's next turn
+# extends its last one only while that is kept, so a tenant running more agents than this at
+# once renders, tokenizes and keys each of their prompts whole.
+CONVERSATIONS_PER_SCOPE = 32

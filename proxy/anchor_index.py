@@ -11,8 +11,9 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 
-from anchorcache.wire import AnchorKind
+from anchorcache.wire import AnchorKind, AnchorRef
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,19 @@ class AnchorRecord:
     nbytes: int
     epoch: str
 
+    @cached_property
+    def ref(self) -> AnchorRef:
+        """This anchor as a link of a restore chain in its own namespace (made once: a long
+        conversation's chain names every turn's anchors on every request)."""
+        return AnchorRef(self.key, self.depth)
+
 
 class AnchorIndex:
     def __init__(self) -> None:
         self._by_key: dict[bytes, AnchorRecord] = {}
         self._depths: dict[bytes, Counter[int]] = {}
         self._sorted: dict[bytes, list[int]] = {}  # each namespace's depths, ascending
+        self._children: dict[bytes, set[bytes]] = {}  # parent key → its children's keys
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -55,6 +63,8 @@ class AnchorIndex:
         counts[rec.depth] += 1
         if counts[rec.depth] == 1:
             bisect.insort(self._sorted.setdefault(rec.namespace, []), rec.depth)
+        if rec.parent is not None:
+            self._children.setdefault(rec.parent, set()).add(rec.key)
 
     def remove(self, key: bytes) -> AnchorRecord | None:
         rec = self._by_key.pop(key, None)
@@ -65,18 +75,27 @@ class AnchorIndex:
                 del depths[rec.depth]
                 ordered = self._sorted[rec.namespace]
                 del ordered[bisect.bisect_left(ordered, rec.depth)]
+            if rec.parent is not None:
+                siblings = self._children[rec.parent]
+                siblings.discard(key)
+                if not siblings:
+                    del self._children[rec.parent]
         return rec
 
+    def children(self, key: bytes) -> list[AnchorRecord]:
+        """The records whose parent is `key` (whether or not `key` itself is here)."""
+        return [self._by_key[k] for k in self._children.get(key, ())]
+
     def chain(self, key: bytes) -> list[AnchorRecord] | None:
-        """Root→leaf records ending at `key`, or None if any link is missing."""
+        """Root→leaf records ending at `key`, or None if any link is missing (or the links
+        loop: a walk longer than the index)."""
         out: list[AnchorRecord] = []
-        seen: set[bytes] = set()
+        get = self._by_key.get
         cur: bytes | None = key
         while cur is not None:
-            rec = self._by_key.get(cur)
-            if rec is None or cur in seen:
+            rec = get(cur)
+            if rec is None or len(out) == len(self._by_key):
                 return None
-            seen.add(cur)
             out.append(rec)
             cur = rec.parent
         out.reverse()
@@ -87,4 +106,5 @@ class AnchorIndex:
         self._by_key.clear()
         self._depths.clear()
         self._sorted.clear()
+        self._children.clear()
         return n

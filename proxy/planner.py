@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from anchorcache.defaults import TOOL_ANCHOR_GAP_TOKENS
+from anchorcache.defaults import CONVERSATIONS_PER_SCOPE, TOOL_ANCHOR_GAP_TOKENS
 from anchorcache.wire import (
     AnchorKind,
     AnchorPlan,
@@ -73,6 +73,13 @@ class Settled:
     removed: tuple[bytes, ...]  # restore misses and evictions
 
 
+# Without the prompt a new one extends, the newest of a scope's prompts it is compared with
+SCANNED_PROMPTS = 8
+# The most children of one anchor the planner keys, following a conversation down its own
+# anchors; more (an instruction anchor that many conversations start from): the scan decides
+LINEAGE_FANOUT = 8
+
+
 @dataclass(frozen=True)
 class _Marks:
     """A prompt hashed before (its int64 bytes) and the key states at depths in it."""
@@ -88,9 +95,10 @@ class PrefixKeys:
     A key is a hash of every token of its prefix, so keying a 100k-token conversation's
     anchors costs a pass over 800 KB per request, growing with the conversation, not the
     turn. This keeps, per scope (the caller's namespace and the namespace keyed in), the
-    hash states at the depths of its last few prompts; a new prompt resumes from the
-    deepest state whose prefix it repeats byte for byte (a memcmp, not a hash) and hashes
-    only the rest. The result equals `wire.anchor_keys`.
+    hash states at the depths its last prompts keyed (one per conversation in flight); a
+    new prompt resumes from the deepest state whose prefix it repeats byte for byte (a
+    memcmp, not a hash) of the prompt it extends where the split names it, else of the
+    newest few, and hashes only the rest. The result equals `wire.anchor_keys`.
 
     Scopes never mix: a prompt is compared only with prompts of the same caller namespace
     (a tenant, narrowed by its cache salt), also when it keys in the shared namespace, so
@@ -99,7 +107,8 @@ class PrefixKeys:
     scopes go first); the prompts are the splits' own bytes, shared, not copied.
     """
 
-    def __init__(self, model_id: str, *, per_scope: int = 8, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, model_id: str, *, per_scope: int = CONVERSATIONS_PER_SCOPE,
+                 max_bytes: int = 64 << 20) -> None:
         self.model_id = model_id
         self.per_scope = per_scope
         self.max_bytes = max_bytes
@@ -110,32 +119,33 @@ class PrefixKeys:
              depths: Iterable[int]) -> dict[int, bytes]:
         """Keys in `namespace` of the prefixes `buf[:8 * d]` (int64 tokens) for each depth
         `d` in `depths` (each in `[1, len(buf) // 8]`); states kept under `scope`."""
-        wanted = sorted(set(depths))
-        if not wanted:
-            return {}
-        assert 1 <= wanted[0] and wanted[-1] * 8 <= len(buf), "depth outside the prompt"
-        marks = self._scopes.get((scope, namespace))
+        prompt = self.prompt(scope, namespace, buf)
+        keys = prompt.keys(depths)
+        prompt.keep()
+        return keys
+
+    def prompt(self, scope: bytes, namespace: bytes, buf: bytes,
+               prior: bytes | None = None) -> PromptKeys:
+        """The keys of `buf`'s prefixes in `namespace`, resumed from the states of `scope`'s
+        earlier prompts that `buf` repeats (verified once, here); `keep()` it when done.
+        `prior`: the earlier prompt this one extends (`SplitResult.prior_token_bytes`), the
+        one compared where kept (else the newest few are), its depths `lineage`."""
         start: list[tuple[int, Any]] = [(0, key_hasher(namespace, self.model_id))]
+        lineage: list[tuple[int, Any]] = []
+        marks = self._scopes.get((scope, namespace))
         if marks is not None:
             self._scopes.move_to_end((scope, namespace))
-            start += self._verified(marks, buf, wanted[-1])
+            limit = len(buf) // 8
+            before = next((m for m in marks if m.buf is prior), None) if prior else None
+            if before is None:
+                start += self._verified(marks[:SCANNED_PROMPTS], buf, limit)
+            else:
+                start += (lineage := self._verified([before], buf, limit))
+                same = next((m for m in marks if m.buf is buf), None)  # keyed before
+                if same is not None:
+                    start += zip(same.depths, same.states, strict=True)
             start.sort(key=lambda s: s[0])
-        keys: dict[int, bytes] = {}
-        states: list[Any] = []
-        i = 0
-        for d in wanted:
-            while i + 1 < len(start) and start[i + 1][0] <= d:
-                i += 1
-            depth, state = start[i]
-            h = state.copy()
-            if d > depth:
-                h.update(memoryview(buf)[depth * 8:d * 8])
-            keys[d] = h.digest()
-            states.append(h)
-            start.insert(i + 1, (d, h))  # deeper wanted depths resume from here
-            i += 1
-        self._keep((scope, namespace), _Marks(buf, tuple(wanted), tuple(states)))
-        return keys
+        return PromptKeys(self, (scope, namespace), buf, start, tuple(d for d, _ in lineage))
 
     @staticmethod
     def _verified(marks: list[_Marks], buf: bytes, limit: int) -> list[tuple[int, Any]]:
@@ -148,8 +158,8 @@ class PrefixKeys:
             hi = bisect.bisect_right(m.depths, limit)
             if hi == 0 or m.depths[hi - 1] <= deepest:
                 continue
-            if buf.startswith(memoryview(m.buf)[:m.depths[hi - 1] * 8]):
-                lo = hi  # all of them: one memcmp
+            if m.buf is buf or buf.startswith(memoryview(m.buf)[:m.depths[hi - 1] * 8]):
+                lo = hi  # all of them: one memcmp (none for this very prompt)
             else:  # a repeated prefix repeats every shorter one: the deepest by bisection
                 lo = 0
                 while lo < hi:
@@ -166,8 +176,14 @@ class PrefixKeys:
     def _keep(self, scope: tuple[bytes, bytes], marks: _Marks) -> None:
         entries = self._scopes.setdefault(scope, [])
         self._scopes.move_to_end(scope)
-        if entries and entries[0].buf is marks.buf:  # the same split planned again
-            self._bytes -= len(entries.pop(0).buf)
+        if entries and entries[0].buf is marks.buf:  # the same split keyed again (a plan keys
+            # in steps): one entry with every step's states, the next turn resumes from all
+            old = entries.pop(0)
+            self._bytes -= len(old.buf)
+            states = dict(zip(old.depths, old.states, strict=True))
+            states.update(zip(marks.depths, marks.states, strict=True))
+            depths = tuple(sorted(states))
+            marks = _Marks(marks.buf, depths, tuple(states[d] for d in depths))
         entries.insert(0, marks)
         self._bytes += len(marks.buf)
         while len(entries) > self.per_scope:
@@ -183,6 +199,48 @@ class PrefixKeys:
     def clear(self) -> None:
         self._scopes.clear()
         self._bytes = 0
+
+
+class PromptKeys:
+    """One prompt's prefix keys in one namespace (`PrefixKeys.prompt`): each depth is hashed
+    on from the deepest state below it, verified from an earlier prompt or keyed here, so a
+    plan that keys in steps (the deepest known depths first, then its cuts) hashes each
+    token once. `keep()` leaves the states of the depths keyed for the next turns."""
+
+    def __init__(self, owner: PrefixKeys, scope: tuple[bytes, bytes], buf: bytes,
+                 start: list[tuple[int, Any]], lineage: tuple[int, ...] = ()) -> None:
+        self._owner, self._scope, self.buf = owner, scope, buf
+        self.lineage = lineage  # the depths the prior prompt keyed that this one repeats
+        self._depths = [d for d, _ in start]  # ascending, 0 first
+        self._states = [h for _, h in start]
+        self._keyed: dict[int, Any] = {}
+
+    def keys(self, depths: Iterable[int]) -> dict[int, bytes]:
+        """Keys of the prefixes `buf[:8 * d]` for each `d` in `depths` (in `[1, len // 8]`)."""
+        wanted = sorted(set(depths))
+        if not wanted:
+            return {}
+        assert 1 <= wanted[0] and wanted[-1] * 8 <= len(self.buf), "depth outside the prompt"
+        keys: dict[int, bytes] = {}
+        for d in wanted:
+            h = self._keyed.get(d)
+            if h is None:
+                i = bisect.bisect_right(self._depths, d) - 1
+                depth, h = self._depths[i], self._states[i].copy()
+                if d > depth:
+                    h.update(memoryview(self.buf)[depth * 8:d * 8])
+                    self._depths.insert(i + 1, d)  # deeper depths resume from here
+                    self._states.insert(i + 1, h)
+                self._keyed[d] = h
+            keys[d] = h.digest()
+        return keys
+
+    def keep(self, depths: Iterable[int] | None = None) -> None:
+        """Leave the states at `depths` (keyed here; default: all keyed) for later prompts."""
+        kept = sorted(self._keyed if depths is None else set(depths) & self._keyed.keys())
+        if kept:
+            self._owner._keep(self._scope, _Marks(self.buf, tuple(kept),
+                                                  tuple(self._keyed[d] for d in kept)))
 
 
 class Planner:
@@ -243,26 +301,71 @@ class Planner:
     def _live(self, rec: AnchorRecord | None, depth: int) -> bool:
         return rec is not None and rec.depth == depth and rec.epoch == self.epoch
 
-    def _deepest_chain(self, ns: bytes, buf: bytes, known: list[int],
+    def _deepest_chain(self, ns: bytes, prompt: PromptKeys, n: int,
                        shared_root: AnchorRecord | None) -> list[AnchorRecord]:
-        """The chain to the deepest of the `known` depths (ascending) whose anchor in `ns`
-        is live and prefixes the prompt (`buf`), with every link live (or the shared root).
-        Keyed deepest first, a few depths at a time, then four times as many: an agent's next
-        turn restores what its last turn wrote, so keying every depth the namespace knows
-        (each of its conversations' turns) on every request, a cost that grew with the
-        tenant's anchors, is left to the requests that find nothing deep."""
+        """The chain to the deepest anchor below depth `n` whose anchor in `ns` is live and
+        prefixes the prompt, with every link live (or the shared root): found down the
+        conversation's own anchors where the prompt extends a prior one (`_lineage_tip`),
+        else by the scan."""
+        tip = self._lineage_tip(ns, prompt, n) if prompt.lineage else None
+        if tip is not None:
+            links = self._chain(ns, tip, shared_root)
+            if links is not None:
+                return links
+        return self._scan(ns, prompt, self.index.depths(ns, below=n), shared_root)
+
+    def _chain(self, ns: bytes, rec: AnchorRecord, shared_root: AnchorRecord | None
+               ) -> list[AnchorRecord] | None:
+        """`rec`'s chain, root→leaf, where every link is live in `ns` (or the shared root)."""
+        links = self.index.chain(rec.key)
+        if links is None:
+            return None
+        epoch, root = self.epoch, shared_root.key if shared_root is not None else None
+        if all((r.namespace == ns and r.epoch == epoch) or r.key == root for r in links):
+            return links
+        return None
+
+    def _lineage_tip(self, ns: bytes, prompt: PromptKeys, n: int) -> AnchorRecord | None:
+        """The deepest anchor of `ns` down the prior prompt's line: of the depths that prompt
+        keyed (its cuts, its end, its restore) which this one repeats, the deepest with a
+        live anchor, then down its children while one prefixes this prompt (the prior
+        turn's response anchor; what other processes wrote since). An agent's turn thus
+        costs the few keys of its own anchors, whatever else the namespace holds. None
+        where the line holds no anchor, or forks into more than `LINEAGE_FANOUT` children."""
+        keys = prompt.keys(prompt.lineage)  # states kept from the prior prompt: no hashing
+        tip = next((r for d in reversed(prompt.lineage)
+                    if (r := self.index.get(keys[d])) is not None
+                    and r.namespace == ns and self._live(r, d)), None)
+        while tip is not None:
+            children = [c for c in self.index.children(tip.key)
+                        if c.depth < n and c.namespace == ns and self._live(c, c.depth)]
+            if not children:
+                return tip
+            if len(children) > LINEAGE_FANOUT:
+                return None
+            keys = prompt.keys(c.depth for c in children)
+            deeper = [c for c in children if keys[c.depth] == c.key]
+            if not deeper:
+                return tip
+            tip = max(deeper, key=lambda c: c.depth)
+        return None
+
+    def _scan(self, ns: bytes, prompt: PromptKeys, known: list[int],
+              shared_root: AnchorRecord | None) -> list[AnchorRecord]:
+        """The chain to the deepest of the `known` depths (ascending) whose anchor prefixes
+        the prompt, links live. Keyed deepest first, a few depths at a time, then four
+        times as many, so that a prompt whose anchors are the namespace's deepest keys only
+        those; every depth is keyed only where nothing deep is found."""
         hi, batch = len(known), 4
         while hi > 0:
             lo = max(0, hi - batch)
-            keys = self.prefix_keys.keys(ns, ns, buf, known[lo:hi])
+            keys = prompt.keys(known[lo:hi])
             for depth in reversed(known[lo:hi]):
                 rec = self.index.get(keys[depth])
                 if rec is None or rec.namespace != ns or not self._live(rec, depth):
                     continue
-                links = self.index.chain(rec.key)
-                if links is not None and all(
-                        (r.namespace == ns and self._live(r, r.depth))
-                        or (shared_root is not None and r.key == shared_root.key) for r in links):
+                links = self._chain(ns, rec, shared_root)
+                if links is not None:
                     return links
             hi, batch = lo, batch * 4
         return []
@@ -277,7 +380,6 @@ class Planner:
         n = len(ids)
         cuts = self._cuts(split)
         instr_depth = next((d for d, k in cuts if k == AnchorKind.INSTRUCTION), None)
-        known = self.index.depths(ns, below=n)
         buf = split.token_bytes
 
         shared_root = None
@@ -287,10 +389,13 @@ class Planner:
             if self._live(rec, instr_depth) and rec is not None and rec.namespace == shared:
                 shared_root = rec
 
-        chain = self._deepest_chain(ns, buf, known, shared_root)
-        # last, the snapshot depths (and the chain's): the next turn resumes from their states
-        keys = self.prefix_keys.keys(ns, ns, buf, [d for d, _ in cuts] + [n]
-                                     + ([chain[-1].depth] if chain else []))
+        prompt = self.prefix_keys.prompt(ns, ns, buf, split.prior_token_bytes)
+        chain = self._deepest_chain(ns, prompt, n, shared_root)
+        # the snapshot depths' keys (and the chain's): the next turn resumes from their
+        # states and looks for its anchors there
+        depths = [d for d, _ in cuts] + [n] + ([chain[-1].depth] if chain else [])
+        keys = prompt.keys(depths)
+        prompt.keep(depths)
         if shared_root is not None and (not chain or chain[-1].depth < shared_root.depth):
             chain = [shared_root]  # deeper than the tenant's own tool anchors
         # Every cut is asked for: the worker saves those past what it actually restored and
@@ -308,7 +413,7 @@ class Planner:
         snapshots.setdefault(n, SnapshotSpec(n, AnchorKind.CONVERSATION, Region.THICK))
         request = AnchorPlan(
             namespace=ns,
-            restore=tuple(AnchorRef(r.key, r.depth, r.namespace if r.namespace != ns else None)
+            restore=tuple(r.ref if r.namespace == ns else AnchorRef(r.key, r.depth, r.namespace)
                           for r in chain),
             snapshot=tuple(snapshots[d] for d in sorted(snapshots)),
             snapshot_response=True,

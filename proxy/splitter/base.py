@@ -268,10 +268,11 @@ class TextAdapter(Adapter):
         msgs, safe_msgs = self._messages(messages, scope, blob)
         safe_tls = self._safe_tools(tools, canonical_tools, scope, context)
         kwargs = dict(template_kwargs or {})
-        turn = None
+        turn = prior = None
         if blob is not None and context is not None:
             kept = self.turns.find(scope, context, blob)
             if kept is not None:
+                prior = kept[1].token_bytes
                 turn = self._extend(kept[1], msgs, safe_msgs, safe_tls, kwargs)
         if turn is None:
             pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
@@ -290,7 +291,7 @@ class TextAdapter(Adapter):
                             turn.size + 3 * (len(blob) + len(context)))
         chunks, ends = turn.chunks, turn.ends
         split = SplitResult(self.name, turn.ids, turn.cuts, stable_tail=self.stable_tail,
-                            given_token_bytes=turn.token_bytes,
+                            given_token_bytes=turn.token_bytes, prior_token_bytes=prior,
                             given_anchor_cuts=(turn.cuts, turn.anchor_cuts))
         head = safe_msgs[:leading_system_count(msgs) + 1]  # what renders before the tools end
         return self._with_tool_cuts(

@@ -48,9 +48,11 @@ from typing import Any, TypeVar
 
 import orjson
 
+from anchorcache.defaults import CONVERSATIONS_PER_SCOPE
+
 T = TypeVar("T")
 _OVERHEAD = 512  # bytes counted per entry beyond 3× its key (the key, and the values' copies)
-LISTS_PER_SCOPE = 4  # lists kept per scope: its conversations in flight
+LISTS_PER_SCOPE = CONVERSATIONS_PER_SCOPE  # lists kept per scope: its conversations in flight
 _ITEM_END = frozenset(b",]")
 _WS = b" \t\r\n"  # JSON's whitespace
 _WS_RUN = re.compile(rb"[ \t\r\n]*")
@@ -401,9 +403,11 @@ class PrefixStates:
         with self._lock:
             for kept in self._scopes.get(scope, ()):
                 n = len(kept.head)
-                if (best is None or kept.count > best.count) and kept.context == context \
+                # (the context last: a toolset's JSON, the same for all its conversations)
+                if (best is None or kept.count > best.count) \
                         and ((n < len(head) and head[n] == 0x2C)  # ",": an item follows
-                             or (self.repeats and n == len(head))) and head.startswith(kept.head):
+                             or (self.repeats and n == len(head))) \
+                        and head.startswith(kept.head) and kept.context == context:
                     best = kept
             if best is None:
                 return None

@@ -24,10 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from anchorcache.defaults import CONVERSATIONS_PER_SCOPE
+
 from .memo import PrefixStates
 from .types import Cut
 
-TURNS_PER_SCOPE = 4  # a scope's conversations in flight at once
+TURNS_PER_SCOPE = CONVERSATIONS_PER_SCOPE  # a scope's conversations in flight at once
 _OVERHEAD = 4096
 
 

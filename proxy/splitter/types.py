@@ -58,6 +58,10 @@ class SplitResult:
     # `input_ids` as native int64s, what anchor keys hash (`wire.anchor_keys`); made from
     # the ids when not given (`token_bytes`)
     given_token_bytes: bytes | None = field(default=None, repr=False, compare=False)
+    # the `token_bytes` of the earlier prompt of this conversation that the splitter extended
+    # (its kept turn, splitter/turns.py): the planner resumes its anchor keys from that
+    # prompt's and follows its anchors (planner.PrefixKeys); None where there was none
+    prior_token_bytes: bytes | None = field(default=None, repr=False, compare=False)
     # (`cuts`, their anchor cuts) where the maker knows them (a kept turn's: `anchor_cuts`
     # then walks no TURN cut); used only while `cuts` is that very tuple
     given_anchor_cuts: tuple[tuple[Cut, ...], tuple[Cut, ...]] | None = field(

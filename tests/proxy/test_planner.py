@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import pytest
+
 from anchorcache.proxy.anchor_index import AnchorIndex
-from anchorcache.proxy.planner import Planner, tenant_namespace
+from anchorcache.proxy.planner import Planner, PromptKeys, tenant_namespace
 from anchorcache.proxy.splitter.types import Cut, CutKind, SplitResult
 from anchorcache.wire import (
     AnchorHeld,
@@ -13,6 +16,7 @@ from anchorcache.wire import (
     AnchorReport,
     AnchorWritten,
     RestoreMiss,
+    SnapshotSpec,
     anchor_keys,
 )
 
@@ -30,12 +34,14 @@ def split(ids, instruction=None, conversation=None, turns=()):
     return SplitResult("test", tuple(ids), tuple(cuts))
 
 
-def commit_all(planner, plan, ids, slot0=0, *, held=False):
+def commit_all(planner, plan, ids, slot0=0, *, held=False, reply=()):
     """Pretend the worker wrote (or already held) every requested snapshot, chained, and
-    confirmed it."""
+    confirmed it; and, given the `reply` it generated, the response anchor past it."""
     written, parent = [], plan.chain[-1].key if plan.chain else None
     specs = [s for s in plan.request.snapshot if s.depth > plan.restore_depth]  # as the worker
-    keys = anchor_keys(plan.namespace, MODEL, ids, [s.depth for s in specs])
+    if reply:
+        specs.append(SnapshotSpec(len(ids) + len(reply), AnchorKind.RESPONSE))
+    keys = anchor_keys(plan.namespace, MODEL, list(ids) + list(reply), [s.depth for s in specs])
     cls = AnchorHeld if held else AnchorWritten
     for i, s in enumerate(specs):
         written.append(cls(slot0 + i, keys[s.depth], s.depth, parent, 1, s.kind))
@@ -270,14 +276,17 @@ def brute_force_chain(planner, ns, ids):
     return []
 
 
-def test_the_chain_keyed_deepest_first_is_the_one_every_known_depth_gives():
+@pytest.mark.parametrize("prior", [False, True], ids=["scanned", "down_the_lineage"])
+def test_the_chain_planned_is_the_one_every_known_depth_gives(prior):
     """Many conversations of one namespace (shared prefixes, diverging turns), anchors of
     every turn, some evicted and some of an older epoch: each new turn's chain, found keying
-    a few depths at a time from the deepest, is the chain keying all of them finds."""
+    a few depths at a time from the deepest (or, where the split names the prompt it
+    extends, down that prompt's anchors), is the chain keying all of them finds."""
     rng = random.Random(7)
     p = Planner(MODEL, "e1")
     system = ids_of(40, seed=1)
     convs = [list(system) for _ in range(12)]
+    last: dict[int, bytes] = {}  # each conversation's last prompt, as the splitter keeps it
     slot = 0
     for step in range(60):
         k = rng.randrange(len(convs))
@@ -285,12 +294,18 @@ def test_the_chain_keyed_deepest_first_is_the_one_every_known_depth_gives():
         ids = convs[k]
         turns = tuple(sorted(rng.sample(range(41, len(ids)), min(3, len(ids) - 41))))
         s = split(ids, instruction=40, conversation=max(turns) if turns else None, turns=turns)
+        if prior:
+            s = dataclasses.replace(s, prior_token_bytes=last.get(k))
+            last[k] = s.token_bytes
         plan = p.plan(s, NS)
         assert list(plan.chain) == brute_force_chain(p, NS, ids), step
         # the index keeps its depths sorted as anchors come and go
         assert p.index.depths(NS) == sorted({r.depth for r in p.index._by_key.values()})
-        commit_all(p, plan, ids, slot0=slot)
+        reply = ids_of(rng.randrange(3, 20), seed=2000 + step)
+        commit_all(p, plan, ids, slot0=slot, reply=reply)
         slot += 10
+        # the next turn renders the reply as generated (its response anchor a prefix), or not
+        convs[k] += reply if rng.random() < 0.7 else [7] + reply
         if rng.random() < 0.3:  # an eviction somewhere in the namespace
             depths = p.index.depths(NS)
             victim = anchor_keys(NS, MODEL, convs[rng.randrange(len(convs))],
@@ -300,3 +315,43 @@ def test_the_chain_keyed_deepest_first_is_the_one_every_known_depth_gives():
         if step == 40:  # an older epoch's anchor stays in the index, dead
             p.epoch = "e2"
     assert any(brute_force_chain(p, NS, c) for c in convs)
+
+
+def test_a_turn_keys_its_own_anchors_whatever_else_the_namespace_holds(monkeypatch):
+    """24 conversations of one tenant take turns: where each split names the prompt it
+    extends, a turn keys a bounded few depths (its own anchors, down its lineage), the same
+    chain as scanning every depth gives, while the scan keys other conversations' anchors."""
+    keyed: list[int] = []
+    real = PromptKeys.keys
+
+    def counting(self, depths):
+        depths = list(depths)
+        keyed.extend(depths)
+        return real(self, depths)
+
+    monkeypatch.setattr(PromptKeys, "keys", counting)
+
+    def last_round(prior: bool) -> list[int]:
+        p = Planner(MODEL, "e1")
+        system = ids_of(40, seed=1)
+        convs = [list(system) for _ in range(24)]
+        last: list[bytes | None] = [None] * 24
+        per_plan: list[int] = []
+        for turn in range(4):
+            for k, ids in enumerate(convs):
+                ids += ids_of(20 + (k * 7 + turn * 13) % 50, seed=k * 100 + turn)
+                s = split(ids, instruction=40, conversation=len(ids) - 10)
+                s = dataclasses.replace(s, prior_token_bytes=last[k] if prior else None)
+                last[k] = s.token_bytes
+                keyed.clear()
+                plan = p.plan(s, NS)
+                per_plan.append(len(set(keyed)))
+                assert list(plan.chain) == brute_force_chain(p, NS, ids)
+                reply = ids_of(5 + k % 7, seed=k * 100 + turn + 50)
+                commit_all(p, plan, ids, slot0=100 * k + 10 * turn, reply=reply)
+                ids += reply
+        return per_plan[-24:]
+
+    lineage, scanned = last_round(True), last_round(False)
+    assert max(lineage) <= 12, lineage
+    assert sum(scanned) > 4 * sum(lineage), (scanned, lineage)

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from anchorcache.defaults import CONVERSATIONS_PER_SCOPE
 from anchorcache.proxy.splitter.types import SplitError
 from anchorcache.testing.strategies import text, tool, tool_round
 
@@ -140,6 +141,31 @@ def test_a_turn_is_reused_only_with_its_scope_tools_and_arguments(adapters, name
     hits = adapter.turns.hits
     adapter.split(copy.deepcopy(longer), tools, scope=b"owner")
     assert adapter.turns.hits == hits + 1
+
+
+def test_a_split_names_the_prompt_it_extends_among_many_in_flight(adapters):
+    """The planner follows a conversation from the prompt its split extends: that prompt's
+    own bytes, kept while a tenant has up to CONVERSATIONS_PER_SCOPE conversations in flight,
+    never another scope's."""
+    adapter = adapters["qwen3"]
+    adapter.turns.clear()
+
+    def chat(i, turns):
+        msgs = [{"role": "system", "content": "be brief"}]
+        for t in range(turns):
+            msgs += [{"role": "user", "content": f"conversation {i} asks {t}"},
+                     {"role": "assistant", "content": f"answer {t}"}]
+        return msgs + [{"role": "user", "content": f"conversation {i} asks {turns}"}]
+
+    firsts = [adapter.split(chat(i, 0), None, scope=b"tenant")
+              for i in range(CONVERSATIONS_PER_SCOPE)]
+    assert all(s.prior_token_bytes is None for s in firsts)
+    for i in reversed(range(CONVERSATIONS_PER_SCOPE)):  # the oldest last: all still kept
+        later = adapter.split(chat(i, 1), None, scope=b"tenant")
+        assert later.prior_token_bytes is firsts[i].token_bytes, i
+        assert later.token_bytes.startswith(firsts[i].token_bytes)
+    assert adapter.split(chat(0, 1), None, scope=b"other").prior_token_bytes is None
+    adapter.turns.clear()
 
 
 def test_kept_turns_stay_within_their_bytes(adapters):

@@ -25,6 +25,10 @@ the CPU of every proxy process per request. The load generator (threads of
 port) run on the same machine and compete with the proxies for its cores (the JSON records
 how many there were): on a box of a few cores they, not the proxy, set the ceiling.
 
+`--api anthropic|responses`: the turns by length go through Anthropic's `/v1/messages` (as
+Claude Code sends them) or the Responses API's `/v1/responses` (whole input each turn, as
+Codex sends it) instead of chat completions.
+
 `--output-repeat N`: each reply is the fixed text N times (about 19 tokens each), for what
 a token costs the proxy; `--token-interval-ms T`: the worker sends them one at a time, T ms
 apart, as a decoding engine does (the proxy then has nothing to read by the batch).
@@ -316,7 +320,44 @@ def anthropic_request(client: httpx.Client, url: str, tools: list, messages: lis
     _post(client, url + "/v1/messages", as_anthropic(tools, messages, stream), stream)
 
 
-APIS = {"chat": request, "anthropic": anthropic_request}
+def as_responses(tools: list, messages: list, stream: bool) -> dict[str, Any]:
+    """The same conversation as an OpenAI Responses `/v1/responses` body, whole each turn
+    (what Codex sends, `store: false`): the system prompt as `instructions`, tool calls as
+    `function_call` items and their results as `function_call_output` items."""
+    items: list[dict[str, Any]] = []
+    instructions = None
+    ids: dict[str, str] = {}  # call id → one unique in the conversation (as `as_anthropic`)
+    for i, m in enumerate(messages):
+        if m["role"] == "system":
+            instructions = m["content"]
+        elif m["role"] == "user":
+            items.append({"type": "message", "role": "user", "content": m["content"]})
+        elif m["role"] == "assistant":
+            if m.get("content"):
+                items.append({"type": "message", "role": "assistant", "content": [
+                    {"type": "output_text", "text": m["content"]}]})
+            for call in m.get("tool_calls") or []:
+                args = call["function"]["arguments"]
+                ids[call["id"]] = f"{call['id']}_{i}"
+                items.append({"type": "function_call", "call_id": ids[call["id"]],
+                              "name": call["function"]["name"],
+                              "arguments": args if isinstance(args, str) else json.dumps(args)})
+        else:
+            items.append({"type": "function_call_output", "call_id": ids[m["tool_call_id"]],
+                          "output": m["content"]})
+    return {"model": "default", "instructions": instructions, "input": items, "store": False,
+            "max_output_tokens": 64, "temperature": 0, "stream": stream,
+            "tools": [{"type": "function", "name": t["function"]["name"],
+                       "description": t["function"].get("description", ""),
+                       "parameters": t["function"]["parameters"]} for t in tools]}
+
+
+def responses_request(client: httpx.Client, url: str, tools: list, messages: list,
+                      stream: bool) -> None:
+    _post(client, url + "/v1/responses", as_responses(tools, messages, stream), stream)
+
+
+APIS = {"chat": request, "anthropic": anthropic_request, "responses": responses_request}
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -250,15 +250,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     read = await read_items(request, state.responses, request[TENANT].caller().namespace,
                             "input")
     salt = read.body.get("cache_salt") if isinstance(read.body, dict) else None
-    req = parse_responses_request(read, memo=state.responses,
-                                  scope=request[TENANT].caller(salt).namespace)
+    scope = request[TENANT].caller(salt).namespace
+    req = parse_responses_request(read, memo=state.responses, scope=scope)
     check_model(state, req.model)
     tenant = request[TENANT]
     previous = _history(state, tenant.tenant.name, req)
     conversation = previous + req.input_items
     if req.store:
         _check_storable(state, conversation)
-    gen = req.generation(previous)
+    gen = req.generation(previous, memo=state.responses_messages, scope=scope)
     if not anchors_wanted(request):
         gen = dataclasses.replace(gen, anchors=False)
     # the body holds every text of a conversation without stored history (the early budget)

@@ -21,9 +21,15 @@ from __future__ import annotations
 
 import base64
 import binascii
+import operator
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from anchorcache.defaults import CONVERSATIONS_PER_SCOPE
 
 from .schema import DEFAULT_LIMITS, BodyLimits, bad, check_arguments, string
 
@@ -163,51 +169,156 @@ def parse_items(value: Any, param: str = "input", limits: BodyLimits = DEFAULT_L
                  if i is not None)
 
 
+class _Conversion:
+    """Items into chat messages, in order: the state `to_messages` carries from item to item
+    (the assistant turn being built, reasoning for the next one, the calls' names so far),
+    so that a caller's next request converts only its new items (`MessagesMemo`)."""
+
+    def __init__(self, messages: list[dict[str, Any]], names: dict[str, str],
+                 reasoning: str = "") -> None:
+        self.messages = messages
+        self.names = names  # call id → the function's name, of the calls so far
+        self.turn: dict[str, Any] | None = None  # the assistant turn being built
+        self.reasoning = reasoning
+
+    def _assistant(self) -> dict[str, Any]:
+        if self.turn is None:
+            self.turn = {"role": "assistant", "content": None}
+            if self.reasoning:
+                self.turn["reasoning_content"] = self.reasoning
+            self.messages.append(self.turn)
+            self.reasoning = ""
+        return self.turn
+
+    def add(self, items: Iterable[Item]) -> None:
+        for item in items:
+            kind = item["type"]
+            if kind == "message" and item["role"] == "assistant":
+                if self.turn is not None and "tool_calls" in self.turn:
+                    self.turn = None  # text after calls: the next turn
+                t = self._assistant()
+                t["content"] = item["content"] if t["content"] is None \
+                    else t["content"] + item["content"]
+            elif kind == "function_call":
+                self.names[item["call_id"]] = item["name"]
+                self._assistant().setdefault("tool_calls", []).append(
+                    {"id": item["call_id"], "type": "function",
+                     "function": {"name": item["name"], "arguments": item["arguments"]}})
+            elif kind == "reasoning":
+                self.turn = None  # reasoning opens the next assistant turn
+                self.reasoning = "".join(part["text"] for part in item["content"])
+            else:
+                self.turn, self.reasoning = None, ""
+                if kind == "message":
+                    self.messages.append({"role": item["role"], "content": item["content"]})
+                else:
+                    tool = {"role": "tool", "tool_call_id": item["call_id"],
+                            "content": item["output"]}
+                    if item["call_id"] in self.names:
+                        tool["name"] = self.names[item["call_id"]]
+                    self.messages.append(tool)
+
+    def result(self) -> list[dict[str, Any]]:
+        if not any(m["role"] != "system" for m in self.messages):
+            raise bad("'input' must hold at least one message", "input")
+        return self.messages
+
+
 def to_messages(items: tuple[Item, ...], instructions: str | None = None
                 ) -> list[dict[str, Any]]:
-    """Canonical items as OpenAI chat messages (see the module's docstring)."""
-    messages: list[dict[str, Any]] = []
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
-    names = {i["call_id"]: i["name"] for i in items if i["type"] == "function_call"}
-    turn: dict[str, Any] | None = None  # the assistant turn being built
-    reasoning = ""
+    """Canonical items as OpenAI chat messages (see the module's docstring); a tool result
+    is named by the call before it with its id."""
+    conv = _Conversion([{"role": "system", "content": instructions}] if instructions else [], {})
+    conv.add(items)
+    return conv.result()
 
-    def assistant() -> dict[str, Any]:
-        nonlocal turn, reasoning
-        if turn is None:
-            turn = {"role": "assistant", "content": None}
-            if reasoning:
-                turn["reasoning_content"] = reasoning
-            messages.append(turn)
-            reasoning = ""
-        return turn
 
-    for item in items:
-        kind = item["type"]
-        if kind == "message" and item["role"] == "assistant":
-            if turn is not None and "tool_calls" in turn:
-                turn = None  # text after calls: the next turn
-            t = assistant()
-            t["content"] = item["content"] if t["content"] is None \
-                else t["content"] + item["content"]
-        elif kind == "function_call":
-            assistant().setdefault("tool_calls", []).append(
-                {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": item["arguments"]}})
-        elif kind == "reasoning":
-            turn = None  # reasoning opens the next assistant turn
-            reasoning = "".join(part["text"] for part in item["content"])
+@dataclass(frozen=True, eq=False)
+class _Kept:
+    """A request's items, their messages and the conversion's state after them (no turn
+    open: none of these messages changes again), kept for the caller's next request."""
+
+    instructions: str | None
+    items: tuple[Item, ...]
+    messages: tuple[dict[str, Any], ...]
+    head: bytes  # orjson's bytes of `messages` less the closing bracket
+    names: dict[str, str]  # never changed: a resumed conversion copies it
+    reasoning: str
+
+    @property
+    def size(self) -> int:
+        return 3 * len(self.head) + 64 * len(self.items) + 512
+
+
+class MessagesMemo:
+    """What spares an agent that resends its whole conversation each turn (Codex, `store:
+    false`) the conversion of every item, every request: per caller scope, the last
+    requests' items and messages (`CONVERSATIONS_PER_SCOPE`, `max_bytes` in all). A request
+    whose items start with a kept request's very items (the items the message memo gave
+    back for the bytes it had seen: the same objects, compared by identity) and with the
+    same instructions converts only the items after them, and its messages' JSON (the
+    splitter's key for its own memos, `Generation.messages_head`) is the kept bytes and the
+    new messages'. Equal to `to_messages` and orjson's bytes of its messages, by
+    construction: the conversion is a left fold resumed from its own state. Used on the
+    event loop only."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._scopes: OrderedDict[bytes, list[_Kept]] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+
+    def convert(self, scope: bytes, items: tuple[Item, ...], instructions: str | None
+                ) -> tuple[list[dict[str, Any]], bytes]:
+        """`to_messages(items, instructions)` and orjson's bytes of them less the bracket."""
+        kept = self._find(scope, items, instructions)
+        if kept is None:
+            conv = _Conversion([{"role": "system", "content": instructions}]
+                               if instructions else [], {})
+            conv.add(items)
+            messages = conv.result()
+            head = orjson.dumps(messages)[:-1]
         else:
-            turn, reasoning = None, ""
-            if kind == "message":
-                messages.append({"role": item["role"], "content": item["content"]})
-            else:
-                tool = {"role": "tool", "tool_call_id": item["call_id"],
-                        "content": item["output"]}
-                if item["call_id"] in names:
-                    tool["name"] = names[item["call_id"]]
-                messages.append(tool)
-    if not any(m["role"] != "system" for m in messages):
-        raise bad("'input' must hold at least one message", "input")
-    return messages
+            self.hits += 1
+            conv = _Conversion(list(kept.messages), dict(kept.names), kept.reasoning)
+            conv.add(items[len(kept.items):])
+            messages = conv.result()
+            new = messages[len(kept.messages):]
+            head = kept.head + (b"," if kept.messages and new else b"") \
+                + orjson.dumps(new)[1:-1]
+        if conv.turn is None:
+            self._keep(scope, _Kept(instructions, items, tuple(messages), head, conv.names,
+                                    conv.reasoning), kept)
+        return messages, head
+
+    def _find(self, scope: bytes, items: tuple[Item, ...], instructions: str | None
+              ) -> _Kept | None:
+        best = None
+        for kept in self._scopes.get(scope, ()):
+            n = len(kept.items)
+            if (best is None or n > len(best.items)) and 0 < n <= len(items) \
+                    and items[n - 1] is kept.items[-1] and kept.instructions == instructions \
+                    and all(map(operator.is_, kept.items, items)):
+                best = kept
+        if best is not None:
+            self._scopes.move_to_end(scope)
+        return best
+
+    def _keep(self, scope: bytes, new: _Kept, resumed: _Kept | None) -> None:
+        """Keep `new`, in place of the entry it `resumed` from (its conversation's last)."""
+        entries = self._scopes.setdefault(scope, [])
+        self._scopes.move_to_end(scope)
+        if resumed is not None and resumed in entries:
+            entries.remove(resumed)
+            self._bytes -= resumed.size
+        if new.size > self.max_bytes:
+            return
+        entries.insert(0, new)
+        self._bytes += new.size
+        while len(entries) > CONVERSATIONS_PER_SCOPE:
+            self._bytes -= entries.pop().size
+        while self._bytes > self.max_bytes:
+            oldest_scope, oldest = next(iter(self._scopes.items()))
+            self._bytes -= oldest.pop().size
+            if not oldest:
+                del self._scopes[oldest_scope]

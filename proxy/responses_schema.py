@@ -22,7 +22,14 @@ from typing import Any
 
 from .errors import ApiError
 from .pipeline import Generation
-from .responses_items import Item, expect_object, parse_item, parse_items, to_messages
+from .responses_items import (
+    Item,
+    MessagesMemo,
+    expect_object,
+    parse_item,
+    parse_items,
+    to_messages,
+)
 from .schema import (
     DEFAULT_LIMITS,
     MAX_TOKENS_LIMIT,
@@ -68,12 +75,18 @@ class ResponsesRequest:
     reasoning_effort: str | None  # reasoning.effort, where the templates know it
     echo: dict[str, Any]  # what the response object repeats of the request
 
-    def generation(self, history: tuple[Item, ...] = ()) -> Generation:
-        """The chat to complete: `history` (a stored conversation) then this input."""
+    def generation(self, history: tuple[Item, ...] = (), *, memo: MessagesMemo | None = None,
+                   scope: bytes = b"") -> Generation:
+        """The chat to complete: `history` (a stored conversation) then this input; with a
+        `memo`, only the items after those the caller `scope` sent before are converted."""
+        head = None
+        if memo is not None and not history:
+            messages, head = memo.convert(scope, self.input_items, self.instructions)
+        else:
+            messages = to_messages(history + self.input_items, self.instructions)
         return Generation(
-            messages=tuple(to_messages(history + self.input_items, self.instructions)),
-            tools=self.tools, tool_choice=self.tool_choice,
-            max_tokens=self.max_output_tokens, temperature=self.temperature,
+            messages=tuple(messages), messages_head=head, tools=self.tools,
+            tool_choice=self.tool_choice, max_tokens=self.max_output_tokens, temperature=self.temperature,
             top_p=self.top_p, cache_salt=self.cache_salt,
             response_format=self.response_format,
             parallel_tool_calls=self.parallel_tool_calls, reasoning_effort=self.reasoning_effort)

@@ -14,6 +14,7 @@ from anchorcache.wire import ModelInfo
 
 from .config import ProxyConfig
 from .metrics import ProxyMetrics
+from .responses_items import MessagesMemo
 from .split_pool import SplitPool, TokenBudget
 from .splitter import Adapter
 from .splitter.memo import ConversionMemos, MessageMemo
@@ -35,6 +36,8 @@ class ProxyState:
     messages: MessageMemo = field(default_factory=MessageMemo)
     # Responses input items validated at the edge, per caller (responses_schema)
     responses: MessageMemo = field(default_factory=MessageMemo)
+    # those items' chat messages, per caller (responses_items.MessagesMemo)
+    responses_messages: MessagesMemo = field(default_factory=MessagesMemo)
     # Anthropic messages' shapes and conversions, per caller (anthropic_schema.Memos)
     anthropic: ConversionMemos = field(default_factory=ConversionMemos)
     # toolsets' grammar constraints, per caller (structured.build_constraint)

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
+
 from .leases import CACHE_TTL_S, DEFAULT_CACHE_TTL
 from .pipeline import Generation
 from .schema import BodyLimits, bad, string
@@ -104,6 +106,7 @@ class Resume:
     seen_ids: frozenset[str]
     pending: tuple[tuple[str, str], ...]
     role: str  # the role of the turn before it: a resumed turn must not continue it
+    head: bytes  # orjson's bytes of `messages` less the closing bracket
 
 
 class Conversion:
@@ -117,15 +120,28 @@ class Conversion:
         self.seen_ids: set[str] = set()
         self.pending: dict[str, str] = {}  # tool_use id → tool name, awaiting a tool_result
         self.tools_hinted: float | None = None  # the TTL of a mark on a tool
+        self._known = (0, b"[")  # (k, orjson's bytes of the first k messages less "]")
+
+    def head(self) -> bytes:
+        """orjson's bytes of the messages so far less the closing bracket (the splitter's
+        key for them, `Generation.messages_head`): those known, and the newer ones dumped.
+        (A message is never changed once appended: the bytes stay its own.)"""
+        count, known = self._known
+        new = self.messages[count:]
+        if new:
+            known += (b"," if count else b"") + orjson.dumps(new)[1:-1]
+            self._known = (len(self.messages), known)
+        return known
 
     def state(self, role: str) -> Resume:
         """What the conversion holds now, between a turn of `role` and the next."""
         return Resume(tuple(self.messages), tuple(self.hints.items()), self.breakpoints,
-                      frozenset(self.seen_ids), tuple(self.pending.items()), role)
+                      frozenset(self.seen_ids), tuple(self.pending.items()), role, self.head())
 
     def resume(self, state: Resume) -> None:
         """Continue from `state` (the system part and the turns before it converted)."""
         self.messages = list(state.messages)
+        self._known = (len(state.messages), state.head)
         self.hints = dict(state.hints)
         self.breakpoints = state.breakpoints
         self.seen_ids = set(state.seen_ids)
@@ -395,4 +411,5 @@ def fold_system_messages(gen: Generation) -> Generation | None:
     for k, ttl in gen.cut_ttl_s.items():
         if moved(k) in hints:
             ttls[moved(k)] = max(ttl, ttls.get(moved(k), 0.0))
-    return replace(gen, messages=tuple(out), cut_after=tuple(sorted(hints)), cut_ttl_s=ttls)
+    return replace(gen, messages=tuple(out), messages_head=None, cut_after=tuple(sorted(hints)),
+                   cut_ttl_s=ttls)

@@ -337,6 +337,8 @@ def parse_messages_request(body: Any, *, count_only: bool = False,
     top_k = optional_int(body, "top_k", 0, 1 << 20)
     gen = Generation(
         messages=tuple(conv.messages),
+        # (the memos' requests only: bytes of what is new since the turn they resumed from)
+        messages_head=conv.head() if memos is not None else None,
         tools=tools,
         tool_choice=choice,
         max_tokens=max_tokens,

@@ -108,8 +108,9 @@ class Generation:
     parallel_tool_calls: bool = True
     anchors: bool = True  # False: restore and save nothing for this request (a baseline)
     # what stands for `messages` in the splitter's memos, where the edge has it (a chat
-    # body's bytes up to the end of its messages: `TextAdapter.split`'s `head`)
-    messages_head: bytes | None = None
+    # body's bytes up to the end of its messages, or orjson's of converted messages that the
+    # edge kept: `TextAdapter.split`'s `head`); a key, not part of the request's meaning
+    messages_head: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,18 @@ SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
 
 def parse(body: Any, memos: ConversionMemos | None = None, scope: bytes = b"a") -> Any:
     try:
-        return parse_messages_request(copy.deepcopy(body), memos=memos, scope=scope,
-                                      max_tokens_limit=10**6)
+        return _headed(parse_messages_request(copy.deepcopy(body), memos=memos, scope=scope,
+                                              max_tokens_limit=10**6))
     except ApiError as e:
         return ("error", e.kind, str(e), e.param)
+
+
+def _headed(req: Any) -> Any:
+    """`req`, its messages' bytes for the splitter (where the memos gave them) checked to be
+    orjson's bytes of its messages: what the splitter keys its memos by."""
+    head = req.generation.messages_head
+    assert head is None or head == orjson.dumps(list(req.generation.messages))[:-1]
+    return req
 
 
 FORMS = [orjson.dumps, lambda b: json.dumps(b, ensure_ascii=False, separators=(",", ":")).encode(),
@@ -50,8 +58,9 @@ def parse_raw(body: Any, memos: ConversionMemos, form: Any, scope: bytes = b"a")
     except (TypeError, ValueError):
         return parse(body)  # (a value JSON cannot carry: the dict's own parse)
     try:
-        return parse_messages_request(memos.shapes.read(scope, raw, "messages"), memos=memos,
-                                      scope=scope, max_tokens_limit=10**6)
+        return _headed(parse_messages_request(memos.shapes.read(scope, raw, "messages"),
+                                              memos=memos, scope=scope,
+                                              max_tokens_limit=10**6))
     except orjson.JSONDecodeError:
         return parse(body)
     except ApiError as e:

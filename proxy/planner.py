@@ -337,8 +337,9 @@ class Planner:
                     if (r := self.index.get(keys[d])) is not None
                     and r.namespace == ns and self._live(r, d)), None)
         while tip is not None:
-            children = [c for c in self.index.children(tip.key)
-                        if c.depth < n and c.namespace == ns and self._live(c, c.depth)]
+            children = [c for c in self.index.children(tip.key)  # (deeper: a worker that
+                        if tip.depth < c.depth < n  # names a loop of parents cannot hang this)
+                        and c.namespace == ns and self._live(c, c.depth)]
             if not children:
                 return tip
             if len(children) > LINEAGE_FANOUT:

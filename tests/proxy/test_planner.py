@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 
 import pytest
 
@@ -355,3 +356,28 @@ def test_a_turn_keys_its_own_anchors_whatever_else_the_namespace_holds(monkeypat
     lineage, scanned = last_round(True), last_round(False)
     assert max(lineage) <= 12, lineage
     assert sum(scanned) > 4 * sum(lineage), (scanned, lineage)
+
+
+def test_a_worker_reporting_a_loop_of_parents_cannot_hang_the_lineage():
+    """A faulty worker names an anchor its own parent, or two anchors each other's: the
+    planner following a conversation down its anchors still ends, with a chain that holds."""
+    p = Planner(MODEL, "e1")
+    ids = ids_of(100)
+    first = split(ids, instruction=30, conversation=70)
+    plan = p.plan(first, NS)
+    written = commit_all(p, plan, ids)
+    tip = written[-1]
+    keys = anchor_keys(NS, MODEL, ids + [5, 6], [101, 102])
+    loop = AnchorReport(written=(
+        AnchorWritten(50, tip.key, tip.depth, tip.key, 1, AnchorKind.CONVERSATION),
+        AnchorWritten(51, keys[101], 101, keys[102], 1, AnchorKind.RESPONSE),
+        AnchorWritten(52, keys[102], 102, keys[101], 1, AnchorKind.RESPONSE)))
+    p.record(NS, loop, [50, 51, 52], [])
+    later = dataclasses.replace(split(ids + [5, 6, 7], instruction=30, conversation=102),
+                                prior_token_bytes=first.token_bytes)
+    planned: list = []
+    worker = threading.Thread(target=lambda: planned.append(p.plan(later, NS)), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert planned, "planning did not end"
+    assert list(planned[0].chain) == brute_force_chain(p, NS, ids + [5, 6, 7])

@@ -332,8 +332,11 @@ class Planner:
         turn's response anchor; what other processes wrote since). An agent's turn thus
         costs the few keys of its own anchors, whatever else the namespace holds. None
         where the line holds no anchor, or forks into more than `LINEAGE_FANOUT` children."""
-        keys = prompt.keys(prompt.lineage)  # states kept from the prior prompt: no hashing
-        tip = next((r for d in reversed(prompt.lineage)
+        # (below the prompt's end: its last token is always prefilled; the prior may be this
+        # very prompt, a retry)
+        lineage = [d for d in prompt.lineage if d < n]
+        keys = prompt.keys(lineage)  # states kept from the prior prompt: no hashing
+        tip = next((r for d in reversed(lineage)
                     if (r := self.index.get(keys[d])) is not None
                     and r.namespace == ns and self._live(r, d)), None)
         while tip is not None:

@@ -381,3 +381,18 @@ def test_a_worker_reporting_a_loop_of_parents_cannot_hang_the_lineage():
     worker.join(timeout=30)
     assert planned, "planning did not end"
     assert list(planned[0].chain) == brute_force_chain(p, NS, ids + [5, 6, 7])
+
+
+def test_a_retried_prompt_restores_below_its_end_down_the_lineage():
+    """The same prompt again (a retry: the split names the first as its prior, whose end
+    holds an anchor): the chain stops below the prompt's end, as the worker must prefill
+    at least its last token (a chain to the end would be a miss, and drop that anchor)."""
+    p = Planner(MODEL, "e1")
+    ids = ids_of(100)
+    first = split(ids, instruction=30, conversation=70)
+    commit_all(p, p.plan(first, NS), ids)
+    again = dataclasses.replace(split(ids, instruction=30, conversation=70),
+                                prior_token_bytes=first.token_bytes)
+    plan = p.plan(again, NS)
+    assert plan.restore_depth == 70
+    assert list(plan.chain) == brute_force_chain(p, NS, ids)

@@ -176,14 +176,8 @@ class PrefixKeys:
     def _keep(self, scope: tuple[bytes, bytes], marks: _Marks) -> None:
         entries = self._scopes.setdefault(scope, [])
         self._scopes.move_to_end(scope)
-        if entries and entries[0].buf is marks.buf:  # the same split keyed again (a plan keys
-            # in steps): one entry with every step's states, the next turn resumes from all
-            old = entries.pop(0)
-            self._bytes -= len(old.buf)
-            states = dict(zip(old.depths, old.states, strict=True))
-            states.update(zip(marks.depths, marks.states, strict=True))
-            depths = tuple(sorted(states))
-            marks = _Marks(marks.buf, depths, tuple(states[d] for d in depths))
+        if entries and entries[0].buf is marks.buf:  # the same split planned again
+            self._bytes -= len(entries.pop(0).buf)
         entries.insert(0, marks)
         self._bytes += len(marks.buf)
         while len(entries) > self.per_scope:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import binascii
 import operator
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ import orjson
 from anchorcache.defaults import CONVERSATIONS_PER_SCOPE
 
 from .schema import DEFAULT_LIMITS, BodyLimits, bad, check_arguments, string
+from .splitter.memo import ScopedEntries
 
 Item = dict[str, Any]  # one canonical input item (see `parse_items`)
 
@@ -181,6 +181,11 @@ class _Conversion:
         self.turn: dict[str, Any] | None = None  # the assistant turn being built
         self.reasoning = reasoning
 
+    @classmethod
+    def fresh(cls, instructions: str | None) -> _Conversion:
+        """A conversion from the start: the instructions a leading system message."""
+        return cls([{"role": "system", "content": instructions}] if instructions else [], {})
+
     def _assistant(self) -> dict[str, Any]:
         if self.turn is None:
             self.turn = {"role": "assistant", "content": None}
@@ -228,7 +233,7 @@ def to_messages(items: tuple[Item, ...], instructions: str | None = None
                 ) -> list[dict[str, Any]]:
     """Canonical items as OpenAI chat messages (see the module's docstring); a tool result
     is named by the call before it with its id."""
-    conv = _Conversion([{"role": "system", "content": instructions}] if instructions else [], {})
+    conv = _Conversion.fresh(instructions)
     conv.add(items)
     return conv.result()
 
@@ -263,18 +268,19 @@ class MessagesMemo:
     event loop only."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
-        self.max_bytes = max_bytes
-        self._scopes: OrderedDict[bytes, list[_Kept]] = OrderedDict()
-        self._bytes = 0
+        self._kept: ScopedEntries[_Kept] = ScopedEntries(max_bytes, CONVERSATIONS_PER_SCOPE)
         self.hits = 0
+
+    @property
+    def size_bytes(self) -> int:
+        return self._kept.size_bytes
 
     def convert(self, scope: bytes, items: tuple[Item, ...], instructions: str | None
                 ) -> tuple[list[dict[str, Any]], bytes]:
         """`to_messages(items, instructions)` and orjson's bytes of them less the bracket."""
         kept = self._find(scope, items, instructions)
         if kept is None:
-            conv = _Conversion([{"role": "system", "content": instructions}]
-                               if instructions else [], {})
+            conv = _Conversion.fresh(instructions)
             conv.add(items)
             messages = conv.result()
             head = orjson.dumps(messages)[:-1]
@@ -286,39 +292,20 @@ class MessagesMemo:
             new = messages[len(kept.messages):]
             head = kept.head + (b"," if kept.messages and new else b"") \
                 + orjson.dumps(new)[1:-1]
-        if conv.turn is None:
-            self._keep(scope, _Kept(instructions, items, tuple(messages), head, conv.names,
-                                    conv.reasoning), kept)
+        if conv.turn is None:  # (in place of the one it resumed from: its conversation's last)
+            self._kept.put(scope, _Kept(instructions, items, tuple(messages), head, conv.names,
+                                        conv.reasoning), () if kept is None else (kept,))
         return messages, head
 
     def _find(self, scope: bytes, items: tuple[Item, ...], instructions: str | None
               ) -> _Kept | None:
         best = None
-        for kept in self._scopes.get(scope, ()):
+        for kept in self._kept.of(scope):
             n = len(kept.items)
             if (best is None or n > len(best.items)) and 0 < n <= len(items) \
                     and items[n - 1] is kept.items[-1] and kept.instructions == instructions \
                     and all(map(operator.is_, kept.items, items)):
                 best = kept
         if best is not None:
-            self._scopes.move_to_end(scope)
+            self._kept.touch(scope)
         return best
-
-    def _keep(self, scope: bytes, new: _Kept, resumed: _Kept | None) -> None:
-        """Keep `new`, in place of the entry it `resumed` from (its conversation's last)."""
-        entries = self._scopes.setdefault(scope, [])
-        self._scopes.move_to_end(scope)
-        if resumed is not None and resumed in entries:
-            entries.remove(resumed)
-            self._bytes -= resumed.size
-        if new.size > self.max_bytes:
-            return
-        entries.insert(0, new)
-        self._bytes += new.size
-        while len(entries) > CONVERSATIONS_PER_SCOPE:
-            self._bytes -= entries.pop().size
-        while self._bytes > self.max_bytes:
-            oldest_scope, oldest = next(iter(self._scopes.items()))
-            self._bytes -= oldest.pop().size
-            if not oldest:
-                del self._scopes[oldest_scope]

@@ -44,7 +44,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 
@@ -360,6 +360,62 @@ class MessageMemo:
 
 
 
+class Sized(Protocol):
+    @property
+    def size(self) -> int:  # the bytes it is counted for
+        ...
+
+
+E = TypeVar("E", bound=Sized)
+
+
+class ScopedEntries(Generic[E]):
+    """Per scope (a caller's namespace), its last `per_scope` entries, newest first, and
+    `max_bytes` of entries over all scopes (the least recently used scope gives up its
+    oldest first): the bookkeeping of the memos that keep a state per conversation in
+    flight (`PrefixStates`, responses_items.MessagesMemo). Not locked: its owner locks where
+    threads share it."""
+
+    def __init__(self, max_bytes: int, per_scope: int) -> None:
+        self.max_bytes, self.per_scope = max_bytes, per_scope
+        self._scopes: OrderedDict[bytes, list[E]] = OrderedDict()
+        self.size_bytes = 0
+
+    def of(self, scope: bytes) -> Sequence[E]:
+        """`scope`'s entries, newest first (read, not changed)."""
+        return self._scopes.get(scope, ())
+
+    def touch(self, scope: bytes) -> None:
+        """`scope` was used: the last to give up its entries."""
+        if scope in self._scopes:
+            self._scopes.move_to_end(scope)
+
+    def put(self, scope: bytes, new: E, replaced: Sequence[E] = ()) -> None:
+        """Keep `new` as `scope`'s newest entry (unless alone over `max_bytes`), in place of
+        those of `replaced` (by identity) still kept."""
+        entries = self._scopes.setdefault(scope, [])
+        self._scopes.move_to_end(scope)
+        for old in replaced:
+            if any(e is old for e in entries):
+                entries.remove(old)
+                self.size_bytes -= old.size
+        if new.size > self.max_bytes:
+            return
+        entries.insert(0, new)
+        self.size_bytes += new.size
+        while len(entries) > self.per_scope:
+            self.size_bytes -= entries.pop().size
+        while self.size_bytes > self.max_bytes:
+            oldest, kept = next(iter(self._scopes.items()))
+            self.size_bytes -= kept.pop().size
+            if not kept:
+                del self._scopes[oldest]
+
+    def clear(self) -> None:
+        self._scopes.clear()
+        self.size_bytes = 0
+
+
 class _State:
     __slots__ = ("context", "count", "head", "size", "state")
 
@@ -386,22 +442,29 @@ class PrefixStates:
 
     def __init__(self, max_bytes: int = 64 << 20, per_scope: int = LISTS_PER_SCOPE, *,
                  repeats: bool = False) -> None:
-        self.max_bytes, self.per_scope, self.repeats = max_bytes, per_scope, repeats
-        self._scopes: OrderedDict[bytes, list[_State]] = OrderedDict()
-        self._bytes = 0
+        self.repeats = repeats
+        self._states: ScopedEntries[_State] = ScopedEntries(max_bytes, per_scope)
         self._lock = threading.Lock()
         self.hits = 0
 
     @property
+    def max_bytes(self) -> int:
+        return self._states.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        self._states.max_bytes = value
+
+    @property
     def size_bytes(self) -> int:
-        return self._bytes
+        return self._states.size_bytes
 
     def find(self, scope: bytes, context: bytes, head: bytes) -> tuple[int, Any] | None:
         """(items, state) of the longest kept leading part of the list whose JSON bytes,
         less the closing bracket, are `head`; or None."""
         best: _State | None = None
         with self._lock:
-            for kept in self._scopes.get(scope, ()):
+            for kept in self._states.of(scope):
                 n = len(kept.head)
                 # (the context last: a toolset's JSON, the same for all its conversations)
                 if (best is None or kept.count > best.count) \
@@ -412,7 +475,7 @@ class PrefixStates:
             if best is None:
                 return None
             self.hits += 1
-            self._scopes.move_to_end(scope)
+            self._states.touch(scope)
         return best.count, best.state
 
     def keep(self, scope: bytes, context: bytes, head: bytes, count: int, state: Any,
@@ -423,28 +486,18 @@ class PrefixStates:
         if count < 1 or new.size > self.max_bytes:
             return
         with self._lock:
-            states = self._scopes.setdefault(scope, [])
-            self._scopes.move_to_end(scope)
+            states = self._states.of(scope)
             if self.repeats and any(k.context == context and k.head.startswith(head)
                                     for k in states):
+                self._states.touch(scope)
                 return  # a leading part of a kept one (a retry, a hint's sub-split)
-            for old in [k for k in states if k.context == context and head.startswith(k.head)]:
-                states.remove(old)  # superseded: the new one goes at least as far
-                self._bytes -= old.size
-            states.insert(0, new)
-            self._bytes += new.size
-            while len(states) > self.per_scope:
-                self._bytes -= states.pop().size
-            while self._bytes > self.max_bytes:
-                oldest, kept = next(iter(self._scopes.items()))
-                self._bytes -= kept.pop().size
-                if not kept:
-                    del self._scopes[oldest]
+            # (superseded: the new one goes at least as far)
+            self._states.put(scope, new, [k for k in states
+                                          if k.context == context and head.startswith(k.head)])
 
     def clear(self) -> None:
         with self._lock:
-            self._scopes.clear()
-            self._bytes = 0
+            self._states.clear()
 
 
 @dataclass

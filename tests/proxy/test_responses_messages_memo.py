@@ -87,6 +87,6 @@ def test_it_stays_within_its_bytes():
     for i in range(200):
         items = ({"type": "message", "role": "user", "content": f"{i} " + "x" * 2000},)
         memo.convert(b"s%d" % (i % 9), items, None)
-        assert memo._bytes <= 64 << 10
+        assert memo.size_bytes <= 64 << 10
     with pytest.raises(ApiError):
         memo.convert(b"s", (), "only instructions")

@@ -18,7 +18,10 @@ dropped after `STAGED_TTL_S`.
 Restores are verified three ways before any row is written: the store recomputes each
 link's key over the prompt it was actually given, the slot table checks the slot's
 committed key and depth, and the slab's own (key, start, parent) must continue the chain.
-A failed link ends the chain there: the request still runs, it just prefills more.
+A failed link ends the chain there: the request still runs, it just prefills more. A plan
+may name only a chain's last links (the proxy names its leaf): the store completes it up
+to the root by its own parent links, each one slot-checked (`_ancestors`); a missing
+ancestor is the miss, and nothing of that chain is restored.
 
 Late lookup (with ext/held_chain.py): a request also restores the deepest chain the store
 holds at one of its own snapshot depths, keyed here over its prompt; a staged slab counts
@@ -140,11 +143,12 @@ class Slab:
 class RestoreCheck:
     """The verified prefix of a restore chain and what the reply reports about it."""
 
-    chain: tuple[Slab, ...]
-    restored: tuple[dict[str, Any], ...]
+    chain: tuple[Slab, ...]  # root→leaf, every link restored
+    restored: tuple[dict[str, Any], ...]  # what the reply lists: the planned links restored
     misses: tuple[dict[str, Any], ...]
     late_lookup: bool = False  # the chain came from the late lookup, not the plan
     held: tuple[AnchorHeld, ...] = ()  # committed links of a late chain the plan did not name
+    reported: tuple[Slab, ...] = ()  # the links `restored` lists (the late chain: all)
 
     @property
     def depth(self) -> int:
@@ -157,7 +161,7 @@ class RestoreCheck:
     def report(self) -> AnchorReport:
         """The reply's anchor record so far (the request's snapshots add written/held)."""
         return AnchorReport(
-            restored=tuple(AnchorHit(s.key, s.depth, s.kind) for s in self.chain),
+            restored=tuple(AnchorHit(s.key, s.depth, s.kind) for s in self.reported),
             restore_miss=tuple(RestoreMiss(bytes.fromhex(m["key"]), m["depth"], m["reason"])
                                for m in self.misses),
             held=self.held, late_lookup=self.late_lookup)
@@ -208,17 +212,26 @@ class AnchorStore:
             return []
         n = len(ids)
         keys = _link_keys(plan, self.model_id, ids)
-        leaves = [(r.key, r.depth, True) for r in plan.restore
+        # a planned chain's links, and down from its first the ancestors the store completes
+        # (`_ancestors`): past those in memory to those on disk
+        leaves = [(r.key, r.depth, True, i == 0) for i, r in enumerate(plan.restore)
                   if r.depth < n and keys.get(r) == r.key]
         planned = {s.depth for s in plan.snapshot if 0 < s.depth < n}
         depths = planned | set(self.disk.depths_below(n))
-        leaves += [(k, d, d in planned)
+        leaves += [(k, d, d in planned, False)
                    for d, k in anchor_keys(plan.namespace, self.model_id, ids, depths).items()]
         out: dict[tuple[bytes, int], None] = {}
-        for key, depth, discover in leaves:
+        for key, depth, discover, through in leaves:
             link: tuple[bytes, int] | None = (key, depth)
-            while link is not None and link not in out and not self.table.contains(*link) \
-                    and self.disk.has(*link, discover):
+            while link is not None and link not in out:
+                if self.table.contains(*link):
+                    slot = self._slot_of.get(link[0])
+                    slab = self._live.get(slot) if slot is not None and through else None
+                    link = (slab.parent, slab.start) if slab is not None and slab.parent \
+                        and slab.start < slab.depth else None
+                    continue
+                if not self.disk.has(*link, discover):
+                    break
                 out[link] = None
                 entry = self.disk.entry(link[0])
                 link = (entry.parent, entry.start) if entry is not None and entry.parent else None
@@ -247,11 +260,13 @@ class AnchorStore:
     def _check_chain(self, ids: tuple[int, ...], plan: AnchorPlan) -> RestoreCheck:
         keys = _link_keys(plan, self.model_id, ids)
         chain: list[Slab] = []
+        named: list[Slab] = []
         misses: list[dict[str, Any]] = []
         prev = _Tip()
         for ref in plan.restore:
             reason = None
             slot = None
+            above: list[Slab] = []
             if ref.depth >= len(ids):
                 reason = "covers_prompt"  # at least the last token must be prefilled
             elif keys[ref] != ref.key:
@@ -261,14 +276,22 @@ class AnchorStore:
                 reason = "not_resident"
             else:
                 slab = self._live.get(slot)
-                if slab is None or slab.key != ref.key or slab.depth != ref.depth \
-                        or slab.start != prev.depth or slab.parent != prev.key:
+                if slab is None or slab.key != ref.key or slab.depth != ref.depth:
+                    reason = "chain_mismatch"
+                elif not chain and slab.start != 0:  # a chain's last links: its ancestors
+                    above, miss = self._ancestors(slab, ids)  # are this store's own
+                    if miss is not None:
+                        misses.append(miss)
+                        break
+                elif slab.start != prev.depth or slab.parent != prev.key:
                     reason = "chain_mismatch"
             if reason is not None:
                 misses.append({"key": ref.key.hex(), "depth": ref.depth, "reason": reason})
                 break
             assert slot is not None
+            chain += above
             chain.append(self._live[slot])
+            named.append(self._live[slot])
             prev = _Tip(ref.key, ref.depth)
         # Late lookup (ext/held_chain.py): a cut this request would snapshot may have
         # been written since the proxy planned it, by the request ahead of it in the
@@ -290,18 +313,49 @@ class AnchorStore:
             lambda key, depth: self._held(key, depth, ids, discover=depth not in scanned))
         held: list[AnchorHeld] = []
         if late and late[-1].depth > prev.depth:
-            planned = {r.key for r in plan.restore}
+            planned = {r.key for r in plan.restore} | {s.key for s in chain}  # (and implied)
             for slab in late:
                 if slab.key in self._slot_of:  # committed: LRU touch and a hit
                     self.table.lookup(slab.key, slab.depth)
                     if slab.key not in planned:  # the proxy may not know it: report it
                         held.append(AnchorHeld(self._slot_of[slab.key], slab.key, slab.depth,
                                                slab.parent, slab.nbytes, slab.kind))
-            chain, prev = late, _Tip(late[-1].key, late[-1].depth)
+            chain, named, prev = late, late, _Tip(late[-1].key, late[-1].depth)
         restored = tuple({"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
-                         for s in chain)
+                         for s in named)
         return RestoreCheck(tuple(chain), restored, tuple(misses),
-                            late_lookup=bool(late) and chain is late, held=tuple(held))
+                            late_lookup=bool(late) and chain is late, held=tuple(held),
+                            reported=tuple(named))
+
+    def _ancestors(self, slab: Slab, ids: tuple[int, ...]
+                   ) -> tuple[list[Slab], dict[str, Any] | None]:
+        """The committed ancestors of `slab`, root first, by its parent links (in memory, or
+        promoted from the disk tier), or the miss of the first one this store lacks.
+
+        Not keyed again: the store keyed each slab over the prompt it prefilled and linked
+        it to the anchor that request restored or wrote below it, so a verified leaf's
+        ancestors are prefixes of the same prompt; the slot table's key and depth check
+        (and a promoted file's tokens) still hold for each. A chain named by its leaf thus
+        costs the proxy one link whatever its length. Touches nothing: the leaf's lookup
+        refreshes its ancestors (ext/slots.py)."""
+        out: list[Slab] = []
+        link = slab
+        while link.parent is not None:
+            slot = self._slot_of.get(link.parent)
+            up = self._live.get(slot) if slot is not None \
+                and self.table.contains(link.parent, link.start) else None
+            if up is None and (slot := self._promote(link.parent, link.start, ids)) is not None:
+                up = self._live.get(slot)
+            if up is None or up.key != link.parent or up.depth != link.start \
+                    or not up.depth < link.depth:
+                return [], {"key": link.parent.hex(), "depth": link.start,
+                            "reason": "not_resident" if up is None else "chain_mismatch"}
+            out.append(up)
+            link = up
+        if link.start != 0:
+            return [], {"key": link.key.hex(), "depth": link.depth, "reason": "chain_mismatch"}
+        out.reverse()
+        return out, None
 
     def _held(self, key: bytes, depth: int, ids: tuple[int, ...] | None = None,
               discover: bool = True) -> Slab | None:

@@ -94,6 +94,8 @@ class LeaseTable:
     def refresh(self, keys: Iterable[bytes], tenant: str) -> int:
         """`tenant` used the anchors `keys` (a restore): push its leases among them out by
         their TTL. Returns how many it had."""
+        if not self._leases:  # (most proxies: no lease, and a chain's keys are not read)
+            return 0
         now, n = self.clock(), 0
         for key in keys:
             lease = self._leases.get(key)

@@ -420,7 +420,8 @@ class AnchorLifecycle:
                                 _new(report.held))
             if settled.removed:
                 led.mark(self.worker_id, epoch, settled.removed, AnchorStatus.EVICTED)
-            if report.restored:
+            if report.restored:  # the links the worker looked up: the plan's leaf (its
+                # ancestors are touched, not hit, as in the worker's slot table)
                 led.note_hits(self.worker_id, epoch, [h.key for h in report.restored])
             led.close_reservation(anchored.rid, ReservationOutcome.CONFIRMED, reason
                                   if ok == {w.slot for w in report.written} else "confirm_refused")
@@ -449,10 +450,11 @@ class AnchorLifecycle:
             if meta.epoch != self.epoch:
                 return
             report = meta.anchors
-            self.leases.refresh([h.key for h in report.restored], caller.tenant)
+            links = anchored.plan.restored(report)
+            self.leases.refresh((h.key for h in links), caller.tenant)
             if not depths:
                 return
-            keys = {h.depth: h.key for h in report.restored}
+            keys = {h.depth: h.key for h in links}
             keys |= {w.depth: w.key for w in (*report.written, *report.held)}
             for depth, ttl_s in sorted(depths.items()):
                 rec = self.live(keys[depth]) if depth in keys else None

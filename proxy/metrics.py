@@ -261,21 +261,25 @@ class ProxyMetrics:
         if not plan.namespace:  # anchors off
             return
         report = meta.anchors
-        planned = {rec.key: rec for rec in plan.chain}
         if plan.chain:
             self.restore_seconds.labels(t).observe(meta.restore_ms / 1e3)
         self.lookups.labels(t, "restored" if report.restored else "missed" if plan.chain
                             else "cold").inc()
-        if report.restored:  # (a chain's links: one label lookup per kind, not per link)
-            kinds = collections.Counter(hit.kind.value for hit in report.restored)
+        links = plan.restored(report)
+        if links:  # (a chain's links: one label lookup per kind, not per link)
+            kinds = collections.Counter(link.kind.value for link in links)
             for kind, n in kinds.items():
                 self.hits.labels(t, kind).inc(n)
-            restored = sum(rec.nbytes for hit in report.restored
-                           if (rec := planned.get(hit.key)) is not None)
+            # the planned links restored (of a late chain, those the plan holds too)
+            if report.late_lookup:
+                late = {h.key for h in links}
+                restored = sum(rec.nbytes for rec in plan.chain if rec.key in late)
+            else:  # a leading part of the plan's chain
+                restored = sum(rec.nbytes for rec in plan.chain[:len(links)])
             if restored:
                 self.restore_bytes.labels(t).inc(restored)
-        for miss in report.restore_miss:
-            rec = planned.get(miss.key)
+        for miss in report.restore_miss:  # the plan's leaf, or an ancestor the worker lacks
+            rec = next((r for r in reversed(plan.chain) if r.key == miss.key), None)
             self.misses.labels(t, rec.kind.value if rec else "unknown", miss.reason).inc()
         for w in report.written:
             self.snapshots.labels(t, w.kind.value).inc()

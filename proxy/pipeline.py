@@ -186,6 +186,7 @@ class Completion:
         self.ttft_s: float | None = None  # pipeline start → first generated token
         self.constraint = self._constraint()
         self.target: Target | None = None  # the worker serving it, once routed
+        self.plan: Plan | None = None  # its anchor plan there, once routed
         self.max_new_tokens: int | None = None  # what the worker may generate, once known
 
     @classmethod
@@ -303,6 +304,7 @@ class Completion:
         plan: Plan | None = None
         try:
             target, anchoring, plan, chunks = await self._start(prompt_ids, sampling)
+            self.plan = plan
             async with contextlib.aclosing(chunks) as stream:
                 async for chunk in stream:
                     if not 0 <= chunk.index < len(choices):
@@ -472,5 +474,7 @@ class Completion:
             restore_ms=meta.restore_ms,
             prefill_ms=meta.prefill_ms,
             decode_ms=round(sum(o.meta.decode_ms for o in self.outcomes if o.meta is not None), 3),
-            anchor_hits=tuple(AnchorHit(h.kind.value, h.depth) for h in meta.anchors.restored),
+            anchor_hits=tuple(AnchorHit(h.kind.value, h.depth) for h in (
+                self.plan.restored(meta.anchors) if self.plan is not None
+                else meta.anchors.restored)),
         )

@@ -24,12 +24,13 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from anchorcache.defaults import CONVERSATIONS_PER_SCOPE, TOOL_ANCHOR_GAP_TOKENS
 from anchorcache.wire import (
+    AnchorHit,
     AnchorKind,
     AnchorPlan,
     AnchorRef,
@@ -63,6 +64,18 @@ class Plan:
     @property
     def restore_depth(self) -> int:
         return self.chain[-1].depth if self.chain else 0
+
+    def restored(self, report: AnchorReport) -> Sequence[AnchorRecord | AnchorHit]:
+        """The links the request restored, root→leaf. The request names only the chain's
+        leaf and the worker lists only that (it completes the chain by its own parent
+        links, which are what this index learnt from it: `chain`), or a late chain whole
+        (`late_lookup`, the links it found past the plan). O(1) for a chain restored whole."""
+        if not report.restored or report.late_lookup:
+            return report.restored
+        deepest = report.restored[-1].depth
+        if deepest == self.restore_depth:
+            return self.chain
+        return tuple(r for r in self.chain if r.depth <= deepest)
 
 
 @dataclass(frozen=True)
@@ -398,7 +411,9 @@ class Planner:
             chain = [shared_root]  # deeper than the tenant's own tool anchors
         # Every cut is asked for: the worker saves those past what it actually restored and
         # reports (and chains onto) those it already holds. The index cannot know either: a
-        # planned link may be gone (eviction, worker restart), so the restore may end early.
+        # planned link may be gone (eviction, worker restart), so the restore may fail.
+        # The chain is named by its leaf: the worker completes it by its own parent links
+        # (ext/store.py), so a turn costs the wire one link however long its conversation.
         snapshots = {}
         for depth, kind in cuts:
             thin = kind in (AnchorKind.TOOL, AnchorKind.INSTRUCTION)
@@ -412,7 +427,7 @@ class Planner:
         request = AnchorPlan(
             namespace=ns,
             restore=tuple(r.ref if r.namespace == ns else AnchorRef(r.key, r.depth, r.namespace)
-                          for r in chain),
+                          for r in chain[-1:]),
             snapshot=tuple(snapshots[d] for d in sorted(snapshots)),
             snapshot_response=True,
             chunk_at=tuple(sorted({d for d, _ in cuts})),

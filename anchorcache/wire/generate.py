@@ -112,7 +112,8 @@ class SnapshotSpec(Record, frozen=True):
 class AnchorPlan(HexRecord, frozen=True):
     """The anchor part of a generate request (absent: no anchoring at all).
 
-    `restore` is a root→leaf chain; `snapshot` lists cuts to save during prefill;
+    `restore` is a root→leaf chain, or its last links (the proxy names the leaf: the worker
+    completes the chain by its own parent links); `snapshot` lists cuts to save during prefill;
     `snapshot_response` saves prompt + generated tokens at the end; `chunk_at` are prefill
     chunk boundaries (the snapshot depths are always boundaries too).
     """
@@ -187,7 +188,7 @@ class AnchorHeld(AnchorWritten, frozen=True):
 class AnchorReport(Record, frozen=True):
     """`meta_info.anchors`: what one generate request restored, missed, wrote and found held."""
 
-    restored: tuple[AnchorHit, ...] = ()
+    restored: tuple[AnchorHit, ...] = ()  # the named links restored (a late chain: whole)
     restore_miss: tuple[RestoreMiss, ...] = ()
     written: tuple[AnchorWritten, ...] = ()
     held: tuple[AnchorHeld, ...] = ()

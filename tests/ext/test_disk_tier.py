@@ -294,6 +294,39 @@ def test_a_restarted_store_restores_a_chain_from_disk_as_from_host(tmp_path):
     assert st.disk is not None and st.disk.loads == 2 and st.disk.skips == 0
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["read_here", "read_ahead"])
+def test_a_chain_named_by_its_leaf_is_completed_from_disk(tmp_path, ahead):
+    """The proxy names a chain's leaf only: the store finds its ancestors by their parent
+    links, in memory or on disk, and also when the leaf is in memory and its parent only on
+    disk. `read_ahead`: SGLang's way (`disk_reads` on the copy thread, then `check_chain`),
+    where a link not read ahead is not read at all."""
+    keys = write_chain(store(tmp_path), PROMPT, [10, 20, 45])
+    for warm_leaf in (False, True):
+        fresh = store(tmp_path)
+        if warm_leaf:  # the leaf in memory, its ancestors still on disk
+            assert fresh._promote(keys[45], 45, PROMPT) is not None
+        leaf = plan(keys, [45])
+        read = fresh.read_links(fresh.disk_reads(PROMPT, leaf)) if ahead else None
+        if ahead:
+            assert set(read) == {(keys[10], 10), (keys[20], 20)} | (
+                set() if warm_leaf else {(keys[45], 45)})
+        check = fresh.check_chain(PROMPT, leaf, read)
+        assert [(s.key, s.depth, s.start) for s in check.chain] == \
+            [(keys[10], 10, 0), (keys[20], 20, 10), (keys[45], 45, 20)]
+        assert [h.depth for h in check.report().restored] == [45] and check.misses == ()
+        assert torch.equal(check.chain[1].kv.view(torch.int16), rows(10, 20).view(torch.int16))
+
+
+def test_a_leaf_whose_parent_file_is_corrupt_restores_nothing_and_names_the_parent(tmp_path):
+    keys = write_chain(store(tmp_path), PROMPT, [20, 45])
+    corrupt_flip(tmp_path / f"{FP[:16]}-tp0of1" / f"{keys[20].hex()}-20.slab")
+    fresh = store(tmp_path)
+    check = fresh.check_chain(PROMPT, plan(keys, [45]))
+    assert check.chain == ()
+    assert [(m["key"], m["depth"], m["reason"]) for m in check.misses] == \
+        [(keys[20].hex(), 20, "not_resident")]
+
+
 def test_the_late_lookup_finds_a_chain_on_disk_that_no_plan_names(tmp_path):
     keys = write_chain(store(tmp_path), PROMPT, [20, 45])
     fresh = store(tmp_path)

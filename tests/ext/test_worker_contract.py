@@ -136,6 +136,59 @@ def test_a_chain_that_skips_a_link_restores_only_its_verified_prefix(worker):
     assert out["output_ids"] == generate(worker, ids, AnchorPlan(NS, chunk_at=(80,)))["output_ids"]
 
 
+def test_a_chain_named_by_its_leaf_is_restored_whole(worker):
+    """The proxy names a chain's leaf only: the worker restores it from the root by its own
+    parent links, and lists only what was named."""
+    ids = prompt(15)
+    keys = save(worker, ids[:250], [80, 160, 240])
+    cold = generate(worker, ids, AnchorPlan(NS, chunk_at=(80, 160, 240)))
+    worker.forget_device()
+    warm = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[240], 240),)))
+    assert warm["meta_info"]["cached_tokens"] == 240
+    anchors = warm["meta_info"]["anchors"]
+    assert [r["depth"] for r in anchors["restored"]] == [240] and not anchors["restore_miss"]
+    assert warm["output_ids"] == cold["output_ids"]
+    worker.forget_device()
+    # named from a middle link down: the same chain
+    mid = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[160], 160),
+                                                        AnchorRef(keys[240], 240))))
+    assert mid["meta_info"]["cached_tokens"] == 240
+    assert [r["depth"] for r in mid["meta_info"]["anchors"]["restored"]] == [160, 240]
+    assert mid["output_ids"] == cold["output_ids"]
+    worker.forget_device()
+
+
+def test_a_leaf_whose_ancestor_is_gone_restores_nothing_and_names_it(worker):
+    ids = prompt(16)
+    keys = save(worker, ids[:250], [80, 160, 240])
+    assert post(worker, "/anchor/evict", {"key": keys[160].hex()})["evicted"] is True
+    out = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(keys[240], 240),)))
+    assert out["meta_info"]["cached_tokens"] == 0
+    anchors = out["meta_info"]["anchors"]
+    assert anchors["restored"] == []
+    [miss] = anchors["restore_miss"]  # the link that is gone, for the proxy to forget
+    assert (miss["key"], miss["depth"], miss["reason"]) == (keys[160].hex(), 160, "not_resident")
+    worker.forget_device()
+    assert out["output_ids"] == generate(worker, ids, AnchorPlan(NS, chunk_at=(80, 160, 240)))[
+        "output_ids"]
+    worker.forget_device()
+
+
+def test_a_leaf_of_another_prompt_is_refused_whatever_its_ancestors(worker):
+    """Prompt b shares a's first 160 tokens: a's leaf at 240 is refused for b (its key is
+    recomputed over b), though its ancestors are b's prefixes too."""
+    a = prompt(17)
+    b = a[:160] + prompt(18)[160:]
+    keys = save(worker, a[:250], [80, 160, 240])
+    out = generate(worker, b, AnchorPlan(NS, restore=(AnchorRef(keys[240], 240),)))
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert out["meta_info"]["anchors"]["restore_miss"][0]["reason"] == "key_mismatch"
+    worker.forget_device()
+    ok = generate(worker, b, AnchorPlan(NS, restore=(AnchorRef(keys[160], 160),)))
+    assert ok["meta_info"]["cached_tokens"] == 160
+    worker.forget_device()
+
+
 def test_wrong_depth_for_a_key_is_refused(worker):
     ids = prompt(6)
     keys = save(worker, ids[:200], [110])

@@ -199,10 +199,10 @@ def test_a_miss_is_counted_with_its_kind_and_reason(metered: Endpoint, worker: S
     usage = chat(metered, messages, conv["tools"])["usage"]
     d = delta(scrape(metered), before)
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-    # the planner asked for its chain; the worker missed at the root and restored nothing
+    # the planner named its chain's leaf; the worker missed there and restored nothing
     assert total(d, "anchorcache_anchor_misses_total") == 1
-    assert value(d, "anchorcache_anchor_misses_total", tenant=DEFAULT_TENANT, kind=primed[0]["kind"],
-                 reason="not_resident") == 1
+    assert value(d, "anchorcache_anchor_misses_total", tenant=DEFAULT_TENANT,
+                 kind=primed[-1]["kind"], reason="not_resident") == 1
     assert value(d, "anchorcache_anchor_lookups_total", tenant=DEFAULT_TENANT, result="missed") == 1
     assert total(d, "anchorcache_anchor_hits_total") == 0
     assert value(d, "anchorcache_prompt_tokens_total", tenant=DEFAULT_TENANT, source="prefilled") == \

@@ -57,6 +57,16 @@ def ids_of(n, seed=0):
     return [rng.randrange(50000) for _ in range(n)]
 
 
+def restores(plan):
+    """The planned chain's depths; the request names its leaf only (the worker completes
+    the chain by its own parent links), in the leaf's namespace where not the plan's."""
+    leaf = plan.chain[-1:]
+    assert [(r.key, r.depth) for r in plan.request.restore] == [(r.key, r.depth) for r in leaf]
+    assert all(r.namespace is None if rec.namespace == plan.namespace else r.namespace
+               == rec.namespace for r, rec in zip(plan.request.restore, leaf, strict=True))
+    return [r.depth for r in plan.chain]
+
+
 def test_cold_plan_snapshots_instruction_and_conversation():
     p = Planner(MODEL, "e1")
     ids = ids_of(100)
@@ -75,7 +85,7 @@ def test_next_turn_restores_the_deepest_chain():
     commit_all(p, p.plan(split(ids, instruction=30, conversation=70), NS), ids)
     longer = ids + ids_of(40, seed=1)
     plan = p.plan(split(longer, instruction=30, conversation=120), NS)
-    assert [r.depth for r in plan.request.restore] == [30, 70, 100]  # the old prompt's end
+    assert restores(plan) == [30, 70, 100]  # the old prompt's end
     assert plan.restore_depth == 100
     assert [s.depth for s in plan.request.snapshot] == [30, 120, 140]  # the worker skips held ones
 
@@ -87,7 +97,7 @@ def test_an_edited_early_token_restores_nothing_past_it():
     edited = list(ids)
     edited[40] += 1  # inside the conversation, after the instruction anchor
     plan = p.plan(split(edited + [7], instruction=30, conversation=100), NS)
-    assert [r.depth for r in plan.request.restore] == [30]
+    assert restores(plan) == [30]
     edited[3] += 1  # inside the instruction anchor
     assert p.plan(split(edited + [7], instruction=30, conversation=100), NS).request.restore == ()
 
@@ -113,7 +123,7 @@ def test_a_shared_toolset_roots_other_tenants_chains_and_nothing_else():
     warm = p.plan(split(ids[:30]), shared)
     commit_all(p, warm, ids[:30])
     plan = p.plan(split(ids, instruction=30, conversation=70), other, shared=shared)
-    assert [(r.depth, r.namespace) for r in plan.request.restore] == [(30, shared)]
+    assert restores(plan) == [30] and plan.request.restore[0].namespace == shared
     # without the shared namespace offered, or past a different instruction prefix: nothing
     assert p.plan(split(ids, instruction=30, conversation=70), other).chain == ()
     edited = list(ids)
@@ -124,10 +134,11 @@ def test_a_shared_toolset_roots_other_tenants_chains_and_nothing_else():
     commit_all(p, plan, ids)
     longer = split(ids + ids_of(10, seed=3), instruction=30, conversation=100)
     mine = p.plan(longer, other, shared=shared)
-    assert [r.depth for r in mine.request.restore] == [30, 70, 100]
-    assert mine.request.restore[1].namespace is None  # the plan's own namespace
+    assert restores(mine) == [30, 70, 100]
+    assert mine.chain[0].namespace == shared  # the shared root, then the tenant's own
+    assert mine.request.restore[0].namespace is None  # the plan's own namespace
     theirs = p.plan(longer, NS, shared=shared)
-    assert [r.depth for r in theirs.request.restore] == [30]
+    assert restores(theirs) == [30]
 
 
 def test_a_broken_chain_is_not_planned():
@@ -165,7 +176,7 @@ def test_held_anchors_are_learned_without_a_confirm():
     cold = p.plan(split(ids, instruction=30, conversation=70), NS)
     commit_all(p, cold, ids, held=True)
     plan = p.plan(split(ids + [4, 5], instruction=30, conversation=100), NS)
-    assert [r.depth for r in plan.request.restore] == [30, 70, 100]
+    assert restores(plan) == [30, 70, 100]
 
 
 def test_unconfirmed_writes_are_not_learned():
@@ -251,14 +262,14 @@ def test_a_toolset_sharing_the_first_tools_restores_their_tool_anchors():
     commit_all(p, p.plan(tooled(ids, [150, 260, 420, 800], 1000, 1100), NS), ids)
     other = ids[:420] + ids_of(800, seed=9)  # the same first tools, then others
     plan = p.plan(tooled(other, [150, 260, 420, 700, 900], 1000, 1100), NS)
-    assert [r.depth for r in plan.request.restore] == [150, 260, 420]
+    assert restores(plan) == [150, 260, 420]
     # what it writes next chains on: its own tool anchors past 420, its instruction anchor
     assert [(x.depth, x.kind) for x in plan.request.snapshot if x.depth <= 1000] == [
         (150, AnchorKind.TOOL), (260, AnchorKind.TOOL), (420, AnchorKind.TOOL),
         (700, AnchorKind.TOOL), (900, AnchorKind.TOOL), (1000, AnchorKind.INSTRUCTION)]
     # the same toolset again restores through the instruction anchor, tool links first
     again = p.plan(tooled(ids[:1100] + [5], [150, 260, 420, 800], 1000, 1100), NS)
-    assert [r.depth for r in again.request.restore] == [150, 260, 420, 800, 1000, 1100]
+    assert restores(again) == [150, 260, 420, 800, 1000, 1100]
 
 
 def brute_force_chain(planner, ns, ids):

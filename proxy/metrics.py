@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -267,9 +268,9 @@ class ProxyMetrics:
                             else "cold").inc()
         links = plan.restored(report)
         if links:  # (a chain's links: one label lookup per kind, not per link)
-            kinds = collections.Counter(link.kind.value for link in links)
+            kinds = collections.Counter(map(operator.attrgetter("kind"), links))
             for kind, n in kinds.items():
-                self.hits.labels(t, kind).inc(n)
+                self.hits.labels(t, kind.value).inc(n)
             # the planned links restored (of a late chain, those the plan holds too)
             if report.late_lookup:
                 late = {h.key for h in links}

@@ -119,6 +119,7 @@ def usage_json(u: Usage) -> dict[str, Any]:
             "prefill_ms": u.prefill_ms,
             "decode_ms": u.decode_ms,
             "prefill_tokens": u.prefill_tokens,
+            # (the kind a str enum: its value in JSON)
             "anchor_hits": [{"kind": h.kind, "depth": h.depth} for h in u.anchor_hits],
         },
     }

@@ -28,9 +28,9 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import msgspec
 
@@ -113,10 +113,15 @@ class Generation:
     messages_head: bytes | None = field(default=None, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
-class AnchorHit:
-    kind: str | None
-    depth: int
+class AnchorHit(Protocol):
+    """A link a request restored, as its usage reports it: the planner's record, or a late
+    chain's link as the worker listed it (made per anchor, not per request: a long
+    conversation restores hundreds)."""
+
+    @property
+    def kind(self) -> AnchorKind: ...
+    @property
+    def depth(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,7 @@ class Usage:
     restore_ms: float
     prefill_ms: float
     decode_ms: float
-    anchor_hits: tuple[AnchorHit, ...]
+    anchor_hits: Sequence[AnchorHit]  # root→leaf
 
 
 def max_new_tokens(max_tokens: int | None, *, default: int, prompt_tokens: int,
@@ -474,7 +479,6 @@ class Completion:
             restore_ms=meta.restore_ms,
             prefill_ms=meta.prefill_ms,
             decode_ms=round(sum(o.meta.decode_ms for o in self.outcomes if o.meta is not None), 3),
-            anchor_hits=tuple(AnchorHit(h.kind.value, h.depth) for h in (
-                self.plan.restored(meta.anchors) if self.plan is not None
-                else meta.anchors.restored)),
+            anchor_hits=self.plan.restored(meta.anchors) if self.plan is not None
+            else meta.anchors.restored,
         )

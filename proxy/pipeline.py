@@ -408,8 +408,10 @@ class Completion:
                 first = await anext(chunks)
             except BaseException as e:
                 await asyncio.shield(chunks.aclose())
-                if anchoring is not None:
-                    target.lifecycle.fail(anchoring, e.kind if isinstance(e, ApiError) else "error")
+                if anchoring is not None:  # (closed here: `choice_deltas` never sees it)
+                    reason = e.kind if isinstance(e, ApiError) else "error"
+                    target.lifecycle.fail(anchoring, reason)
+                    self._observe_reservation(reason, confirmed=False)
                 if not isinstance(e, ApiError) or e.kind not in ("worker_unavailable",
                                                                  "worker_error"):
                     raise  # `choice_deltas` aborts it on the worker
@@ -428,9 +430,10 @@ class Completion:
             return target, anchoring, plan, _prepend(first, chunks)
 
     def _observe(self, plan: Plan | None, reserved: bool, reason: str, confirmed: bool) -> None:
-        """The one place the pipeline feeds the metrics (`reason`: why the reservation
-        ended, `confirmed`: whether it kept anything). Never raises: a metrics bug must not
-        turn a served request into an error."""
+        """Where the pipeline feeds the metrics when a request ends (`reason`: why the
+        reservation ended, `confirmed`: whether it kept anything; one closed before the
+        worker's first chunk was counted where it closed). Never raises: a metrics bug must
+        not turn a served request into an error."""
         metrics, tenant = self.state.metrics, self.caller.tenant
         try:
             if self.ttft_s is not None:
@@ -438,9 +441,16 @@ class Completion:
             metrics.record_completion_tokens(tenant, sum(o.completion_tokens for o in self.outcomes))
             if self.meta is not None and plan is not None:
                 metrics.record_generation(tenant, plan, self.meta)
-            if reserved:  # anchors on: the request held a reservation
-                metrics.record_reservations(tenant, "confirmed" if confirmed else "aborted",
-                                            reason)
+        except Exception:
+            log.exception("recording metrics of request %s failed", self.rid)
+        if reserved:  # anchors on: the request held a reservation
+            self._observe_reservation(reason, confirmed)
+
+    def _observe_reservation(self, reason: str, confirmed: bool) -> None:
+        """Count how a reservation of this request ended (never raises)."""
+        try:
+            self.state.metrics.record_reservations(
+                self.caller.tenant, "confirmed" if confirmed else "aborted", reason)
         except Exception:
             log.exception("recording metrics of request %s failed", self.rid)
 

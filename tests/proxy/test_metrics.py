@@ -229,11 +229,15 @@ def test_errors_and_unknown_routes_are_counted_by_status(metered: Endpoint):
 
 
 @pytest.mark.slow
-def test_a_failed_request_aborts_its_reservation_with_the_reason(metered: Endpoint, worker: Server):
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_failed_request_aborts_its_reservation_with_the_reason(metered: Endpoint, worker: Server,
+                                                                where: str):
+    """Counted whether the worker fails before its first event reaches the proxy (prefill;
+    a decode failure may arrive with the first token, in one read) or after."""
     messages = [{"role": "system", "content": "You answer in one word."},
                 {"role": "user", "content": "Name a colour."}]
     before = scrape(metered)
-    httpx.post(worker.url + "/debug/fault", json={"where": "decode"}, timeout=30).raise_for_status()
+    httpx.post(worker.url + "/debug/fault", json={"where": where}, timeout=30).raise_for_status()
     failed = httpx.post(metered.url + CHAT, timeout=120,
                         json={"model": "default", "messages": messages, "max_tokens": 8})
     assert failed.status_code == 502

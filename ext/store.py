@@ -144,18 +144,19 @@ class RestoreCheck:
     """The verified prefix of a restore chain and what the reply reports about it."""
 
     chain: tuple[Slab, ...]  # root→leaf, every link restored
-    restored: tuple[dict[str, Any], ...]  # what the reply lists: the planned links restored
+    reported: tuple[Slab, ...]  # what the reply lists: the planned links restored (late: all)
     misses: tuple[dict[str, Any], ...]
     late_lookup: bool = False  # the chain came from the late lookup, not the plan
     held: tuple[AnchorHeld, ...] = ()  # committed links of a late chain the plan did not name
-    reported: tuple[Slab, ...] = ()  # the links `restored` lists (the late chain: all)
 
     @property
     def depth(self) -> int:
         return self.chain[-1].depth if self.chain else 0
 
     def info(self) -> dict[str, Any]:
-        return {"restored": list(self.restored), "restore_miss": list(self.misses),
+        return {"restored": [{"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
+                             for s in self.reported],
+                "restore_miss": list(self.misses),
                 "late_lookup": self.late_lookup, "held": list(self.held)}
 
     def report(self) -> AnchorReport:
@@ -225,8 +226,7 @@ class AnchorStore:
             link: tuple[bytes, int] | None = (key, depth)
             while link is not None and link not in out:
                 if self.table.contains(*link):
-                    slot = self._slot_of.get(link[0])
-                    slab = self._live.get(slot) if slot is not None and through else None
+                    slab = self._committed(*link) if through else None
                     link = (slab.parent, slab.start) if slab is not None and slab.parent \
                         and slab.start < slab.depth else None
                     continue
@@ -321,11 +321,8 @@ class AnchorStore:
                         held.append(AnchorHeld(self._slot_of[slab.key], slab.key, slab.depth,
                                                slab.parent, slab.nbytes, slab.kind))
             chain, named, prev = late, late, _Tip(late[-1].key, late[-1].depth)
-        restored = tuple({"key": s.key.hex(), "depth": s.depth, "kind": s.kind.value}
-                         for s in named)
-        return RestoreCheck(tuple(chain), restored, tuple(misses),
-                            late_lookup=bool(late) and chain is late, held=tuple(held),
-                            reported=tuple(named))
+        return RestoreCheck(tuple(chain), tuple(named), tuple(misses),
+                            late_lookup=bool(late) and chain is late, held=tuple(held))
 
     def _ancestors(self, slab: Slab, ids: tuple[int, ...]
                    ) -> tuple[list[Slab], dict[str, Any] | None]:
@@ -341,9 +338,7 @@ class AnchorStore:
         out: list[Slab] = []
         link = slab
         while link.parent is not None:
-            slot = self._slot_of.get(link.parent)
-            up = self._live.get(slot) if slot is not None \
-                and self.table.contains(link.parent, link.start) else None
+            up = self._committed(link.parent, link.start)
             if up is None and (slot := self._promote(link.parent, link.start, ids)) is not None:
                 up = self._live.get(slot)
             if up is None or up.key != link.parent or up.depth != link.start \
@@ -357,17 +352,22 @@ class AnchorStore:
         out.reverse()
         return out, None
 
+    def _committed(self, key: bytes, depth: int) -> Slab | None:
+        """The committed slab of `key` at `depth` in memory (slot-checked, nothing touched)."""
+        slot = self._slot_of.get(key)
+        if slot is None or not self.table.contains(key, depth):
+            return None
+        slab = self._live.get(slot)
+        return slab if slab is not None and slab.key == key and slab.depth == depth else None
+
     def _held(self, key: bytes, depth: int, ids: tuple[int, ...] | None = None,
               discover: bool = True) -> Slab | None:
         """The slab of `key` at `depth` if it may be restored: committed (slot-checked), or
         staged by a request that finished well and awaits the proxy's confirm. Such a slab is
         complete and was keyed by this worker over the prompt it prefilled; confirmation
         decides what the proxy may plan on, not whether the data is right."""
-        slot = self._slot_of.get(key)
-        if slot is not None and self.table.contains(key, depth):
-            slab = self._live.get(slot)
-            if slab is not None and slab.key == key and slab.depth == depth:
-                return slab
+        if (slab := self._committed(key, depth)) is not None:
+            return slab
         for slot, (slab, _) in self._staged.items():
             if slab.key == key and slab.depth == depth and slot in self._staged_deadline:
                 return slab

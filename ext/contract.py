@@ -26,6 +26,7 @@ import orjson
 from anchorcache import wire
 from anchorcache.wire import (
     KEY_BYTES,
+    Confirmation,
     GenerateMeta,
     GenerateRequest,
     WireError,
@@ -417,13 +418,18 @@ def _meta_json(rid: str, req: GenerateRequest, meta: GenerateMeta) -> dict[str, 
     return data
 
 
-async def _run(backend: Backend, handle_: Any) -> AsyncGenerator[Event, None]:
+async def _run(backend: Backend, req: GenerateRequest, handle_: Any
+               ) -> AsyncGenerator[Event, None]:
     """The request's events, then `finish` (also when the consumer stops early: an async
-    generator left at a yield runs its `finally` only when closed, so each is closed)."""
+    generator left at a yield runs its `finally` only when closed, so each is closed). With
+    the plan's `confirm`, a meta goes out with the anchors it lists written confirmed."""
     events = backend.generate(handle_)
+    kept = Confirmation() if req.anchor is not None and req.anchor.confirm else None
     ok = False
     try:
         async for ev in events:
+            if kept is not None and isinstance(ev, GenerateMeta) and ev.anchors.written:
+                ev, kept = await _confirmed(backend, req, ev, kept)
             yield ev
         ok = True
     finally:
@@ -431,6 +437,28 @@ async def _run(backend: Backend, handle_: Any) -> AsyncGenerator[Event, None]:
             await events.aclose()
         finally:
             await asyncio.shield(backend.finish(handle_, ok))
+
+
+async def _confirmed(backend: Backend, req: GenerateRequest, meta: GenerateMeta,
+                     kept: Confirmation) -> tuple[GenerateMeta, Confirmation]:
+    """`meta` (a sample's end) with its written anchors confirmed, as `/anchor/confirm`
+    would (`kept`: what the request's earlier samples confirmed, their victims included,
+    and the same with this one's). A confirm that fails leaves `meta` unconfirmed: the
+    proxy confirms it itself."""
+    written = {w.slot for w in meta.anchors.written}
+    todo = sorted(written - set(kept.slots))
+    if todo:
+        try:
+            reply = await backend.confirm(todo, req.rid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("request %s: confirming its anchors failed: %s", req.rid, e)
+            return meta, kept
+        kept = Confirmation(kept.slots + reply.confirmed, kept.evicted + reply.evicted)
+    mine = Confirmation(tuple(s for s in kept.slots if s in written), kept.evicted)
+    return msgspec.structs.replace(
+        meta, anchors=msgspec.structs.replace(meta.anchors, confirmed=mine)), kept
 
 
 async def generate(backend: Backend, raw: bytes, context: Any = None) -> Reply | Stream:
@@ -450,7 +478,7 @@ async def generate(backend: Backend, raw: bytes, context: Any = None) -> Reply |
     if req.stream:
         return _stream(backend, req, handle_)
     outputs: list[dict[str, Any]] = [{"rid": rid, "output_ids": []} for _ in range(req.sampling.n)]
-    events = _run(backend, handle_)
+    events = _run(backend, req, handle_)
     try:
         async for ev in events:
             out = outputs[ev.index or 0]
@@ -475,7 +503,7 @@ async def generate(backend: Backend, raw: bytes, context: Any = None) -> Reply |
 
 async def _stream(backend: Backend, req: GenerateRequest, handle_: Any) -> Stream:
     rid = req.rid or ""
-    events = _run(backend, handle_)
+    events = _run(backend, req, handle_)
     try:
         async for ev in events:
             data = _token_json(rid, req, ev) if isinstance(ev, Tokens) else _meta_json(rid, req, ev)

@@ -508,6 +508,7 @@ class AnchorStore:
     def confirm(self, slots: list[int], rid: str | None = None) -> tuple[list[int], list[bytes]]:
         """Make staged anchors visible (with `rid`: only those request `rid` staged); returns
         (confirmed slots, keys evicted)."""
+        self.fault("confirm")
         confirmed, evicted = [], []
         self._sweep()
         for slot in slots:

@@ -7,9 +7,10 @@ them for anchors:
 - `begin()` plans a request and opens its reservation in the ledger. A request whose
   instruction cut is new and already being written by another request waits for that one
   (bounded), so a burst of one new toolset writes one instruction anchor, not one each.
-- `settle()` (success) records what the worker wrote as reserved, confirms it, commits what
-  the worker acknowledged, learns the anchors the worker reported already held, and closes
-  the reservation; `fail()` closes it aborted, with a reason (the pipeline aborts the
+- `settle()` (success) records what the worker wrote and commits what the worker confirmed
+  (as the request ended, in its reply: the plan asks it to; else, recorded as reserved
+  first, by `/anchor/confirm`), learns the anchors the worker reported already held, and
+  closes the reservation; `fail()` closes it aborted, with a reason (the pipeline aborts the
   worker request by rid, which drops its staged snapshots). A request a client stop
   sequence ended is stopped on the worker (`/stop_request`) and settled like any other.
 - It watches the worker's epoch: the worker client passes it the epoch of every reply
@@ -390,16 +391,17 @@ class AnchorLifecycle:
         if meta.epoch != self.epoch:  # the worker client observed it as the reply came
             self.ledger.close_reservation(anchored.rid, ReservationOutcome.ABANDONED, "epoch_changed")
             return
-        # record what the worker wrote, confirm it, commit what the worker acknowledged and
-        # close the reservation (`reason`: why, when it closes confirmed)
+        # record what the worker wrote, confirm it (unless the worker did as the request
+        # ended: the plan asks it to), commit what the worker acknowledged and close the
+        # reservation (`reason`: why, when it closes confirmed)
         report, epoch = meta.anchors, meta.epoch
         caller, led = anchored.caller, self.ledger
-        if report.written:
+        done = report.confirmed
+        confirmed: tuple[int, ...] = done.slots if done is not None else ()
+        evicted: tuple[bytes, ...] = done.evicted if done is not None else ()
+        if report.written and done is None:  # recorded before the confirm, in case we stop
             led.record_written(anchored.rid, self.worker_id, epoch, caller.namespace, caller.tenant,
                                _new(report.written))
-        confirmed: tuple[int, ...] = ()
-        evicted: tuple[bytes, ...] = ()
-        if report.written:
             try:
                 reply = await self.worker.confirm([w.slot for w in report.written], anchored.rid,
                                                   self.epoch)
@@ -414,6 +416,9 @@ class AnchorLifecycle:
         settled = self._planner.record(caller.namespace, report, confirmed, evicted)
         ok = set(confirmed)
         with led.transaction():  # one commit for all of it
+            if report.written and done is not None:
+                led.record_written(anchored.rid, self.worker_id, epoch, caller.namespace,
+                                   caller.tenant, _new(report.written))
             led.commit(self.worker_id, epoch, [w.key for w in report.written if w.slot in ok])
             if report.held:
                 led.record_held(self.worker_id, epoch, caller.namespace, caller.tenant,

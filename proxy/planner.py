@@ -431,6 +431,7 @@ class Planner:
             snapshot=tuple(snapshots[d] for d in sorted(snapshots)),
             snapshot_response=True,
             chunk_at=tuple(sorted({d for d, _ in cuts})),
+            confirm=True,
         )
         instruction = (instr_depth, keys[instr_depth]) if instr_depth else None
         return Plan(ns, request, tuple(chain), instruction)
@@ -439,7 +440,8 @@ class Planner:
         """Snapshot the instruction prefix `ids` as an instruction anchor (thin region)."""
         n = len(ids)
         return AnchorPlan(namespace=namespace,
-                          snapshot=(SnapshotSpec(n, AnchorKind.INSTRUCTION, Region.THIN),))
+                          snapshot=(SnapshotSpec(n, AnchorKind.INSTRUCTION, Region.THIN),),
+                          confirm=True)
 
     # ---- after the worker replied ------------------------------------------------------
     def reset(self, epoch: str) -> int:

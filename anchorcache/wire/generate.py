@@ -115,7 +115,9 @@ class AnchorPlan(HexRecord, frozen=True):
     `restore` is a root→leaf chain, or its last links (the proxy names the leaf: the worker
     completes the chain by its own parent links); `snapshot` lists cuts to save during prefill;
     `snapshot_response` saves prompt + generated tokens at the end; `chunk_at` are prefill
-    chunk boundaries (the snapshot depths are always boundaries too).
+    chunk boundaries (the snapshot depths are always boundaries too). `confirm`: the worker
+    confirms what the request wrote as its end goes out (`meta_info.anchors.confirmed`),
+    instead of waiting for `/anchor/confirm`.
     """
 
     namespace: Hex = Hex()
@@ -123,6 +125,7 @@ class AnchorPlan(HexRecord, frozen=True):
     snapshot: tuple[SnapshotSpec, ...] = ()
     snapshot_response: bool = False
     chunk_at: Ids = ()
+    confirm: bool = False
 
     def depths(self) -> Iterator[int]:
         """Every depth the plan names."""
@@ -185,6 +188,15 @@ class AnchorHeld(AnchorWritten, frozen=True):
     again; it needs no confirm."""
 
 
+class Confirmation(HexRecord, frozen=True):
+    """`meta_info.anchors.confirmed` of a request whose plan asked `confirm`: the slots of
+    its `written` anchors the worker confirmed when it ended, and the keys their victims had
+    (what `/anchor/confirm` would have replied)."""
+
+    slots: Ids = ()
+    evicted: tuple[Key, ...] = ()
+
+
 class AnchorReport(Record, frozen=True):
     """`meta_info.anchors`: what one generate request restored, missed, wrote and found held."""
 
@@ -194,6 +206,7 @@ class AnchorReport(Record, frozen=True):
     held: tuple[AnchorHeld, ...] = ()
     late_lookup: bool = False  # the restored chain came from the late lookup, not the plan
     restored_tokens: NonNeg = 0  # of `cached_tokens`, those copied from host slabs
+    confirmed: Confirmation | None = None  # None: not confirmed (no `confirm`, or it failed)
 
 
 class FinishStop(Record, frozen=True, tag_field="type", tag="stop"):

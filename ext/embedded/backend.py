@@ -181,8 +181,9 @@ class EmbeddedBackend(Backend):
         `"hang": true` its thread blocks there for good, while the HTTP side keeps
         answering (a wedged engine: what `serve`'s supervisor must notice). Tests only."""
         where = body.get("where")
-        if where not in ("start", "prefill", "decode", "snapshot", "restore"):
-            raise WireError("'where' must be start, prefill, decode, snapshot or restore")
+        if where not in ("start", "prefill", "decode", "snapshot", "restore", "confirm"):
+            raise WireError("'where' must be start, prefill, decode, snapshot, restore or "
+                            "confirm")
         hang = body.get("hang", False)
         if not isinstance(hang, bool):
             raise WireError("'hang' must be a boolean")

@@ -212,6 +212,42 @@ def test_unconfirmed_snapshots_are_invisible_and_abortable(worker):
     assert post(worker, "/anchor/confirm", {"slots": [written[0]["slot"]]})["confirmed"] == []
 
 
+def test_a_plan_that_asks_confirm_is_confirmed_as_its_request_ends(worker):
+    """`AnchorPlan.confirm` (what the proxy sends): each sample's end comes with the anchors
+    it lists written confirmed (streamed, n samples that all list the one prompt anchor),
+    committed without an `/anchor/confirm`, and restorable by the next request. Without it,
+    nothing is confirmed (`confirmed` null)."""
+    ids = prompt(31, 160)
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(120, AnchorKind.CONVERSATION, Region.THICK),),
+                      chunk_at=(120,), confirm=True)
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3, n=2)
+    body = {**GenerateRequest(input_ids=tuple(ids), sampling=sampling, anchor=plan,
+                              stream=True).to_json()}
+    with httpx.stream("POST", worker.url + "/generate", json=body, timeout=300) as r:
+        metas = [json.loads(line[6:])["meta_info"] for line in r.iter_lines()
+                 if line.startswith("data: {") and "meta_info" in line]
+    assert len(metas) == 2
+    [slot] = {w["slot"] for m in metas for w in m["anchors"]["written"]}
+    assert [m["anchors"]["confirmed"] for m in metas] == [{"slots": [slot], "evicted": []}] * 2
+    listed = {s["slot"]: s for s in httpx.get(worker.url + "/anchor/slots").json()["slots"]}
+    key = anchor_keys(NS, worker.model_id, ids, [120])[120]
+    assert listed[slot]["state"] == "committed" and listed[slot]["key"] == key.hex()
+    assert httpx.get(worker.url + "/anchor/stats").json()["staged"] == 0
+    worker.forget_device()
+    cold = generate(worker, ids)
+    worker.forget_device()
+    warm = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(key, 120),)))
+    assert warm["meta_info"]["cached_tokens"] == 120
+    assert warm["output_ids"] == cold["output_ids"]
+    # the plan without `confirm`: staged, unconfirmed, as before
+    other = prompt(32, 160)
+    plain = generate(worker, other, AnchorPlan(NS, snapshot=plan.snapshot, chunk_at=(120,)))
+    anchors = plain["meta_info"]["anchors"]
+    assert anchors["confirmed"] is None and len(anchors["written"]) == 1
+    post(worker, "/anchor/abort", {"slots": [anchors["written"][0]["slot"]]})
+    assert post(worker, "/anchor/evict", {"key": key.hex()})["evicted"]
+
+
 def test_a_prefix_already_held_is_reported_not_rewritten(worker):
     ids = prompt(9)
     keys = save(worker, ids[:200], [90])

@@ -256,6 +256,31 @@ def test_a_failed_request_aborts_its_reservation_with_the_reason(metered: Endpoi
 
 
 @pytest.mark.slow
+def test_anchors_the_worker_failed_to_confirm_in_band_are_confirmed_by_the_proxy(
+        metered: Endpoint, worker: Server):
+    """The proxy asks the worker to confirm a request's anchors as it ends; when that fails
+    (the reply's `confirmed` is null), the proxy confirms them itself: the reservation
+    closes confirmed, and the next turn restores them."""
+    messages = [{"role": "system", "content": "You answer briefly. " * 40},
+                {"role": "user", "content": "Name a colour that starts with " + "qz"}]
+    before = scrape(metered)
+    httpx.post(worker.url + "/debug/fault", json={"where": "confirm"}, timeout=30).raise_for_status()
+    first = httpx.post(metered.url + CHAT, timeout=120, json={
+        "model": "default", "messages": messages, "max_tokens": 3, "temperature": 0})
+    assert first.status_code == 200, first.text
+    d = delta(scrape(metered), before)
+    written = total(d, "anchorcache_snapshots_total", tenant=DEFAULT_TENANT)
+    assert written > 0
+    assert value(d, "anchorcache_worker_confirms_total", worker="w0") == written
+    assert value(d, "anchorcache_reservations_total", tenant=DEFAULT_TENANT, outcome="confirmed",
+                 reason="ok") == 1
+    again = httpx.post(metered.url + CHAT, timeout=120, json={
+        "model": "default", "messages": messages, "max_tokens": 3, "temperature": 0})
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again.json()["choices"] == first.json()["choices"]
+
+
+@pytest.mark.slow
 def test_the_anthropic_route_feeds_the_same_metrics(metered: Endpoint):
     before = scrape(metered)
     resp = httpx.post(metered.url + "/v1/messages", timeout=120,

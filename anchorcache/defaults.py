@@ -34,4 +34,4 @@ PINNED_SLOTS = ANCHOR_SLOTS // 4
 # splitter's kept turns and message lists, the planner's key states): an agent's next turn
 # extends its last one only while that is kept, so a tenant running more agents than this at
 # once renders, tokenizes and keys each of their prompts whole.
-CONVERSATIONS_PER_SCOPE = 32
+CONVERSATIONS_PER_SCOPE = 128

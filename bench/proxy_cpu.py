@@ -396,7 +396,11 @@ def by_length(url: str, pid: int, turns: int, count_tokens: Any,
     return rows
 
 
-def throughput(url: str, pid: int, concurrent: int, turns: int, count_tokens: Any) -> dict:
+def throughput(url: str, pid: int, concurrent: int, turns: int, count_tokens: Any,
+               stagger_s: float = 0.0) -> dict:
+    """`concurrent` agents of one tenant, each its own 8k conversation of `turns` turns
+    (agent j starting `j * stagger_s` in: a tenant's agents do not all begin at one
+    instant, and a burst of first turns past the tenant's waiting splits is refused)."""
     (conv,), stops = grown(8_000, turns, count_tokens)
     tools, messages = conv["tools"], conv["messages"]
 
@@ -404,6 +408,7 @@ def throughput(url: str, pid: int, concurrent: int, turns: int, count_tokens: An
         # each agent its own conversation: a different first user message
         msgs = [dict(m) for m in messages]
         own(msgs, j)
+        time.sleep(j * stagger_s)
         with httpx.Client(timeout=300) as client:
             for stop in stops:
                 request(client, url, tools, msgs[:stop], True)
@@ -525,6 +530,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--concurrent", type=int, default=8)
+    ap.add_argument("--stagger-ms", type=float, default=0.0,
+                    help="the concurrent run's agents start this far apart")
     ap.add_argument("--name", default="proxy_cpu")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)),
                     help="conversation lengths in tokens, comma-separated")
@@ -625,7 +632,8 @@ def main() -> None:
                              tuple(int(s) for s in args.sizes.split(",")),
                              profile if args.profile else None, APIS[args.api])
             rate = None if args.no_throughput else throughput(
-                proxy.url, pid, args.concurrent, args.turns, count_tokens)
+                proxy.url, pid, args.concurrent, args.turns, count_tokens,
+                args.stagger_ms / 1e3)
             for spy in spies:
                 stop_py_spy(spy)
     finally:

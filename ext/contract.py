@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +62,33 @@ class Tokens:
 Event = Tokens | GenerateMeta
 
 
+IN_BAND_KEPT_S = 60.0  # as long as a finished request's unconfirmed anchors are (ext/store.py)
+IN_BAND_KEPT = 4096
+
+
+class InBandConfirms:
+    """The anchors each recent request had confirmed as it ended (`AnchorPlan.confirm`), by
+    rid, for `IN_BAND_KEPT_S` (at most `IN_BAND_KEPT` requests): a request the proxy aborts
+    after that (its client went away before the proxy settled it) was never recorded by the
+    proxy, so its abort drops them, as it drops a request's staged anchors (else a client
+    that leaves at the right moment would keep anchors outside its tenant's quota)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._by_rid: OrderedDict[str, tuple[float, list[bytes]]] = OrderedDict()
+        self._clock = clock
+
+    def note(self, rid: str, keys: list[bytes]) -> None:
+        now = self._clock()
+        kept = self._by_rid.setdefault(rid, (now, []))
+        kept[1].extend(keys)
+        while self._by_rid and (len(self._by_rid) > IN_BAND_KEPT
+                                or next(iter(self._by_rid.values()))[0] < now - IN_BAND_KEPT_S):
+            self._by_rid.popitem(last=False)
+
+    def take(self, rid: str) -> list[bytes]:
+        return self._by_rid.pop(rid, (0.0, []))[1]
+
+
 class Backend(ABC):
     """What a worker does for the contract; the HTTP layer does the rest (parsing, errors,
     the reply's framing). Replies are the records of `anchorcache/wire/`, with `epoch` set.
@@ -70,6 +99,15 @@ class Backend(ABC):
     ContractError its status, anything else a 500 (the store is left as the failed call
     found it or with its change complete, never half done).
     """
+
+    _in_band: InBandConfirms | None = None
+
+    @property
+    def in_band(self) -> InBandConfirms:
+        """What recent requests confirmed as they ended (the contract layer's)."""
+        if self._in_band is None:
+            self._in_band = InBandConfirms()
+        return self._in_band
 
     @property
     @abstractmethod
@@ -267,6 +305,21 @@ def _confirm(backend: Backend, body: Any) -> Awaitable[wire.ConfirmReply]:
     return backend.confirm(slots_arg(body), rid)
 
 
+async def _abort(backend: Backend, rid: str) -> wire.AbortReply:
+    """`/abort_request`: the backend's abort, and the anchors the request confirmed as it
+    ended dropped (`InBandConfirms`)."""
+    reply = await backend.abort(rid)
+    dropped = False
+    for key in backend.in_band.take(rid):
+        try:
+            dropped = (await backend.evict(key)).evicted or dropped
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the abort itself is done: say so all the same
+            log.warning("request %s: dropping an anchor it confirmed failed: %s", rid, e)
+    return msgspec.structs.replace(reply, aborted=True) if dropped else reply
+
+
 def _rid(body: Any) -> str:
     rid = _obj(body).get("rid")
     if not isinstance(rid, str):
@@ -356,7 +409,7 @@ SLAB_CONTENT_TYPE = "application/octet-stream"
 
 
 ROUTES: tuple[Route, ...] = (
-    Route("POST", "/abort_request", lambda b, body: b.abort(_rid(body))),
+    Route("POST", "/abort_request", lambda b, body: _abort(b, _rid(body))),
     Route("POST", "/stop_request", lambda b, body: b.stop(_rid(body), _output_tokens(body))),
     Route("GET", "/health", lambda b, _: b.health()),
     Route("GET", "/model_info", lambda b, _: b.model_info()),
@@ -456,6 +509,9 @@ async def _confirmed(backend: Backend, req: GenerateRequest, meta: GenerateMeta,
             log.warning("request %s: confirming its anchors failed: %s", req.rid, e)
             return meta, kept
         kept = Confirmation(kept.slots + reply.confirmed, kept.evicted + reply.evicted)
+        done = set(reply.confirmed)
+        backend.in_band.note(req.rid or "", [w.key for w in meta.anchors.written
+                                            if w.slot in done])
     mine = Confirmation(tuple(s for s in kept.slots if s in written), kept.evicted)
     return msgspec.structs.replace(
         meta, anchors=msgspec.structs.replace(meta.anchors, confirmed=mine)), kept

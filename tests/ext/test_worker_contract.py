@@ -248,6 +248,34 @@ def test_a_plan_that_asks_confirm_is_confirmed_as_its_request_ends(worker):
     assert post(worker, "/anchor/evict", {"key": key.hex()})["evicted"]
 
 
+def test_an_abort_after_the_end_drops_what_the_request_confirmed_in_band(worker):
+    """The proxy aborts a request it did not settle (its client went away, perhaps after the
+    worker had ended it and confirmed its anchors in band, before the proxy read that end):
+    the abort drops those anchors too, as it drops staged ones, so none outlives a request
+    the proxy never recorded (a client leaving at the right moment would otherwise keep
+    anchors outside its tenant's quota)."""
+    ids = prompt(33, 160)
+    plan = AnchorPlan(NS, snapshot=(SnapshotSpec(120, AnchorKind.CONVERSATION, Region.THICK),),
+                      chunk_at=(120,), confirm=True)
+    rid = f"in-band-{worker.backend}"
+    req = GenerateRequest(input_ids=tuple(ids), sampling=GREEDY, anchor=plan, rid=rid)
+    resp = httpx.post(worker.url + "/generate", json=req.to_json(), timeout=120)
+    assert resp.status_code == 200, resp.text
+    anchors = resp.json()["meta_info"]["anchors"]
+    [written] = anchors["written"]
+    assert anchors["confirmed"]["slots"] == [written["slot"]]
+    def listed():
+        return {s["key"] for s in httpx.get(worker.url + "/anchor/slots").json()["slots"]}
+    assert written["key"] in listed()
+    assert post(worker, "/abort_request", {"rid": rid})["aborted"] is True
+    assert written["key"] not in listed()
+    worker.forget_device()
+    key = bytes.fromhex(written["key"])
+    out = generate(worker, ids, AnchorPlan(NS, restore=(AnchorRef(key, 120),)))
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert post(worker, "/abort_request", {"rid": rid})["aborted"] is False
+
+
 def test_a_prefix_already_held_is_reported_not_rewritten(worker):
     ids = prompt(9)
     keys = save(worker, ids[:200], [90])

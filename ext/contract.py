@@ -17,11 +17,11 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import cachetools
 import msgspec
 import orjson
 
@@ -74,19 +74,14 @@ class InBandConfirms:
     that leaves at the right moment would keep anchors outside its tenant's quota)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._by_rid: OrderedDict[str, tuple[float, list[bytes]]] = OrderedDict()
-        self._clock = clock
+        self._by_rid: cachetools.TTLCache[str, list[bytes]] = cachetools.TTLCache(
+            IN_BAND_KEPT, IN_BAND_KEPT_S, timer=clock)
 
     def note(self, rid: str, keys: list[bytes]) -> None:
-        now = self._clock()
-        kept = self._by_rid.setdefault(rid, (now, []))
-        kept[1].extend(keys)
-        while self._by_rid and (len(self._by_rid) > IN_BAND_KEPT
-                                or next(iter(self._by_rid.values()))[0] < now - IN_BAND_KEPT_S):
-            self._by_rid.popitem(last=False)
+        self._by_rid[rid] = [*self._by_rid.get(rid, ()), *keys]
 
     def take(self, rid: str) -> list[bytes]:
-        return self._by_rid.pop(rid, (0.0, []))[1]
+        return self._by_rid.pop(rid, [])
 
 
 class Backend(ABC):

@@ -261,25 +261,27 @@ class WorkerClient:
     async def evict(self, key: bytes) -> bool:
         return await self._key_op("/anchor/evict", "evicted", key)
 
-    def _chunks(self, lines: list[bytes]) -> tuple[list[Chunk], bool]:
-        """The chunks of event lines that arrived together, and whether `[DONE]` ended them:
-        consecutive chunks of one sample merged into one (up to its last, with the meta),
-        so that a proxy that falls behind the worker catches up by the batch, not by the
-        token."""
+    def _chunks(self, lines: list[bytes]) -> tuple[list[Chunk], bool, ApiError | None]:
+        """The chunks of event lines that arrived together, whether `[DONE]` ended them, and
+        the worker's error event that did: consecutive chunks of one sample merged into one
+        (up to its last, with the meta), so that a proxy that falls behind the worker catches
+        up by the batch, not by the token. (The tokens before an error event are chunks
+        still: an error that arrives with the first token fails the request after it, as
+        one that arrives later does.)"""
         out: list[Chunk] = []
         for line in lines:
             if not line.startswith(b"data: "):
                 continue
             payload = line[6:].strip()
             if payload == b"[DONE]":
-                return out, True
+                return out, True, None
             event = orjson.loads(payload)
             if not isinstance(event, dict):
                 raise ApiError("worker_error", "worker sent an event that is not an object")
             if "error" in event:
                 error = event["error"]
                 message = error.get("message", "") if isinstance(error, dict) else error
-                raise ApiError("worker_error", f"worker error: {str(message)[:500]}")
+                return out, True, ApiError("worker_error", f"worker error: {str(message)[:500]}")
             raw = event.get("meta_info")
             try:
                 meta = from_json(GenerateMeta, raw) if raw is not None else None
@@ -299,7 +301,7 @@ class WorkerClient:
                                 else last.logprobs + chunk.logprobs)
             else:
                 out.append(chunk)
-        return out, False
+        return out, False, None
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """Stream a generate request's chunks; the last one carries `meta`.
@@ -317,10 +319,12 @@ class WorkerClient:
                     raise _worker_error(resp.status, await resp.read())
                 async with contextlib.aclosing(_line_batches(resp.content)) as batches:
                     async for lines in batches:
-                        chunks, done = self._chunks(lines)
+                        chunks, done, failed = self._chunks(lines)
                         for chunk in chunks:
                             yield chunk
                             finished = finished or chunk.meta is not None
+                        if failed is not None:
+                            raise failed
                         if done:
                             break
                 if not finished:

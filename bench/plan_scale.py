@@ -22,7 +22,6 @@ import random
 import statistics
 import sys
 import time
-from array import array
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from anchorcache import bench  # noqa: E402
 from anchorcache.proxy.planner import Planner, tenant_namespace  # noqa: E402
 from anchorcache.proxy.splitter.types import Cut, CutKind, SplitResult  # noqa: E402
-from anchorcache.wire import AnchorKind, AnchorReport, AnchorWritten, anchor_keys  # noqa: E402
+from anchorcache.wire import AnchorKind, AnchorReport, AnchorWritten, TokenIds, anchor_keys  # noqa: E402
 
 MODEL = "bench"
 NS = tenant_namespace(b"s" * 32, "tenant")
@@ -69,8 +68,8 @@ def run(conversations: int, turns: int, instruction: int, message: int, reply: i
             ids += tokens(rng.randrange(message // 2, 3 * message // 2))
             cuts = (Cut(CutKind.INSTRUCTION, instruction),
                     Cut(CutKind.CONVERSATION, start), Cut(CutKind.MESSAGES, len(ids)))
-            split = SplitResult("bench", tuple(ids), cuts, given_token_bytes=array(
-                "q", ids).tobytes(), prior_token_bytes=priors[c] if prior else None)
+            split = SplitResult("bench", TokenIds.of(ids), cuts,
+                                prior_token_bytes=priors[c] if prior else None)
             priors[c] = split.token_bytes  # (the splitter's kept turn, for the next one)
             t0 = time.perf_counter()
             plan = planner.plan(split, NS)

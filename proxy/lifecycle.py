@@ -64,6 +64,7 @@ from anchorcache.wire import (
     GenerateMeta,
     GenerateRequest,
     SamplingParams,
+    TokenIds,
     anchor_keys,
     engine_cache_key,
 )
@@ -100,7 +101,7 @@ class AnchoredRequest:
     rid: str
     caller: Caller
     plan: Plan
-    input_ids: tuple[int, ...]
+    input_ids: tuple[int, ...] | TokenIds
     leads: bytes | None = None  # the instruction key this request writes for everyone
     closed: bool = False
 

@@ -39,6 +39,7 @@ from anchorcache.wire import (
     GenerateMeta,
     GenerateRequest,
     SamplingParams,
+    TokenIds,
     engine_cache_key,
 )
 
@@ -250,7 +251,7 @@ class Completion:
         return self.constraint is not None and self.constraint.kind == "structural_tag" \
             and bool(self.gen.tools) and self.gen.tool_choice.mode != "none"
 
-    def _sampling(self, prompt_ids: tuple[int, ...]) -> SamplingParams:
+    def _sampling(self, prompt_ids: tuple[int, ...] | TokenIds) -> SamplingParams:
         gen, state = self.gen, self.state
         self.max_new_tokens = max_new_tokens(
             gen.max_tokens, default=state.config.default_max_tokens,
@@ -381,7 +382,7 @@ class Completion:
                         self.rid, e.message if isinstance(e, ApiError) else "timed out")
         return done
 
-    async def _start(self, prompt_ids: tuple[int, ...], sampling: SamplingParams
+    async def _start(self, prompt_ids: tuple[int, ...] | TokenIds, sampling: SamplingParams
                      ) -> tuple[Target, AnchoredRequest | None, Plan, AsyncGenerator[Chunk, None]]:
         """Route the request (targets.py), open its reservation there and start it, up to
         the worker's first chunk. A worker that cannot be reached before then is taken out
@@ -398,7 +399,9 @@ class Completion:
             if anchored:  # opens the reservation: `choice_deltas` closes it
                 anchoring = await target.lifecycle.begin(self.rid, self.caller, self.split, routed)
             plan = anchoring.plan if anchoring is not None else target.lifecycle.chunk_only(self.split)
-            req = GenerateRequest(input_ids=prompt_ids, sampling=sampling, rid=self.rid,
+            # (a `TokenIds` is written as the tuple it equals: the wire codec)
+            req = GenerateRequest(input_ids=cast("tuple[int, ...]", prompt_ids),
+                                  sampling=sampling, rid=self.rid,
                                   stream=True, anchor=plan.request,
                                   cache_key=engine_cache_key(self.caller.namespace),
                                   return_logprob=gen.logprobs, top_logprobs_num=gen.top_logprobs)

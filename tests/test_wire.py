@@ -102,6 +102,28 @@ def test_every_record_with_hex_fields_turns_bytes_into_hex() -> None:
     assert ref.key == K1 and hash(ref.key) == hash(K1)
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(-(1 << 63), (1 << 63) - 1), min_size=1, max_size=300),
+       st.lists(st.integers(0, 1 << 40), max_size=5))
+def test_token_ids_are_the_tuple_they_hold(ids: list[int], more: list[int]) -> None:
+    """`TokenIds` (a prompt's ids as int64 bytes) is written, keyed, sliced and compared as
+    the tuple of the same ints: a request built from one is byte for byte the same body."""
+    t = wire.TokenIds.of(ids)
+    as_tuple = tuple(ids)
+    assert t == as_tuple and as_tuple == t and t == ids and hash(t) == hash(as_tuple)
+    assert t != as_tuple[:-1] and t != (*as_tuple[:-1], as_tuple[-1] ^ 1)
+    assert len(t) == len(ids) and list(t) == ids and t[-1] == ids[-1]
+    assert t[1:-1] == as_tuple[1:-1] and type(t[:2]) is tuple
+    assert t + tuple(more) == as_tuple + tuple(more) and (t + ()) is t
+    body = wire.GenerateRequest(input_ids=t, rid="r")  # type: ignore[arg-type]
+    assert wire.encode(body) == wire.encode(wire.GenerateRequest(input_ids=as_tuple, rid="r"))
+    assert wire.decode(wire.encode(body), wire.GenerateRequest).input_ids == as_tuple
+    depths = sorted({1, len(ids)})
+    assert wire.anchor_keys(b"ns", "m", t, depths) == wire.anchor_keys(b"ns", "m", as_tuple, depths)
+    with pytest.raises(ValueError):
+        wire.TokenIds(b"1234567")  # not whole int64s
+
+
 def test_sampling_rules() -> None:
     assert wire.SamplingParams(temperature=1e-7).temperature == 0.0  # greedy, never divided by
     assert wire.from_json(wire.SamplingParams, {"temperature": 5e-324}).greedy

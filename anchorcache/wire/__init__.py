@@ -34,6 +34,7 @@ from .codec import (
     Key,
     NonNeg,
     Record,
+    TokenIds,
     WireError,
     convert,
     decode,
@@ -120,7 +121,7 @@ __all__ = [
     "Hex", "Ids", "ImportReply", "Int64", "Key", "KeyOpReply", "LookupHit", "LookupReply", "ModelInfo",
     "NonNeg", "PinDevice", "PinReply", "Record", "Region", "RestoreMiss", "SamplingParams",
     "SlotCounters", "SlotEntry", "SlotsAborted", "SlotsReply", "SnapshotSpec", "StatsReply",
-    "StopReply", "UnpinReply", "VerifyReply", "WireError", "WorkerHealth", "anchor_key",
+    "StopReply", "TokenIds", "UnpinReply", "VerifyReply", "WireError", "WorkerHealth", "anchor_key",
     "anchor_keys", "check_secret", "convert", "decode", "encode", "engine_cache_key",
     "from_json", "key_hasher", "parse_cache_key", "parse_ids", "to_json",
 ]

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar, Union, get_args, get_origin
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, Union, get_args, get_origin, overload
 
 import msgspec
+import numpy as np
+import orjson
 
 KEY_BYTES = 16
 
@@ -36,6 +40,63 @@ else:
         """An anchor key: `KEY_BYTES` bytes, sent as hex."""
 
         __slots__ = ()
+
+
+class TokenIds(Sequence[int]):
+    """Token ids held as native int64 bytes (`buf`: what anchor keys hash), not as Python
+    ints; the codec writes them as the JSON list of ints an `Ids` field carries.
+
+    A long prompt's ids as a tuple cost the proxy a turn's worth of CPU by themselves: a
+    100k-token prompt's tuple is 100k references to touch (1-2 ms, cache-cold, each turn),
+    its JSON another ms. Its bytes are the prior turn's and the new tokens' (one copy), and
+    the codec writes them from the buffer (orjson over a numpy view of it). Immutable; equal
+    to any tuple or list of the same ints (a slice is a tuple)."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: bytes) -> None:
+        if len(buf) % 8:
+            raise ValueError("token ids are 8 bytes each")
+        self.buf = buf
+
+    @classmethod
+    def of(cls, ids: Iterable[int]) -> TokenIds:
+        return ids if isinstance(ids, TokenIds) else cls(array("q", ids).tobytes())
+
+    def __len__(self) -> int:
+        return len(self.buf) >> 3
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
+        view = memoryview(self.buf).cast("q")
+        return tuple(view[i].tolist()) if isinstance(i, slice) else view[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(memoryview(self.buf).cast("q").tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenIds):
+            return self.buf == other.buf
+        if isinstance(other, tuple | list):
+            return len(other) == len(self) and self[:] == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self[:])  # as the equal tuple's
+
+    def __add__(self, other: Sequence[int]) -> TokenIds:
+        return self if not other else TokenIds(self.buf + TokenIds.of(other).buf)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        view = np.frombuffer(self.buf, np.int64)  # read-only: no copy
+        return view if dtype is None else view.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"TokenIds({self[:]!r})"
+
 
 _FMAX = sys.float_info.max
 Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
@@ -103,9 +164,12 @@ def _dec_hook(tp: type, obj: Any) -> Any:
     raise NotImplementedError(tp)
 
 
-def _hex(obj: Any) -> str:
+def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, Hex):
         return obj.hex()
+    if isinstance(obj, TokenIds):
+        return msgspec.Raw(orjson.dumps(np.frombuffer(obj.buf, np.int64),
+                                        option=orjson.OPT_SERIALIZE_NUMPY))
     raise TypeError(f"{type(obj).__name__} is not a wire type")
 
 
@@ -143,7 +207,7 @@ def decode(raw: bytes, cls: type[T]) -> T:
 
 def encode(record: Any) -> bytes:
     """JSON text of a record (or of builtins holding records)."""
-    return msgspec.json.encode(record, enc_hook=_hex)
+    return msgspec.json.encode(record, enc_hook=_enc_hook)
 
 
 def to_json(record: Any) -> dict[str, Any]:

@@ -42,6 +42,8 @@ from typing import Any, ClassVar, NamedTuple, cast
 import cachetools
 import orjson
 
+from anchorcache.wire import TokenIds
+
 from .memo import MessageMemo
 from .normalize import (
     check_messages,
@@ -272,7 +274,7 @@ class TextAdapter(Adapter):
         if blob is not None and context is not None:
             kept = self.turns.find(scope, context, blob)
             if kept is not None:
-                prior = kept[1].token_bytes
+                prior = kept[1].ids.buf
                 turn = self._extend(kept[1], msgs, safe_msgs, safe_tls, kwargs)
         if turn is None:
             pieces = self.render_pieces(safe_msgs, safe_tls, kwargs)
@@ -282,16 +284,14 @@ class TextAdapter(Adapter):
                                                         self._wanted(msgs), scope)
             else:
                 (ids, ends), hashes = self._encode_whole_verified(chunks), []
-            input_ids = tuple(ids)
-            turn = self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, input_ids,
-                              array("q", input_ids).tobytes())
+            turn = self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, TokenIds.of(ids))
         if blob is not None and context is not None:
             # (the memo counts the head and context bytes, the turn the rest)
             self.turns.keep(scope, context, blob, turn.count, turn,
                             turn.size + 3 * (len(blob) + len(context)))
         chunks, ends = turn.chunks, turn.ends
         split = SplitResult(self.name, turn.ids, turn.cuts, stable_tail=self.stable_tail,
-                            given_token_bytes=turn.token_bytes, prior_token_bytes=prior,
+                            prior_token_bytes=prior,
                             given_anchor_cuts=(turn.cuts, turn.anchor_cuts))
         head = safe_msgs[:leading_system_count(msgs) + 1]  # what renders before the tools end
         return self._with_tool_cuts(
@@ -318,7 +318,7 @@ class TextAdapter(Adapter):
 
     def _turn(self, msgs: list[dict], safe_msgs: list[dict], chunks: list[str],
               consumed: list[int | None], ends: list[int], hashes: list[Any],
-              ids: tuple[int, ...], token_bytes: bytes, kept: Turn | None = None,
+              ids: TokenIds, kept: Turn | None = None,
               reused: int = 0) -> Turn:
         """The split's turn (turns.py) with its cuts: `_classify`'s, and where the chunks
         are `kept`'s first `reused` ones and more, `kept`'s cuts before the newest messages
@@ -340,7 +340,7 @@ class TextAdapter(Adapter):
         classified = len(cuts)
         self._classify(len(msgs), lead, newest, consumed, ends, start, cuts, at)
         anchor_cuts += (c for c in cuts[classified:] if c.kind is not CutKind.TURN)
-        return Turn(len(msgs), chunks, consumed, ends, hashes, ids, token_bytes,
+        return Turn(len(msgs), chunks, consumed, ends, hashes, ids,
                     tuple(cuts), tuple(at), tuple(anchor_cuts), lead, newest,
                     self._turn_facts(safe_msgs, kept))
 
@@ -364,7 +364,8 @@ class TextAdapter(Adapter):
         base = kept.ends[c]
         encoded = self.guard.encode_batch(new_chunks)
         new_ids = [t for enc in encoded for t in enc]
-        ids = kept.ids[:base] + tuple(new_ids)
+        # the kept bytes and the new (one copy; no tuple: `TokenIds`)
+        ids = TokenIds(b"".join((memoryview(kept.ids.buf)[:8 * base], array("q", new_ids))))
         ends, hashes, total, h = kept.ends[:c + 1], kept.hashes[:c + 1], base, kept.hashes[c]
         wanted = self._wanted(msgs)
         kept_prefixes: list[tuple[bytes, int]] = []  # (digest, chunks) of those cached
@@ -381,8 +382,7 @@ class TextAdapter(Adapter):
             shared = tuple(ends)
             for digest, count in kept_prefixes:
                 self.cache.put(digest, CachedPrefix(ids, shared, count))
-        return self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, ids,
-                          kept.token_bytes[:8 * base] + array("q", new_ids).tobytes(), kept, c + 1)
+        return self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, ids, kept, c + 1)
 
     def _safe_boundary(self, before: str, after: str) -> bool:
         """Whether a chunk may end between `before` and `after` (module docstring, step 2).

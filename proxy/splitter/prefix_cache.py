@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
@@ -23,7 +24,7 @@ class CachedPrefix(NamedTuple):
     `chunk_ends` (token count at the end of each). Both may run on past the prefix: an
     agent's prompt keeps two of its prefixes, which share the prompt's tuples, not copies."""
 
-    ids: tuple[int, ...]
+    ids: Sequence[int]
     chunk_ends: tuple[int, ...]
     chunks: int
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from anchorcache.defaults import CONVERSATIONS_PER_SCOPE
+from anchorcache.wire import TokenIds
 
 from .memo import PrefixStates
 from .types import Cut
@@ -42,8 +43,7 @@ class Turn:
     consumed: list[int | None]  # messages rendered at the end of each chunk
     ends: list[int]  # token count at the end of each chunk
     hashes: list[Any]  # the prefix cache's hash state after each chunk but the last
-    ids: tuple[int, ...]
-    token_bytes: bytes  # `ids` as int64s (SplitResult.token_bytes)
+    ids: TokenIds  # (its `buf`: SplitResult.token_bytes)
     cuts: tuple[Cut, ...]  # the split's cuts (an adapter with no instruction text has none)
     cut_msgs: tuple[int, ...]  # how many messages each cut ends after
     anchor_cuts: tuple[Cut, ...]  # the cuts but the TURN ones (SplitResult.anchor_cuts)
@@ -55,8 +55,8 @@ class Turn:
 
     @property
     def size(self) -> int:
-        # the ids' tuple and objects, the bytes, the text and the hash states, roughly
-        return 5 * len(self.token_bytes) + 256 * len(self.chunks) + _OVERHEAD
+        # the ids' bytes, the text and the hash states, roughly
+        return 5 * len(self.ids.buf) + 256 * len(self.chunks) + _OVERHEAD
 
 
 def turns_memo(max_bytes: int = 128 << 20) -> PrefixStates:

@@ -5,11 +5,12 @@ All frozen: the proxy hands them to the planner and the HTTP layer unchanged.
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from typing import NamedTuple
+
+from anchorcache.wire import TokenIds
 
 
 class CutKind(str, Enum):
@@ -46,7 +47,8 @@ class SplitResult:
     """
 
     adapter: str
-    input_ids: tuple[int, ...]  # full prompt, generation prompt included
+    # full prompt, generation prompt included: a tuple, or the kept turns' `TokenIds`
+    input_ids: tuple[int, ...] | TokenIds
     cuts: tuple[Cut, ...]
     # the newest messages (after the last assistant one) render the same once more messages
     # follow, so the MESSAGES cut stays a prefix of the next turn (the adapter's
@@ -55,9 +57,6 @@ class SplitResult:
     # where each tool's schema ends inside the instruction prefix (splitter/tool_cuts.py):
     # strictly increasing, each before the instruction cut; () without one
     tool_cuts: tuple[int, ...] = ()
-    # `input_ids` as native int64s, what anchor keys hash (`wire.anchor_keys`); made from
-    # the ids when not given (`token_bytes`)
-    given_token_bytes: bytes | None = field(default=None, repr=False, compare=False)
     # the `token_bytes` of the earlier prompt of this conversation that the splitter extended
     # (its kept turn, splitter/turns.py): the planner resumes its anchor keys from that
     # prompt's and follows its anchors (planner.PrefixKeys); None where there was none
@@ -98,12 +97,7 @@ class SplitResult:
     def token_bytes(self) -> bytes:
         """`input_ids` as native int64s, what anchor keys hash (`wire.anchor_keys`): made
         once, on the split thread (split_pool.py), so planning never converts the prompt."""
-        given = self.given_token_bytes
-        if given is not None:
-            if len(given) != 8 * len(self.input_ids):
-                raise ValueError("token_bytes given for other ids")
-            return given
-        return array("q", self.input_ids).tobytes()
+        return TokenIds.of(self.input_ids).buf
 
     def to_json(self) -> dict:
         return {

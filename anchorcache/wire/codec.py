@@ -50,14 +50,16 @@ class TokenIds(Sequence[int]):
     100k-token prompt's tuple is 100k references to touch (1-2 ms, cache-cold, each turn),
     its JSON another ms. Its bytes are the prior turn's and the new tokens' (one copy), and
     the codec writes them from the buffer (orjson over a numpy view of it). Immutable; equal
-    to any tuple or list of the same ints (a slice is a tuple)."""
+    to any tuple or list of the same ints (a slice is a tuple). `json`: their JSON text
+    where the maker has it (the splitter extends a kept turn's as it extends its bytes:
+    proxy/splitter/turns.py), written as it is; else the codec makes it."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("buf", "json")
 
-    def __init__(self, buf: bytes) -> None:
+    def __init__(self, buf: bytes, json: bytes | None = None) -> None:
         if len(buf) % 8:
             raise ValueError("token ids are 8 bytes each")
-        self.buf = buf
+        self.buf, self.json = buf, json
 
     @classmethod
     def of(cls, ids: Iterable[int]) -> TokenIds:
@@ -168,8 +170,8 @@ def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, Hex):
         return obj.hex()
     if isinstance(obj, TokenIds):
-        return msgspec.Raw(orjson.dumps(np.frombuffer(obj.buf, np.int64),
-                                        option=orjson.OPT_SERIALIZE_NUMPY))
+        return msgspec.Raw(obj.json if obj.json is not None else orjson.dumps(
+            np.frombuffer(obj.buf, np.int64), option=orjson.OPT_SERIALIZE_NUMPY))
     raise TypeError(f"{type(obj).__name__} is not a wire type")
 
 

@@ -58,7 +58,7 @@ from .parsers import OutputParser
 from .prefix_cache import CachedPrefix, PrefixCache
 from .specials import SpecialGuard
 from .tool_cuts import ToolCutLimits, ToolCutMemo, candidates, tool_cuts
-from .turns import Turn, turns_memo
+from .turns import Turn, extend_json, json_ends, turns_memo
 from .types import Cut, CutKind, SplitResult
 
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
@@ -284,7 +284,10 @@ class TextAdapter(Adapter):
                                                         self._wanted(msgs), scope)
             else:
                 (ids, ends), hashes = self._encode_whole_verified(chunks), []
-            turn = self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, TokenIds.of(ids))
+            text = orjson.dumps(ids)  # (an unverified chunk end is -1: such turns never extend)
+            turn = self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes,
+                              TokenIds(array("q", ids).tobytes(), text),
+                              json_ends(text, ends) if self.chunking_ok else [])
         if blob is not None and context is not None:
             # (the memo counts the head and context bytes, the turn the rest)
             self.turns.keep(scope, context, blob, turn.count, turn,
@@ -318,7 +321,7 @@ class TextAdapter(Adapter):
 
     def _turn(self, msgs: list[dict], safe_msgs: list[dict], chunks: list[str],
               consumed: list[int | None], ends: list[int], hashes: list[Any],
-              ids: TokenIds, kept: Turn | None = None,
+              ids: TokenIds, ids_ends: list[int], kept: Turn | None = None,
               reused: int = 0) -> Turn:
         """The split's turn (turns.py) with its cuts: `_classify`'s, and where the chunks
         are `kept`'s first `reused` ones and more, `kept`'s cuts before the newest messages
@@ -340,7 +343,7 @@ class TextAdapter(Adapter):
         classified = len(cuts)
         self._classify(len(msgs), lead, newest, consumed, ends, start, cuts, at)
         anchor_cuts += (c for c in cuts[classified:] if c.kind is not CutKind.TURN)
-        return Turn(len(msgs), chunks, consumed, ends, hashes, ids,
+        return Turn(len(msgs), chunks, consumed, ends, hashes, ids, ids_ends,
                     tuple(cuts), tuple(at), tuple(anchor_cuts), lead, newest,
                     self._turn_facts(safe_msgs, kept))
 
@@ -364,8 +367,6 @@ class TextAdapter(Adapter):
         base = kept.ends[c]
         encoded = self.guard.encode_batch(new_chunks)
         new_ids = [t for enc in encoded for t in enc]
-        # the kept bytes and the new (one copy; no tuple: `TokenIds`)
-        ids = TokenIds(b"".join((memoryview(kept.ids.buf)[:8 * base], array("q", new_ids))))
         ends, hashes, total, h = kept.ends[:c + 1], kept.hashes[:c + 1], base, kept.hashes[c]
         wanted = self._wanted(msgs)
         kept_prefixes: list[tuple[bytes, int]] = []  # (digest, chunks) of those cached
@@ -378,11 +379,26 @@ class TextAdapter(Adapter):
                 hashes.append(h)
                 if consumed[i] in wanted:
                     kept_prefixes.append((h.digest(), i + 1))
+        ids, ids_ends = self._extend_ids(kept, c, new_ids, ends)
         if kept_prefixes:
             shared = tuple(ends)
             for digest, count in kept_prefixes:
                 self.cache.put(digest, CachedPrefix(ids, shared, count))
-        return self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, ids, kept, c + 1)
+        return self._turn(msgs, safe_msgs, chunks, consumed, ends, hashes, ids, ids_ends,
+                          kept, c + 1)
+
+    @staticmethod
+    def _extend_ids(kept: Turn, c: int, new_ids: list[int], ends: list[int]
+                    ) -> tuple[TokenIds, list[int]]:
+        """`kept`'s ids to the end of its chunk `c`, then `new_ids`: their bytes and JSON
+        text (each the kept one's prefix and the new ids': one copy, no tuple of ints, no
+        JSON of the whole), and where the text is at each of `ends` (the chunks' ends)."""
+        base = kept.ends[c]
+        assert kept.ids.json is not None  # (a turn's ids always carry it)
+        text, new_ends = extend_json(kept.ids.json, kept.json_ends[c], base, new_ids,
+                                     ends[c + 1:])
+        buf = b"".join((memoryview(kept.ids.buf)[:8 * base], array("q", new_ids)))
+        return TokenIds(buf, text), kept.json_ends[:c + 1] + new_ends
 
     def _safe_boundary(self, before: str, after: str) -> bool:
         """Whether a chunk may end between `before` and `after` (module docstring, step 2).

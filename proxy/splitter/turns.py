@@ -21,8 +21,12 @@ mutated: a new turn builds new lists.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import orjson
 
 from anchorcache.defaults import CONVERSATIONS_PER_SCOPE
 from anchorcache.wire import TokenIds
@@ -43,7 +47,8 @@ class Turn:
     consumed: list[int | None]  # messages rendered at the end of each chunk
     ends: list[int]  # token count at the end of each chunk
     hashes: list[Any]  # the prefix cache's hash state after each chunk but the last
-    ids: TokenIds  # (its `buf`: SplitResult.token_bytes)
+    ids: TokenIds  # its `buf`: SplitResult.token_bytes; its `json` text, always made
+    json_ends: list[int]  # where that text is at each chunk's end (`json_ends`)
     cuts: tuple[Cut, ...]  # the split's cuts (an adapter with no instruction text has none)
     cut_msgs: tuple[int, ...]  # how many messages each cut ends after
     anchor_cuts: tuple[Cut, ...]  # the cuts but the TURN ones (SplitResult.anchor_cuts)
@@ -55,8 +60,33 @@ class Turn:
 
     @property
     def size(self) -> int:
-        # the ids' bytes, the text and the hash states, roughly
-        return 5 * len(self.ids.buf) + 256 * len(self.chunks) + _OVERHEAD
+        # the ids' bytes and JSON, the text and the hash states, roughly
+        return 5 * len(self.ids.buf) + 2 * len(self.ids.json or b"") + 256 * len(self.chunks) \
+            + _OVERHEAD
+
+
+def json_ends(text: bytes, counts: Iterable[int]) -> list[int]:
+    """Where the JSON array of ids `text` is after each of `counts` (ascending) of its ids:
+    at the comma after that many, at the closing bracket after all, after the opening one
+    for none. (The ids of a turn and of the next share a prefix: so does their JSON, cut at
+    a chunk's end, `TextAdapter._extend`.)"""
+    commas = np.flatnonzero(np.frombuffer(text, np.uint8) == ord(","))
+    last = len(text) - 1
+    return [1 if k == 0 else int(commas[k - 1]) if k <= len(commas) else last for k in counts]
+
+
+def extend_json(text: bytes, at: int, base: int, new_ids: list[int], counts: Iterable[int]
+                ) -> tuple[bytes, list[int]]:
+    """The JSON array of ids `text` cut after its first `base` ids (at `at`, `json_ends`),
+    then `new_ids`: one copy of the kept text, the new ids' JSON alone; and where it is
+    after each of `counts` (ascending, from `base`) of its ids."""
+    new = orjson.dumps(new_ids)  # "[a,b]", or "[]"
+    sep = b"," if base and new_ids else b""
+    out = b"".join((memoryview(text)[:at], sep, memoryview(new)[1:]))
+    shift = at + len(sep) - 1  # where the new text's "[" would be
+    counts = [k - base for k in counts]
+    return out, [at if k == 0 else p + shift for k, p in zip(counts, json_ends(new, counts),
+                                                              strict=True)]
 
 
 def turns_memo(max_bytes: int = 128 << 20) -> PrefixStates:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from anchorcache import wire
 from anchorcache.defaults import CONVERSATIONS_PER_SCOPE
 from anchorcache.proxy.splitter.types import SplitError
 from anchorcache.testing.strategies import text, tool, tool_round
@@ -97,6 +98,7 @@ def test_a_split_from_the_last_turn_equals_one_from_nothing(adapters, name, case
         assert got == want
         assert got.token_bytes == want.token_bytes
         assert got.anchor_cuts == want.anchor_cuts  # (got's kept with its turn)
+        assert _body(got) == _body(want)
     assert adapter.turns.hits > hits or len(order) == 1
 
 
@@ -119,6 +121,15 @@ def test_a_changed_earlier_message_is_rendered_anew(adapters, name, case, at, ed
     want = adapter.split(changed, tools, scope=b"cold", use_cache=False)
     assert got == want and got.token_bytes == want.token_bytes
     assert got.anchor_cuts == want.anchor_cuts
+    assert _body(got) == _body(want)
+
+
+def _body(split) -> bytes:
+    """The `/generate` body's ids as the proxy writes them (a kept turn's JSON, extended),
+    checked against the ids themselves."""
+    body = wire.encode(split.input_ids)
+    assert orjson.loads(body) == list(split.input_ids)
+    return body
 
 
 @pytest.mark.parametrize("name", ADAPTERS)
@@ -206,3 +217,27 @@ def test_tools_are_memoized_per_scope_and_a_bad_list_every_time(adapters):
     for _ in range(2):
         with pytest.raises(SplitError):
             adapter.split(copy.deepcopy(msgs), copy.deepcopy(bad), scope=b"a")
+
+
+ID = st.integers(0, (1 << 31) - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(ID, max_size=30), st.data())
+def test_ids_json_is_extended_as_the_ids_are(ids, data):
+    """A turn's ids' JSON is the kept turn's cut at a chunk's end and the new ids' (any cut,
+    no new ids, none kept): it equals the JSON of the ids, and the ends it gives are where
+    that JSON is after that many ids."""
+    from anchorcache.proxy.splitter.turns import extend_json, json_ends
+
+    base = data.draw(st.integers(0, len(ids)))
+    new = data.draw(st.lists(ID, max_size=10))
+    text = orjson.dumps(ids)
+    at = json_ends(text, [base])[0]
+    counts = sorted(data.draw(st.lists(st.integers(base, base + len(new)), max_size=5)))
+    got, ends = extend_json(text, at, base, new, counts)
+    whole = orjson.dumps(ids[:base] + new)
+    assert got == whole
+    assert ends == json_ends(whole, counts)
+    for k, e in zip(counts, ends, strict=True):
+        assert orjson.loads(whole[:e] + b"]") == (ids[:base] + new)[:k]

@@ -50,11 +50,12 @@ class AnchorIndex:
     def get(self, key: bytes) -> AnchorRecord | None:
         return self._by_key.get(key)
 
-    def depths(self, namespace: bytes, below: int | None = None) -> list[int]:
-        """Depths at which `namespace` has committed anchors (under `below`, if given),
-        ascending: kept sorted as anchors come and go, not sorted per request."""
+    def depths(self, namespace: bytes, below: int | None = None, floor: int = 0) -> list[int]:
+        """Depths at which `namespace` has committed anchors (under `below`, if given; from
+        `floor`), ascending: kept sorted as anchors come and go, not sorted per request."""
         depths = self._sorted.get(namespace, [])
-        return depths[:bisect.bisect_left(depths, below)] if below is not None else list(depths)
+        return depths[bisect.bisect_left(depths, floor) if floor else 0:
+                      bisect.bisect_left(depths, below) if below is not None else None]
 
     def add(self, rec: AnchorRecord) -> None:
         self.remove(rec.key)

@@ -72,7 +72,7 @@ from anchorcache.wire import (
 from .anchor_index import AnchorRecord
 from .errors import ApiError
 from .leases import LeaseTable
-from .planner import Plan, Planner
+from .planner import Plan, Planner, PrefixKeys, Probe
 from .splitter.types import SplitResult
 from .toolsets import SHARED_TENANT, ToolsetAnchors
 from .worker_client import WorkerClient
@@ -133,15 +133,18 @@ class AnchorLifecycle:
                  tool_gap: int = TOOL_ANCHOR_GAP_TOKENS, tenant_anchor_share: float = 1.0,
                  lease_budget_bytes: int = LEASE_BUDGET_BYTES,
                  on_lease: Callable[[str, str], None] | None = None,
-                 processes: int = 1, unpin_strays: bool = True) -> None:
+                 processes: int = 1, unpin_strays: bool = True,
+                 prefix_keys: PrefixKeys | None = None) -> None:
         """`on_lease(tenant, outcome)`: told each lease granted, refreshed, refused, expired
-        or dropped (metrics). `processes`: how many processes of this proxy share the ledger
+        or dropped (metrics); `prefix_keys`: the planner's key states, shared by the proxy's
+        workers (`Planner`). `processes`: how many processes of this proxy share the ledger
         and the worker; `unpin_strays`: whether `start()` unpins what an earlier proxy left
         pinned (in one process of several, the first at the proxy's start only: later, a
         pinned anchor may be a sibling's lease)."""
         self.worker = worker
         self.ledger = ledger
-        self._planner = Planner(model_id, epoch, hybrid=hybrid, tool_gap=tool_gap)
+        self._planner = Planner(model_id, epoch, hybrid=hybrid, tool_gap=tool_gap,
+                                prefix_keys=prefix_keys)
         self.worker_id = worker_id
         self.shared_namespace = shared_namespace
         self.single_flight_wait_s = single_flight_wait_s
@@ -306,19 +309,22 @@ class AnchorLifecycle:
         return self._planner.index.nbytes()
 
     # ---- requests ----------------------------------------------------------------------
-    def plan(self, split: SplitResult, caller: Caller) -> Plan:
+    def probe(self, split: SplitResult, caller: Caller, floor: int | None = 0) -> Probe:
         """What this worker's anchors would give `split` (routing compares the restore
-        depths, and hands the chosen plan to `begin`)."""
-        return self._planner.plan(split, caller.namespace, shared=self.shared_namespace)
+        depths, and hands the chosen worker's probe to `begin`, which plans from it);
+        `floor`: `Planner.probe`'s."""
+        return self._planner.probe(split, caller.namespace, shared=self.shared_namespace,
+                                   floor=floor)
 
     def chunk_only(self, split: SplitResult) -> Plan:
         """Anchors off: the plan that only chunks the prefill at the cuts."""
         return self._planner.chunk_only(split)
 
     async def begin(self, rid: str, caller: Caller, split: SplitResult,
-                    plan: Plan | None = None) -> AnchoredRequest:
-        """`plan`: this worker's `plan(split, caller)`, made since the loop last yielded."""
-        plan = plan if plan is not None else self.plan(split, caller)
+                    probe: Probe | None = None) -> AnchoredRequest:
+        """`probe`: this worker's `probe(split, caller)`, made since the loop last yielded."""
+        plan = self._planner.plan(split, caller.namespace, shared=self.shared_namespace,
+                                  probe=probe)
         leads = None
         inst = plan.instruction
         if inst is not None and plan.restore_depth < inst[0]:
@@ -417,10 +423,14 @@ class AnchorLifecycle:
         settled = self._planner.record(caller.namespace, report, confirmed, evicted)
         ok = set(confirmed)
         with led.transaction():  # one commit for all of it
-            if report.written and done is not None:
-                led.record_written(anchored.rid, self.worker_id, epoch, caller.namespace,
-                                   caller.tenant, _new(report.written))
-            led.commit(self.worker_id, epoch, [w.key for w in report.written if w.slot in ok])
+            if done is None:
+                led.commit(self.worker_id, epoch, [w.key for w in report.written if w.slot in ok])
+            elif report.written:  # confirmed in band: committed as recorded (the rest reserved,
+                # which the close below aborts)
+                args = (anchored.rid, self.worker_id, epoch, caller.namespace, caller.tenant)
+                led.record_committed(*args, _new(w for w in report.written if w.slot in ok))
+                if refused := [w for w in report.written if w.slot not in ok]:
+                    led.record_written(*args, _new(refused))
             if report.held:
                 led.record_held(self.worker_id, epoch, caller.namespace, caller.tenant,
                                 _new(report.held))

@@ -55,6 +55,28 @@ def tenant_namespace(salt: bytes, tenant: str, cache_salt: str | None = None) ->
 
 
 @dataclass(frozen=True)
+class Probe:
+    """A split's chain on one worker (`Planner.probe`): what routing compares, and what
+    `Planner.plan` finishes."""
+
+    planner: Planner
+    split: SplitResult
+    namespace: bytes
+    shared: bytes | None
+    cuts: list[tuple[int, AnchorKind]]
+    instr_depth: int | None
+    prompt: PromptKeys
+    chain: list[AnchorRecord]
+    # whether `chain` is the deepest there is (the lineage's, or a scan of every depth);
+    # else the deepest from the probe's floor on (or down the lineage only): a lower bound
+    whole: bool
+
+    @property
+    def restore_depth(self) -> int:
+        return self.chain[-1].depth if self.chain else 0
+
+
+@dataclass(frozen=True)
 class Plan:
     namespace: bytes
     request: AnchorPlan | None  # what the worker gets; None: no anchor part at all
@@ -252,7 +274,10 @@ class PromptKeys:
 
 class Planner:
     def __init__(self, model_id: str, epoch: str, index: AnchorIndex | None = None, *,
-                 hybrid: bool = False, tool_gap: int = TOOL_ANCHOR_GAP_TOKENS) -> None:
+                 hybrid: bool = False, tool_gap: int = TOOL_ANCHOR_GAP_TOKENS,
+                 prefix_keys: PrefixKeys | None = None) -> None:
+        """`prefix_keys`: the key states of the planners of one proxy's workers (keys do
+        not depend on the worker: a turn planned on one resumes the probes of the others)."""
         self.model_id = model_id
         self.epoch = epoch
         self.index = index if index is not None else AnchorIndex()
@@ -262,7 +287,9 @@ class Planner:
         if tool_gap < 0:
             raise ValueError("tool_gap must be >= 0")
         self.tool_gap = tool_gap  # tokens between tool anchors (0: none)
-        self.prefix_keys = PrefixKeys(model_id)
+        if prefix_keys is not None and prefix_keys.model_id != model_id:
+            raise ValueError("prefix keys of another model")
+        self.prefix_keys = prefix_keys if prefix_keys is not None else PrefixKeys(model_id)
 
     def _tool_cuts(self, split: SplitResult) -> list[int]:
         """The tool cuts to anchor: each at least `tool_gap` tokens past the previous one
@@ -309,17 +336,22 @@ class Planner:
         return rec is not None and rec.depth == depth and rec.epoch == self.epoch
 
     def _deepest_chain(self, ns: bytes, prompt: PromptKeys, n: int,
-                       shared_root: AnchorRecord | None) -> list[AnchorRecord]:
+                       shared_root: AnchorRecord | None, floor: int | None = 0
+                       ) -> tuple[list[AnchorRecord], bool]:
         """The chain to the deepest anchor below depth `n` whose anchor in `ns` is live and
         prefixes the prompt, with every link live (or the shared root): found down the
         conversation's own anchors where the prompt extends a prior one (`_lineage_tip`),
-        else by the scan."""
+        else by the scan of the depths from `floor` (None: no scan); and whether the
+        lineage found it."""
         tip = self._lineage_tip(ns, prompt, n) if prompt.lineage else None
         if tip is not None:
             links = self._chain(ns, tip, shared_root)
             if links is not None:
-                return links
-        return self._scan(ns, prompt, self.index.depths(ns, below=n), shared_root)
+                return links, True
+        if floor is None:
+            return [], False
+        return self._scan(ns, prompt, self.index.depths(ns, below=n, floor=floor),
+                          shared_root), False
 
     def _chain(self, ns: bytes, rec: AnchorRecord, shared_root: AnchorRecord | None
                ) -> list[AnchorRecord] | None:
@@ -381,34 +413,51 @@ class Planner:
             hi, batch = lo, batch * 4
         return []
 
-    def plan(self, split: SplitResult, namespace: bytes, *, shared: bytes | None = None,
-             skip_instruction: bool = False) -> Plan:
-        """Plan `split` in `namespace`; `shared`: the shared-toolset namespace, whose
-        instruction anchor may root the chain; `skip_instruction`: do not snapshot the
-        instruction cut and its tool cuts (another request is writing them)."""
-        ns = namespace
-        ids = split.input_ids
-        n = len(ids)
+    def probe(self, split: SplitResult, namespace: bytes, *, shared: bytes | None = None,
+              floor: int | None = 0) -> Probe:
+        """What this worker's anchors give `split` in `namespace` (its chain, and so its
+        restore depth: routing compares them), the first half of `plan`, which finishes
+        it for the worker chosen: a request costs one plan however many workers it was
+        routed among. `shared`: the shared-toolset namespace, whose instruction anchor may
+        root the chain. `floor`: where the conversation's own line of anchors (`lineage`)
+        gives nothing, scan the namespace's depths from there only (another worker restores
+        that deep: this one loses below it whatever it holds), None: not at all."""
+        ns, n = namespace, len(split.input_ids)
         cuts = self._cuts(split)
         instr_depth = next((d for d, k in cuts if k == AnchorKind.INSTRUCTION), None)
         buf = split.token_bytes
-
         shared_root = None
         if shared is not None and instr_depth is not None:
             skey = self.prefix_keys.keys(ns, shared, buf, [instr_depth])[instr_depth]
             rec = self.index.get(skey)
             if self._live(rec, instr_depth) and rec is not None and rec.namespace == shared:
                 shared_root = rec
-
         prompt = self.prefix_keys.prompt(ns, ns, buf, split.prior_token_bytes)
-        chain = self._deepest_chain(ns, prompt, n, shared_root)
+        chain, lineage = self._deepest_chain(ns, prompt, n, shared_root, floor)
+        if shared_root is not None and (not chain or chain[-1].depth < shared_root.depth):
+            chain = [shared_root]  # deeper than the tenant's own tool anchors
+        # the deepest there is: down the lineage, by a scan of every depth, or by one from
+        # the floor that found a chain there (a deeper one would have been scanned first)
+        whole = lineage or floor == 0 or (floor is not None and bool(chain)
+                                          and chain[-1].depth >= floor)
+        return Probe(self, split, ns, shared, cuts, instr_depth, prompt, chain, whole)
+
+    def plan(self, split: SplitResult, namespace: bytes, *, shared: bytes | None = None,
+             skip_instruction: bool = False, probe: Probe | None = None) -> Plan:
+        """Plan `split` in `namespace` (`probe`: this planner's probe of it, made since
+        the index last changed); `skip_instruction`: do not snapshot the instruction cut
+        and its tool cuts (another request is writing them)."""
+        if probe is None or not probe.whole or probe.planner is not self \
+                or probe.split is not split or probe.namespace != namespace \
+                or probe.shared != shared:
+            probe = self.probe(split, namespace, shared=shared)
+        ns, n, cuts, instr_depth = namespace, len(split.input_ids), probe.cuts, probe.instr_depth
+        prompt, chain = probe.prompt, probe.chain
         # the snapshot depths' keys (and the chain's): the next turn resumes from their
         # states and looks for its anchors there
         depths = [d for d, _ in cuts] + [n] + ([chain[-1].depth] if chain else [])
         keys = prompt.keys(depths)
         prompt.keep(depths)
-        if shared_root is not None and (not chain or chain[-1].depth < shared_root.depth):
-            chain = [shared_root]  # deeper than the tenant's own tool anchors
         # Every cut is asked for: the worker saves those past what it actually restored and
         # reports (and chains onto) those it already holds. The index cannot know either: a
         # planned link may be gone (eviction, worker restart), so the restore may fail.

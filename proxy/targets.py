@@ -10,7 +10,8 @@ toolsets, quotas) happens per target unchanged. `Targets` adds what is between t
 
 - **Routing** (`route`), by policy (`ProxyConfig.route`):
   - `affinity` (default): the target whose anchors give the request the deepest restore
-    (its planner's plan, the same one `begin` makes), among the targets whose load is at
+    (its planner's probe: the chain `begin` then plans from, for the target chosen alone),
+    among the targets whose load is at
     most `route_max_imbalance` above the least-loaded one; ties go to the less loaded, then
     to the one that got fewer requests. So a conversation's next turn goes where its chain
     is, a new conversation goes to the least-loaded target that holds its instruction
@@ -47,7 +48,7 @@ from anchorcache.wire import ModelInfo
 from .config import ProxyConfig
 from .errors import ApiError
 from .lifecycle import AnchorLifecycle, Caller
-from .planner import Plan
+from .planner import PrefixKeys, Probe
 from .splitter.types import SplitResult
 from .worker_client import WorkerClient
 
@@ -114,6 +115,7 @@ class Targets:
         self.ledger = ledger
         self.info = info  # the first worker's: every other must serve the same model
         self.shared_namespace = shared_namespace
+        self.prefix_keys = PrefixKeys(info.model_id)  # every target's planner's (one model)
         self.all: list[Target] = []
         self._turn = itertools.count()
         self._names = itertools.count()
@@ -143,7 +145,8 @@ class Targets:
             tool_gap=self.config.tool_anchor_gap,
             tenant_anchor_share=self.config.tenant_anchor_share,
             lease_budget_bytes=self.config.process_lease_budget_bytes, on_lease=self.on_lease,
-            processes=self.config.processes, unpin_strays=self.config.leads_processes)
+            processes=self.config.processes, unpin_strays=self.config.leads_processes,
+            prefix_keys=self.prefix_keys)
         return Target(f"w{next(self._names)}", worker.base_url, worker, lifecycle,
                       healthy=info is not None, verified=info is not None,
                       error=None if info is not None else "not reached yet")
@@ -234,11 +237,12 @@ class Targets:
 
     # ---- routing ----------------------------------------------------------------------------
     def route(self, split: SplitResult, caller: Caller | None,
-              exclude: frozenset[str] = frozenset()) -> tuple[Target, Plan | None]:
+              exclude: frozenset[str] = frozenset()) -> tuple[Target, Probe | None]:
         """The target for a request (see the module's docstring); `caller` None: anchors off
         (affinity then routes by load). Counts it as routed; the caller `enter`s and `leave`s it.
-        With the target comes its anchor plan where routing made one (affinity), for its
-        `lifecycle.begin`: each request is planned once per candidate, never again."""
+        With the target comes its probe where routing made one (affinity), for its
+        `lifecycle.begin` to plan from: each request is probed once per candidate and
+        planned once, for the one chosen."""
         pool = [t for t in self.all if t.serving and t.id not in exclude]
         if not pool:  # every target is out: try them anyway, the worker's answer decides
             pool = [t for t in self.all if not t.draining and t.id not in exclude]
@@ -246,19 +250,35 @@ class Targets:
             raise ApiError("worker_unavailable", "no worker can serve this request"
                            + (" (all tried)" if exclude else ""))
         policy = self.config.route
-        plans: dict[str, Plan] = {}
+        probes: dict[str, Probe] = {}
         if policy == "round_robin":
             target = pool[next(self._turn) % len(pool)]
         else:
             least = min(t.load for t in pool)
             if policy == "affinity" and caller is not None:
                 near = [t for t in pool if t.load - least <= self.config.route_max_imbalance]
-                plans = {t.id: t.lifecycle.plan(split, caller) for t in near}
-                target = max(near, key=lambda t: (plans[t.id].restore_depth, -t.load, -t.routed))
+                probes = self._probes(near, split, caller)
+                target = max(near, key=lambda t: (probes[t.id].restore_depth, -t.load, -t.routed))
             else:
                 target = min(pool, key=lambda t: (t.load, t.routed))
         target.routed += 1
-        return target, plans.get(target.id)
+        return target, probes.get(target.id)
+
+    @staticmethod
+    def _probes(near: list[Target], split: SplitResult, caller: Caller) -> dict[str, Probe]:
+        """Each target's probe of `split`, exact where it may win: first down the
+        conversation's own anchors on each (cheap: a few keys), then, where that found
+        nothing, a scan of the caller's anchors there from the depth the deepest of the
+        others restores (below it a target loses whatever it holds). A target that does not
+        hold the conversation thus costs routing a few keys, not a scan of its anchors."""
+        if len(near) == 1:
+            return {near[0].id: near[0].lifecycle.probe(split, caller)}
+        probes = {t.id: t.lifecycle.probe(split, caller, floor=None) for t in near}
+        floor = max(p.restore_depth for p in probes.values())
+        for t in near:
+            if not probes[t.id].whole:
+                probes[t.id] = t.lifecycle.probe(split, caller, floor=floor)
+        return probes
 
     # ---- health -----------------------------------------------------------------------------
     def down(self, target: Target, why: str) -> None:

@@ -432,6 +432,13 @@ class Ledger:
         with self.transaction():
             self._upsert_anchors(rid, worker, epoch, namespace, tenant, anchors, AnchorStatus.RESERVED)
 
+    def record_committed(self, rid: str, worker: str, epoch: str, namespace: bytes, tenant: str,
+                         anchors: Iterable[NewAnchor]) -> None:
+        """Snapshots the worker wrote for `rid` and confirmed as the request ended (in band):
+        committed at once (one statement, where `record_written` then `commit` take two)."""
+        with self.transaction():
+            self._upsert_anchors(rid, worker, epoch, namespace, tenant, anchors, AnchorStatus.COMMITTED)
+
     def record_held(self, worker: str, epoch: str, namespace: bytes, tenant: str,
                     anchors: Iterable[NewAnchor]) -> None:
         """Anchors the worker reported it already held: committed (the worker says so)."""

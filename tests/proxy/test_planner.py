@@ -141,6 +141,59 @@ def test_a_shared_toolset_roots_other_tenants_chains_and_nothing_else():
     assert restores(theirs) == [30]
 
 
+def test_a_plan_from_a_probe_is_the_plan_routing_compared():
+    """Routing probes each worker's planner and plans once, from the chosen worker's probe
+    (Targets.route, AnchorLifecycle.begin): that plan is the one a fresh plan gives (the
+    shared root, the tenant's chain, the snapshots), and a probe of another worker, split,
+    namespace or shared namespace is not planned from."""
+    a, b = Planner(MODEL, "e1"), Planner(MODEL, "e1")
+    shared, other = tenant_namespace(b"z" * 32, "@shared"), tenant_namespace(b"o" * 32, "o")
+    ids = ids_of(100)
+    commit_all(a, a.plan(split(ids[:30]), shared), ids[:30])
+    first = split(ids, instruction=30, conversation=70)
+    commit_all(a, a.plan(first, other, shared=shared), ids)
+    turn = split(ids + ids_of(10, seed=3), instruction=30, conversation=100)
+    on_a, on_b = a.probe(turn, other, shared=shared), b.probe(turn, other, shared=shared)
+    assert (on_a.restore_depth, on_b.restore_depth) == (100, 0)  # routing picks a
+    anchors = len(a.index)
+    planned = a.plan(turn, other, shared=shared, probe=on_a)
+    assert planned == a.plan(turn, other, shared=shared) and restores(planned) == [30, 70, 100]
+    assert len(a.index) == anchors  # probing and planning learn nothing
+    assert b.plan(turn, other, shared=shared, probe=on_a).chain == ()  # b's own index
+    for other_probe in (a.probe(first, other, shared=shared), a.probe(turn, other),
+                        a.probe(turn, NS, shared=shared), a.probe(turn, other, floor=None)):
+        assert a.plan(turn, other, shared=shared, probe=other_probe) == planned
+    assert a.plan(first, other, probe=on_a) == a.plan(first, other)
+
+
+def test_a_probe_scans_only_from_its_floor():
+    """Routing's two passes (Targets._probes): down the conversation's own anchors alone
+    (`floor=None`), then a scan from the depth another worker restores. A probe is whole
+    (planned from) only where its chain is the deepest there is."""
+    p = Planner(MODEL, "e1")
+    ids = ids_of(120)
+    first = split(ids[:100], instruction=30, conversation=70)
+    commit_all(p, p.plan(first, NS), ids[:100])  # anchors at 30, 70, 100
+    turn = split(ids, instruction=30, conversation=100)
+    extends = dataclasses.replace(turn, prior_token_bytes=first.token_bytes)
+    down_the_line = p.probe(extends, NS, floor=None)  # the splitter named the prior turn
+    assert (down_the_line.restore_depth, down_the_line.whole) == (100, True)
+    unnamed = p.probe(turn, NS, floor=None)  # no prior named: no line to follow, no scan
+    assert (unnamed.restore_depth, unnamed.whole) == (0, False)
+    assert p.plan(turn, NS, probe=unnamed) == p.plan(turn, NS)  # not planned from
+    for floor, depth, whole in ((0, 100, True), (70, 100, True), (100, 100, True),
+                                (101, 0, False)):
+        probe = p.probe(turn, NS, floor=floor)
+        assert (probe.restore_depth, probe.whole) == (depth, whole), floor
+    edited = list(ids)
+    edited[80] += 1  # shares the anchors at 30 and 70 only
+    other_turn = split(edited, instruction=30, conversation=100)
+    assert p.probe(other_turn, NS, floor=71).chain == []
+    at_floor = p.probe(other_turn, NS, floor=70)
+    assert (at_floor.restore_depth, at_floor.whole) == (70, True)
+    assert restores(p.plan(other_turn, NS, probe=at_floor)) == [30, 70]
+
+
 def test_a_broken_chain_is_not_planned():
     p = Planner(MODEL, "e1")
     ids = ids_of(100)

@@ -98,6 +98,21 @@ def test_an_anchor_is_committed_only_once_acknowledged(ledger):
     assert not ledger.close_reservation("r1", ReservationOutcome.ABORTED)  # closed once
 
 
+def test_anchors_confirmed_in_band_are_committed_as_recorded(ledger):
+    """The worker confirmed slot 1 as the request ended, not slot 2 (the in-band confirm):
+    committed at once under the request's id; the refused one aborted by the close."""
+    ledger.open_reservation("r1", "t", W, E1)
+    ledger.record_written("r0", W, E1, NS, "t", [anchor(1, 10)])  # an earlier write, aborted
+    ledger.close_reservation("r0", ReservationOutcome.ABORTED)
+    with ledger.transaction():
+        ledger.record_committed("r1", W, E1, NS, "t", [anchor(1, 10)])
+        ledger.record_written("r1", W, E1, NS, "t", [anchor(2, 20, 1)])
+        assert ledger.close_reservation("r1", ReservationOutcome.CONFIRMED)
+    assert ledger.db.execute("SELECT depth, status, rid FROM anchors ORDER BY depth").fetchall() \
+        == [(10, "committed", "r1"), (20, "aborted", "r1")]
+    assert ledger.anchor_bytes("t", W, E1) == 1000
+
+
 def test_a_failed_request_aborts_its_anchors_with_a_reason(ledger):
     ledger.open_reservation("r1", "t", W, E1)
     ledger.record_written("r1", W, E1, NS, "t", [anchor(1, 10)])

@@ -11,12 +11,14 @@ toolsets, quotas) happens per target unchanged. `Targets` adds what is between t
 - **Routing** (`route`), by policy (`ProxyConfig.route`):
   - `affinity` (default): the target whose anchors give the request the deepest restore
     (its planner's probe: the chain `begin` then plans from, for the target chosen alone),
-    among the targets whose load is at
-    most `route_max_imbalance` above the least-loaded one; ties go to the less loaded, then
-    to the one that got fewer requests. So a conversation's next turn goes where its chain
-    is, a new conversation goes to the least-loaded target that holds its instruction
-    anchor, and a toolset whose target is busy gets its instruction anchor written on a
-    second target by the request that overflows there.
+    among the targets whose load is at most `route_max_imbalance` above the least-loaded
+    one; ties go to the less loaded, then to the one holding fewer anchors (all processes'
+    anchors, as the ledger has them: the processes of one proxy place new toolsets alike),
+    then to the one that got fewer requests. So a conversation's next turn goes where its
+    chain is, a new conversation goes to the least-loaded target that holds its instruction
+    anchor, a new toolset to the target holding the least, and a toolset whose target is
+    busy gets its instruction anchor written on a second target by the request that
+    overflows there.
   - `least_load`: the least-loaded target; `round_robin`: each in turn (for comparison).
   Load is the larger of the requests this proxy has in flight on the target and the running
   plus queued requests the worker's `/health` reported at the last check (other clients').
@@ -258,7 +260,8 @@ class Targets:
             if policy == "affinity" and caller is not None:
                 near = [t for t in pool if t.load - least <= self.config.route_max_imbalance]
                 probes = self._probes(near, split, caller)
-                target = max(near, key=lambda t: (probes[t.id].restore_depth, -t.load, -t.routed))
+                target = max(near, key=lambda t: (probes[t.id].restore_depth, -t.load,
+                                                  -t.lifecycle.anchor_count(), -t.routed))
             else:
                 target = min(pool, key=lambda t: (t.load, t.routed))
         target.routed += 1

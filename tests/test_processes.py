@@ -2,8 +2,8 @@
 
 A real two-process proxy (a subprocess) in front of a real embedded worker, beside a
 one-process proxy with anchors off (the reference outputs). Which process serves a request
-is chosen by the kernel per connection (SO_REUSEPORT); `on(proxy, k)` opens connections until
-one lands on process k (`X-Anchorcache-Process`) and keeps it. The ledger's cross-process
+is chosen by the kernel per connection (SO_REUSEPORT): `process_client(proxy, k)` opens
+connections until one lands on process k (`X-Anchorcache-Process`) and keeps it. The ledger's cross-process
 parts (change numbers, locks, the in-flight count) are checked on a real SQLite file first.
 """
 
@@ -24,9 +24,15 @@ from anchorcache.cli import free_port, wait_ready
 from anchorcache.proxy.tenants import Tenants
 from anchorcache.state.ledger import Ledger
 from anchorcache.state.records import AnchorStatus, NewAnchor, Quotas
-from anchorcache.testing.servers import ADMIN, Server, proxy_process, worker_process
+from anchorcache.testing.servers import (
+    ADMIN,
+    PROCESS_HEADER,
+    Server,
+    process_client,
+    proxy_process,
+    worker_process,
+)
 
-PROCESS = "X-Anchorcache-Process"
 SYSTEM = [{"role": "system", "content": "You are a terse assistant of the geography desk. "
                                         "Answer in one short sentence."}]
 TOOLS = [{"type": "function", "function": {
@@ -132,17 +138,6 @@ def stack(default_model_dir, tmp_path_factory) -> Iterator[tuple[Server, Server]
         yield two, off
 
 
-def on(proxy: Server, index: int) -> httpx.Client:
-    """A client whose one connection a process `index` of `proxy` serves."""
-    for _ in range(200):
-        client = httpx.Client(base_url=proxy.url, timeout=300,
-                              limits=httpx.Limits(max_connections=1))
-        if client.get("/health").headers[PROCESS] == str(index):
-            return client
-        client.close()
-    raise AssertionError(f"no connection reached process {index}")
-
-
 def chat(client: httpx.Client, messages: list[dict], key: str | None = None) -> dict:
     resp = client.post("/v1/chat/completions", json={
         "model": "default", "messages": messages, "tools": TOOLS, "temperature": 0,
@@ -159,7 +154,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 def test_a_conversation_restores_whichever_process_serves_each_turn(stack):
     two, off = stack
-    clients = [on(two, 0), on(two, 1)]
+    clients = [process_client(two, 0), process_client(two, 1)]
     messages = list(SYSTEM)
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question})
@@ -189,7 +184,7 @@ def test_a_conversation_restores_whichever_process_serves_each_turn(stack):
 
 def test_a_pin_made_in_one_process_holds_in_the_other(stack):
     two, _ = stack
-    first, second = on(two, 0), on(two, 1)
+    first, second = process_client(two, 0), process_client(two, 1)
     made = first.post("/admin/tenants", json={"name": "pinner"}, headers=ADMIN)
     key = made.json()["api_key"]
     ts = first.post("/admin/tenants/pinner/toolsets", headers=ADMIN,
@@ -210,7 +205,7 @@ def test_a_pin_made_in_one_process_holds_in_the_other(stack):
 
 def test_the_in_flight_quota_holds_across_processes(stack):
     two, _ = stack
-    first, second = on(two, 0), on(two, 1)
+    first, second = process_client(two, 0), process_client(two, 1)
     key = first.post("/admin/tenants", json={"name": "quota"}, headers=ADMIN).json()["api_key"]
     assert first.post("/admin/tenants/quota/quotas", json={"max_in_flight": 1},
                       headers=ADMIN).status_code == 200
@@ -245,7 +240,7 @@ def test_a_process_that_dies_is_replaced_and_warms_nothing_twice(stack):
     ledger instead of warming it again."""
     two, _ = stack
     warms = len(_warm_rids(two))
-    victim = on(two, 1)
+    victim = process_client(two, 1)
     pid = int(victim.get("/admin/stats", headers=ADMIN).json()["process"]["pid"])
     victim.close()
     os.kill(pid, signal.SIGKILL)
@@ -253,7 +248,7 @@ def test_a_process_that_dies_is_replaced_and_warms_nothing_twice(stack):
         kids = [p.pid for p in psutil.Process(two.proc.pid).children()]
         if pid not in kids and len(kids) == 2:
             try:
-                client = on(two, 1)
+                client = process_client(two, 1)
             except (AssertionError, httpx.HTTPError):
                 time.sleep(0.1)
                 continue
@@ -291,7 +286,7 @@ def test_serve_runs_several_proxy_processes_and_stops_them_all(default_model_dir
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300, json={
             "model": "default", "temperature": 0, "max_tokens": 8,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert reply.status_code == 200 and PROCESS in reply.headers
+        assert reply.status_code == 200 and PROCESS_HEADER in reply.headers
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         _gone, alive = psutil.wait_procs(children, timeout=30)

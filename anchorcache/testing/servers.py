@@ -11,9 +11,12 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anchorcache.cli import free_port, wait_ready
+
+if TYPE_CHECKING:
+    import httpx
 
 
 @dataclass
@@ -152,13 +155,32 @@ def admin(proxy: Endpoint, path: str, method: str = "GET", **kw: Any) -> Any:
     return resp.json()
 
 
-def ask(proxy: Endpoint, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-        **kw: Any) -> tuple[dict[str, Any], str]:
-    """A greedy 6-token chat completion as the anonymous tenant; (reply, the name of the
-    worker that served it: `X-Anchorcache-Worker`)."""
+PROCESS_HEADER = "X-Anchorcache-Process"  # (proxy/app.py's)
+
+
+def process_client(proxy: Endpoint, index: int) -> httpx.Client:
+    """A client whose one connection process `index` of a `--processes N` proxy serves: the
+    kernel picks the process per connection (SO_REUSEPORT), so connections are opened until
+    one lands there (`X-Anchorcache-Process`)."""
     import httpx
 
-    resp = httpx.post(proxy.url + "/v1/chat/completions", timeout=300, json={
+    for _ in range(200):
+        client = httpx.Client(base_url=proxy.url, timeout=300,
+                              limits=httpx.Limits(max_connections=1))
+        if client.get("/health").headers[PROCESS_HEADER] == str(index):
+            return client
+        client.close()
+    raise AssertionError(f"no connection reached process {index}")
+
+
+def ask(proxy: Endpoint, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+        client: httpx.Client | None = None, **kw: Any) -> tuple[dict[str, Any], str]:
+    """A greedy 6-token chat completion as the anonymous tenant, on a new connection or
+    `client`'s; (reply, the name of the worker that served it: `X-Anchorcache-Worker`)."""
+    import httpx
+
+    post = client.post if client is not None else httpx.post
+    resp = post(proxy.url + "/v1/chat/completions", timeout=300, json={
         "model": "default", "messages": messages, "tools": tools, "temperature": 0,
         "max_tokens": 6, **kw})
     assert resp.status_code == 200, resp.text

@@ -25,6 +25,7 @@ from anchorcache.testing.servers import (
     Server,
     admin,
     ask,
+    process_client,
     proxy_process,
     worker_process,
 )
@@ -90,6 +91,12 @@ def test_affinity_routing_keeps_every_chain_on_its_worker(workers):
         instruction = instruction_depth(proxy)
     with proxy_process([w.url for w in workers], "--route", "round_robin") as rr:
         robin = replay(rr, requests)
+    # two proxy processes, each request on the other one (every turn of a conversation
+    # follows one the other process served): each routes by what the other committed
+    with proxy_process([w.url for w in workers], "--processes", "2") as two:
+        clients = [process_client(two, 0), process_client(two, 1)]
+        shared = [(conv, *ask(two, messages, tools, clients[k % 2]))
+                  for k, (conv, messages, tools) in enumerate(requests)]
 
     # outputs equal one worker's, token for token (greedy; the same chunking either way)
     assert [r["choices"][0]["message"] for _, r, _ in routed] == \
@@ -108,6 +115,11 @@ def test_affinity_routing_keeps_every_chain_on_its_worker(workers):
     # what routing costs over one worker: at most one instruction anchor per worker per toolset
     ideal = sum(prefilled(a) for _, a, _ in alone)
     assert sum(prefilled(r) for _, r, _ in routed) <= 1.05 * ideal + len(TOOLSETS) * instruction
+    # the same on two processes: the same outputs, workers and restores
+    assert [(c, r["choices"][0]["message"], r["usage"]["prompt_tokens_details"], w)
+            for c, r, w in shared] == \
+        [(c, r["choices"][0]["message"], r["usage"]["prompt_tokens_details"], w)
+         for c, r, w in routed]
     # round-robin sends turns away from their chains: measurably more prefill
     assert sum(prefilled(r) for _, r, _ in robin) > 1.3 * sum(prefilled(r) for _, r, _ in routed)
     assert {w["name"]: w["routed"] for w in listed} == \

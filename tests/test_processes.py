@@ -203,6 +203,28 @@ def test_a_pin_made_in_one_process_holds_in_the_other(stack):
     second.close()
 
 
+def test_a_tenant_never_restores_what_another_wrote_through_the_other_process(stack):
+    """Each process follows the other's anchors through the ledger, namespaces and all:
+    tenant A's prompt restores through either process for A, and for B and C (the same
+    prompt, once each, one through each process) nothing."""
+    two, _ = stack
+    clients = [process_client(two, 0), process_client(two, 1)]
+    a, b, c = (clients[0].post("/admin/tenants", json={"name": name}, headers=ADMIN)
+               .json()["api_key"] for name in ("iso-a", "iso-b", "iso-c"))
+    messages = SYSTEM + [{"role": "user", "content": "Is it raining in Oslo today?"}]
+    first = chat(clients[0], messages, key=a)["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    again = chat(clients[1], messages, key=a)["usage"]  # A's anchors, written by process 0
+    assert again["prompt_tokens_details"]["cached_tokens"] > 0
+    for client, key in zip(clients, (b, c), strict=True):
+        other = chat(client, messages, key=key)["usage"]
+        assert other["prompt_tokens"] == first["prompt_tokens"]
+        assert other["prompt_tokens_details"]["cached_tokens"] == 0, other
+        assert other["timings"]["anchor_hits"] == [], other
+    for client in clients:
+        client.close()
+
+
 def test_the_in_flight_quota_holds_across_processes(stack):
     two, _ = stack
     first, second = process_client(two, 0), process_client(two, 1)

@@ -1,5 +1,6 @@
 """Anchors survive a proxy restart, and a worker restart loses them cleanly: worker and
-proxy as separate processes, the proxy SIGKILLed at random points of a replay."""
+proxy as separate processes, the proxy (one process or `--processes 2`, on one ledger in
+turn) SIGKILLed at random points of a replay."""
 
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def test_sigkill_the_proxy_during_a_replay(worker, off, tmp_path):
     errors: list[BaseException] = []  # anything but the kill itself, raised in the replay
     checked = 0
     port = free_port()
-    for _ in range(4):
-        with proxy_process(worker.url, state_dir=str(tmp_path), port=port) as proxy:
+    for k in range(4):  # one proxy process, then two (every process killed), and again
+        with proxy_process(worker.url, "--processes", str(1 + k % 2), state_dir=str(tmp_path),
+                           port=port) as proxy:
             check_ledger_matches_worker(proxy)
             # a known conversation's next turn restores its history, with the same output
             for i, tools, turns in replay:

@@ -209,10 +209,14 @@ class OutputParser:
 
 
 def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
+    """Length of the longest suffix of `text` that is a proper prefix of `marker` (such a
+    suffix starts with the marker's first character: only those places are tried, the
+    leftmost first; a token's text seldom has one)."""
+    i = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while i >= 0:
+        if marker.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(marker[0], i + 1)
     return 0
 
 

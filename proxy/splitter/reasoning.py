@@ -111,6 +111,8 @@ class ThinkParser(OutputParser):
     def feed(self, text: str) -> list[OutputDelta]:
         if self._finished:
             raise RuntimeError("feed after finish")
+        if self._state == "body":  # past the block: `inner`'s text, as `_scan` hands it on
+            return self.inner.feed(text) if text else []
         out: list[OutputDelta] = []
         self._buffer += text
         self._scan(out, final=False)

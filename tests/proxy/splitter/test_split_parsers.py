@@ -269,3 +269,15 @@ def test_arguments_that_are_not_an_objects_json_nor_its_start_are_refused(adapte
     with pytest.raises(SplitError) as e:
         adapters["qwen3"].split(msgs, TOOLS)
     assert e.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+@given(text=st.text("<tol_c/>x\n", max_size=30),
+       marker=st.sampled_from(["<tool_call>", "</tool_call>", "</think>", "<|channel|>", "<<"]))
+def test_a_held_back_suffix_is_the_longest_start_of_the_marker(text, marker):
+    """`_partial_suffix`, which tries only where the marker's first character is, against
+    every suffix tried longest first."""
+    from anchorcache.proxy.splitter.parsers import _partial_suffix
+
+    longest = next((n for n in range(min(len(text), len(marker) - 1), 0, -1)
+                    if marker.startswith(text[-n:])), 0)
+    assert _partial_suffix(text, marker) == longest

@@ -29,14 +29,16 @@
 #      prefilled tokens vs the ideal, outputs anchors on vs off;
 #   9. the proxy alone on the machine's many cores: bench/proxy_cpu.py --processes 1,2
 #      (requests/s against the instant worker; the load generator and the worker in
-#      processes of their own), then its CPU per turn at 1k, 5k and 100k tokens.
+#      processes of their own), then its CPU per turn at 1k, 5k and 100k tokens, and
+#      against a bare aiohttp relay of the same token stream (bench/relay_floor.py).
 #
 # JSON lands in $GPU_CHECK_OUT (default bench/results/gpu_check/): summary.json (each
 # step: status, seconds, the command), equality.json, and the benchmarks' own files
 # (sglang_replay_gpu_tiny_qwen3[_page16].json, ext_snapshot_cuda.json,
 # sglang_stall_gpu_smollm2.json, sglang_replay_gpu_tiny_qwen3_5.json,
 # hybrid_concurrency_gpu_tiny_qwen3_5.json, sglang_replay_gpu_granite_swa.json,
-# proxy_processes_gpu_box.json, proxy_cpu_gpu_box.json in bench/results/).
+# proxy_processes_gpu_box.json, proxy_cpu_gpu_box.json, relay_floor_gpu_box.json in
+# bench/results/).
 #
 #   bash bench/gpu_check.sh            # on the GPU machine, from the repository root
 #   bash bench/gpu_check.sh --dry-run  # anywhere (DRY_RUN=1 too): every step's command in a
@@ -275,8 +277,8 @@ skip_without_sglang swa_replay || step swa_replay "$PY bench/sglang_replay.py --
 # ceiling; no GPU is used: it is the machine's cores that this step is here for); then the
 # proxy's CPU per turn by conversation length there (5k against 100k; the 2-core VMs the
 # suite runs on pay ~100 us of CPU for each wake-up of a process, a floor under every figure)
-step proxy_processes "$PY bench/proxy_cpu.py --help | grep -q -- --client-processes && echo 'proxy processes: arguments ok'" \
-    "$PY bench/proxy_cpu.py --processes 1,2 --concurrent 32 --seconds 8 --name proxy_processes_gpu_box && $PY bench/proxy_cpu.py --sizes 1000,5000,100000 --turns 10 --no-throughput --name proxy_cpu_gpu_box"
+step proxy_processes "$PY bench/proxy_cpu.py --help | grep -q -- --client-processes && $PY bench/relay_floor.py --help > /dev/null && echo 'proxy processes: arguments ok'" \
+    "$PY bench/proxy_cpu.py --processes 1,2 --concurrent 32 --seconds 8 --name proxy_processes_gpu_box && $PY bench/proxy_cpu.py --sizes 1000,5000,100000 --turns 10 --no-throughput --name proxy_cpu_gpu_box && $PY bench/relay_floor.py --pairs 1 --turns 5 --name relay_floor_gpu_box"
 
 python3 - "$STEPS_JSON" "$OUT/summary.json" "$DRY_RUN" "$(( $(date +%s) - T0 ))" <<'PYEOF'
 import json, sys

@@ -3,8 +3,9 @@
 A real two-process proxy (a subprocess) in front of a real embedded worker, beside a
 one-process proxy with anchors off (the reference outputs). Which process serves a request
 is chosen by the kernel per connection (SO_REUSEPORT): `process_client(proxy, k)` opens
-connections until one lands on process k (`X-Anchorcache-Process`) and keeps it. The ledger's cross-process
-parts (change numbers, locks, the in-flight count) are checked on a real SQLite file first.
+connections until one lands on process k (`X-Anchorcache-Process`) and keeps it. The
+ledger's cross-process parts (change numbers, locks, the in-flight count) are checked on a
+real SQLite file first.
 """
 
 from __future__ import annotations

@@ -316,6 +316,10 @@ class AnchorLifecycle:
         return self._planner.probe(split, caller.namespace, shared=self.shared_namespace,
                                    floor=floor)
 
+    def deepen(self, probe: Probe, floor: int) -> Probe:
+        """This worker's `probe` searched again from `floor` (`Planner.deepen`)."""
+        return self._planner.deepen(probe, floor)
+
     def chunk_only(self, split: SplitResult) -> Plan:
         """Anchors off: the plan that only chunks the prefill at the cuts."""
         return self._planner.chunk_only(split)

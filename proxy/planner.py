@@ -25,7 +25,7 @@ import bisect
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from anchorcache.defaults import CONVERSATIONS_PER_SCOPE, TOOL_ANCHOR_GAP_TOKENS
@@ -65,6 +65,7 @@ class Probe:
     shared: bytes | None
     cuts: list[tuple[int, AnchorKind]]
     instr_depth: int | None
+    shared_root: AnchorRecord | None  # the shared toolset's instruction anchor, live here
     prompt: PromptKeys
     chain: list[AnchorRecord]
     # whether `chain` is the deepest there is (the lineage's, or a scan of every depth);
@@ -422,7 +423,7 @@ class Planner:
         root the chain. `floor`: where the conversation's own line of anchors (`lineage`)
         gives nothing, scan the namespace's depths from there only (another worker restores
         that deep: this one loses below it whatever it holds), None: not at all."""
-        ns, n = namespace, len(split.input_ids)
+        ns = namespace
         cuts = self._cuts(split)
         instr_depth = next((d for d, k in cuts if k == AnchorKind.INSTRUCTION), None)
         buf = split.token_bytes
@@ -433,6 +434,22 @@ class Planner:
             if self._live(rec, instr_depth) and rec is not None and rec.namespace == shared:
                 shared_root = rec
         prompt = self.prefix_keys.prompt(ns, ns, buf, split.prior_token_bytes)
+        chain, whole = self._search(ns, prompt, len(split.input_ids), shared_root, floor)
+        return Probe(self, split, ns, shared, cuts, instr_depth, shared_root, prompt, chain,
+                     whole)
+
+    def deepen(self, probe: Probe, floor: int) -> Probe:
+        """`probe` (this planner's, made since the index last changed) searched again from
+        `floor` (routing's second pass): its cuts, shared root and prompt keys as they are."""
+        assert probe.planner is self
+        chain, whole = self._search(probe.namespace, probe.prompt, len(probe.split.input_ids),
+                                    probe.shared_root, floor)
+        return replace(probe, chain=chain, whole=whole)
+
+    def _search(self, ns: bytes, prompt: PromptKeys, n: int,
+                shared_root: AnchorRecord | None, floor: int | None
+                ) -> tuple[list[AnchorRecord], bool]:
+        """A probe's chain from `floor` (`probe`), and whether it is the deepest there is."""
         chain, lineage = self._deepest_chain(ns, prompt, n, shared_root, floor)
         if shared_root is not None and (not chain or chain[-1].depth < shared_root.depth):
             chain = [shared_root]  # deeper than the tenant's own tool anchors
@@ -440,7 +457,7 @@ class Planner:
         # the floor that found a chain there (a deeper one would have been scanned first)
         whole = lineage or floor == 0 or (floor is not None and bool(chain)
                                           and chain[-1].depth >= floor)
-        return Probe(self, split, ns, shared, cuts, instr_depth, prompt, chain, whole)
+        return chain, whole
 
     def plan(self, split: SplitResult, namespace: bytes, *, shared: bytes | None = None,
              skip_instruction: bool = False, probe: Probe | None = None) -> Plan:

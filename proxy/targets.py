@@ -279,8 +279,8 @@ class Targets:
         probes = {t.id: t.lifecycle.probe(split, caller, floor=None) for t in near}
         floor = max(p.restore_depth for p in probes.values())
         for t in near:
-            if not probes[t.id].whole:
-                probes[t.id] = t.lifecycle.probe(split, caller, floor=floor)
+            if not probes[t.id].whole:  # (its cuts and keys as the first pass made them)
+                probes[t.id] = t.lifecycle.deepen(probes[t.id], floor)
         return probes
 
     # ---- health -----------------------------------------------------------------------------

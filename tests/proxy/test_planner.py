@@ -185,6 +185,9 @@ def test_a_probe_scans_only_from_its_floor():
                                 (101, 0, False)):
         probe = p.probe(turn, NS, floor=floor)
         assert (probe.restore_depth, probe.whole) == (depth, whole), floor
+        # routing's second pass searches its first pass's probe again, keys as they are
+        deeper = p.deepen(unnamed, floor)
+        assert (deeper.chain, deeper.whole) == (probe.chain, probe.whole), floor
     edited = list(ids)
     edited[80] += 1  # shares the anchors at 30 and 70 only
     other_turn = split(edited, instruction=30, conversation=100)
